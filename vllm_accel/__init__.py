@@ -1,0 +1,13 @@
+"""vllm-accel: a vLLM platform plugin that runs IBM FMS models on a
+compile-centric accelerator backend (a CPU simulation, or Gaudi when present).
+
+Importing this package has no side effects: vLLM calls ``register`` through the
+``vllm.platform_plugins`` entry point (``VLLM_PLUGINS=accel`` selects it).
+"""
+
+PLATFORM_CLASS = "vllm_accel.platform.AccelPlatform"
+
+
+def register() -> str:
+    """Entry point for ``vllm.platform_plugins``: the platform's dotted path."""
+    return PLATFORM_CLASS

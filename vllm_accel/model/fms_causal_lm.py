@@ -1,0 +1,134 @@
+"""One generic wrapper around IBM foundation-model-stack (FMS) causal LMs.
+
+It loads any HF checkpoint directory FMS can build, checks that every weight
+was really loaded (FMS only logs keys it cannot place), and exposes the two
+calls the runner needs: ``forward`` (token ids or embeddings, positions and the
+paged-KV metadata -> hidden states) and ``compute_logits``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.logger import init_logger
+
+from vllm_accel.model.paged_attention import (
+    PagedAttentionMetadata,
+    register_paged_attention,
+)
+
+# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
+logger = init_logger(f"vllm.{__name__}")
+
+# HF architecture -> FMS architecture, for the ones whose FMS model runs with our
+# paged attention and that our tests compare against HF transformers.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "GraniteForCausalLM": "granite",
+}
+
+
+def check_architecture(architectures: list[str] | None) -> str:
+    """Return the supported HF architecture, or fail naming what is allowed."""
+    for arch in architectures or []:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ValueError(
+        f"vllm-accel cannot run model architecture {architectures}: its FMS model "
+        f"wrapper supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
+    )
+
+
+def _load_fms_model(model_path: str, dtype: torch.dtype) -> nn.Module:
+    """Load with FMS, leaving any weight FMS did not load as NaN (not garbage).
+
+    FMS builds the model on the meta device and materialises unloaded weights
+    with ``torch.empty_like``; torch's deterministic mode fills such memory with
+    NaN, which makes a skipped checkpoint key visible.
+    """
+    from fms.models import get_model
+    from torch.utils import deterministic
+
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_filling = deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic.fill_uninitialized_memory = True
+    try:
+        return get_model(
+            "hf_pretrained", model_path=model_path, device_type="cpu", data_type=dtype
+        )
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        deterministic.fill_uninitialized_memory = was_filling
+
+
+def _check_all_weights_loaded(model: nn.Module, model_path: str) -> None:
+    missing = [
+        name
+        for name, param in model.named_parameters()
+        if param.is_floating_point() and torch.isnan(param).any()
+    ]
+    if missing:
+        shown = ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else "")
+        raise ValueError(
+            f"{len(missing)} model weights were not loaded from the checkpoint in "
+            f"{model_path} (missing or misnamed keys): {shown}"
+        )
+
+
+class FmsCausalLM(nn.Module):
+    """An FMS decoder-only model driven through vLLM's paged KV cache."""
+
+    def __init__(self, fms_model: nn.Module):
+        super().__init__()
+        self.fms_model = fms_model
+        config = fms_model.config
+        self.num_layers: int = config.nlayers
+        self.num_heads: int = config.nheads
+        self.num_kv_heads: int = config.kvheads or config.nheads
+        self.head_dim: int = config.emb_dim // config.nheads
+        self.hidden_size: int = config.emb_dim
+        # Granite divides its logits by this; other models have no such field.
+        self.logits_scaling: float = float(getattr(config, "logits_scaling", 1.0))
+
+    @classmethod
+    def load(cls, model_path: str, architectures: list[str], dtype: torch.dtype):
+        check_architecture(architectures)
+        register_paged_attention()
+        fms_model = _load_fms_model(model_path, dtype)
+        _check_all_weights_loaded(fms_model, model_path)
+        fms_model.eval()
+        logger.info(
+            "Loaded %s with FMS (%.1fM parameters, %s)",
+            type(fms_model).__name__,
+            sum(p.numel() for p in fms_model.parameters()) / 1e6,
+            dtype,
+        )
+        return cls(fms_model)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.fms_model.base_model.embedding(input_ids)
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        """inputs: token ids [batch, query_len] or embeddings
+        [batch, query_len, hidden]. Returns hidden states [batch, query_len, hidden]."""
+        hidden, _ = self.fms_model.base_model(
+            inputs,
+            position_ids=positions,
+            past_key_value_states=kv_caches,
+            use_cache=True,
+            **attn_metadata.as_kwargs(),
+        )
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.fms_model.head(hidden)
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        return logits.float()

@@ -1,0 +1,1 @@
+"""Multimodal support (mm_mappings): arrives with the multimodal issues."""

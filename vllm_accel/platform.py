@@ -1,0 +1,155 @@
+"""The ``accel`` platform: what vLLM asks of a hardware backend.
+
+vLLM picks this class through the ``vllm.platform_plugins`` entry point. It
+names our worker, fixes the configuration our runner needs (chunked prefill,
+block size, no vLLM-side compilation or async scheduling) without overriding
+what a user set explicitly unless it must, and rejects what we do not support
+with messages that say what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+from vllm.logger import init_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm_accel.settings import known_env_vars, load_settings, resolve_device
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
+logger = init_logger(f"vllm.{__name__}")
+
+DEFAULT_BLOCK_SIZE = 32
+WORKER_CLS = "vllm_accel.worker.worker.AccelWorker"
+
+
+class AccelPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    # The simulated accelerator computes on the host CPU, so tensors live on
+    # "cpu"; vLLM builds torch devices from both names.
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    dist_backend: str = "gloo"
+    simple_compile_backend: str = "eager"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    # ---- device queries -----------------------------------------------------
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return f"vllm-accel ({resolve_device(load_settings())})"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return psutil.virtual_memory().total
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        return float(psutil.Process().memory_info().rss)
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        pass
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        pass  # no vLLM C++ ops: the runner brings its own attention
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        # Our runner never builds vLLM attention layers; vLLM still wants a real,
+        # importable class here, and this one is pure PyTorch.
+        return "vllm.v1.attention.backends.flex_attention.FlexAttentionBackend"
+
+    # ---- configuration ------------------------------------------------------
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        settings = load_settings(vllm_config.additional_config)
+        logger.info_once(
+            "vllm-accel platform active: device backend '%s'", resolve_device(settings)
+        )
+
+        parallel = vllm_config.parallel_config
+        if parallel.world_size > 1:
+            raise ValueError(
+                "vllm-accel runs one worker: tensor_parallel_size and "
+                "pipeline_parallel_size must be 1."
+            )
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = WORKER_CLS
+        if parallel.distributed_executor_backend is None:
+            parallel.distributed_executor_backend = "uni"
+
+        if vllm_config.speculative_config is not None:
+            raise ValueError("vllm-accel does not support speculative decoding yet.")
+
+        scheduler = vllm_config.scheduler_config
+        if scheduler.async_scheduling:
+            cls._adjusted("async_scheduling", True, False, "the runner samples synchronously")
+            scheduler.async_scheduling = False
+        scheduler.enable_chunked_prefill = True
+
+        cache = vllm_config.cache_config
+        if cache.block_size is None or not cache.user_specified_block_size:
+            cache.block_size = DEFAULT_BLOCK_SIZE
+
+        compilation = vllm_config.compilation_config
+        if compilation.mode != CompilationMode.NONE:
+            # The model is compiled by vllm-accel itself, per static-shape bucket.
+            compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+
+        model_config = vllm_config.model_config
+        if model_config is not None:
+            from vllm_accel.model.fms_causal_lm import check_architecture
+
+            if model_config.runner_type != "generate":
+                raise ValueError(
+                    f"vllm-accel serves text generation only, not runner "
+                    f"'{model_config.runner_type}'."
+                )
+            check_architecture(model_config.architectures)
+
+    @staticmethod
+    def _adjusted(setting: str, old, new, why: str) -> None:
+        logger.warning_once("vllm-accel sets %s=%s (was %s): %s.", setting, new, old, why)
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise ValueError(
+                "vllm-accel does not support prompt_logprobs yet; "
+                "omit it (output logprobs via 'logprobs' are supported)."
+            )
+
+    @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        # Our own VLLM_ACCEL_* variables are known; let vLLM judge the rest.
+        ours = known_env_vars()
+        saved = {k: os.environ.pop(k) for k in list(os.environ) if k in ours}
+        try:
+            super().validate_environ(hard_fail)
+        finally:
+            os.environ.update(saved)

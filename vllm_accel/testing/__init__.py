@@ -1,0 +1,1 @@
+"""Test helpers for vllm-accel (offline tiny checkpoints, etc.)."""

@@ -1,0 +1,299 @@
+"""The model runner: turns vLLM scheduler outputs into model calls and tokens.
+
+One runner does it all (continuous batching, chunked prefill, prefix caching):
+vLLM's scheduler and KV cache manager decide what runs and where its KV lives;
+we keep the per-request state in vLLM's own ``InputBatch`` (which also builds
+the sampling metadata and runs logits processors), build padded model inputs,
+run the FMS model and sample with vLLM's ``Sampler``.
+
+A step runs at most two forwards: one for the requests that prefill (several
+tokens each) and one for those that decode (one token each), so that a long
+prefill chunk never pads the decodes to its length. Both are padded batches
+``[batch, query_len]`` whose shapes the next layer (buckets) can fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingType
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.structured_output.utils import apply_grammar_bitmask
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+from vllm_accel.model.fms_causal_lm import FmsCausalLM
+from vllm_accel.model.paged_attention import (
+    PagedAttentionMetadata,
+    build_attention_mask,
+)
+
+# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
+logger = init_logger(f"vllm.{__name__}")
+
+
+@dataclass
+class ForwardBatch:
+    """Padded inputs of one forward: rows are requests, columns are tokens."""
+
+    rows: np.ndarray  # [batch] index of each row's request in the InputBatch
+    input_ids: torch.Tensor  # [batch, query_len]
+    positions: torch.Tensor  # [batch, query_len]
+    attn_metadata: PagedAttentionMetadata
+    last_token: torch.Tensor  # [batch] column of each row's last scheduled token
+
+
+@dataclass
+class PendingSample:
+    """What execute_model leaves for sample_tokens."""
+
+    scheduler_output: SchedulerOutput
+    logits: torch.Tensor  # [num_reqs, vocab], InputBatch order
+    discard: np.ndarray  # [num_reqs] bool: partial prefill, token not kept
+
+
+class AccelModelRunner:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.device = device
+        self.dtype = self.model_config.dtype
+        self.max_model_len = self.model_config.max_model_len
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
+
+        self.model: FmsCausalLM | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens,
+            device=device,
+            vocab_size=self.model_config.get_vocab_size(),
+            block_sizes=[self.block_size],
+            max_num_blocks_per_req=[self.max_blocks_per_req],
+            logitsprocs=build_logitsprocs(vllm_config, device, False, False),
+        )
+        self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
+        self.pending: PendingSample | None = None
+
+    # ---- start-up -----------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = FmsCausalLM.load(
+            self.model_config.model,
+            self.model_config.hf_config.architectures,
+            self.dtype,
+        )
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        assert self.model is not None
+        spec = FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=self.model.num_kv_heads,
+            head_size=self.model.head_dim,
+            dtype=self.dtype,
+        )
+        return {f"layers.{i}": spec for i in range(self.model.num_layers)}
+
+    def kv_cache_bytes_per_token(self) -> int:
+        specs = self.get_kv_cache_spec().values()
+        return sum(s.page_size_bytes for s in specs) // self.block_size
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        assert self.model is not None
+        num_blocks = kv_cache_config.num_blocks
+        shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            for _ in range(self.model.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            2 * sum(k.numel() * k.element_size() for k, _ in self.kv_caches) / 2**30,
+        )
+
+    # ---- per step -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_scheduled = np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64
+        )
+        start = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+
+        hidden = torch.empty(num_reqs, self.model.hidden_size, dtype=self.dtype)
+        decode = num_scheduled == 1
+        for rows in (np.flatnonzero(~decode), np.flatnonzero(decode)):
+            if len(rows):
+                fb = self._build_forward_batch(rows, start[rows], num_scheduled[rows])
+                out = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.attn_metadata)
+                hidden[torch.from_numpy(rows)] = out[torch.arange(len(rows)), fb.last_token]
+
+        num_tokens = np.array([self.requests[r].num_tokens for r in batch.req_ids])
+        self.pending = PendingSample(
+            scheduler_output=scheduler_output,
+            logits=self.model.compute_logits(hidden),
+            discard=start + num_scheduled < num_tokens,
+        )
+        return None
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        if self.pending is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        pending, self.pending = self.pending, None
+        batch = self.input_batch
+        if grammar_output is not None:
+            apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, pending.logits)
+
+        # A seeded request whose token is thrown away (a prefill chunk that does
+        # not end the prompt) must not advance its generator.
+        saved_rng = {
+            i: g.get_state() for i, g in batch.generators.items() if pending.discard[i]
+        }
+        output = self.sampler(logits=pending.logits, sampling_metadata=batch.sampling_metadata)
+        for i, state in saved_rng.items():
+            batch.generators[i].set_state(state)
+
+        sampled = output.sampled_token_ids.tolist()
+        for i in np.flatnonzero(pending.discard):
+            sampled[i] = []
+        for i, token_ids in enumerate(sampled):
+            if token_ids:
+                end = batch.num_tokens_no_spec[i]
+                batch.token_ids_cpu[i, end] = token_ids[0]
+                batch.is_token_ids[i, end] = True
+                batch.num_tokens_no_spec[i] = end + 1
+                self.requests[batch.req_ids[i]].output_token_ids.append(token_ids[0])
+
+        logprobs = output.logprobs_tensors
+        return ModelRunnerOutput(
+            req_ids=list(batch.req_ids),
+            req_id_to_index=dict(batch.req_id_to_index),
+            sampled_token_ids=sampled,
+            logprobs=logprobs.tolists() if logprobs is not None else None,
+            prompt_logprobs_dict={},
+        )
+
+    # ---- helpers ------------------------------------------------------------
+
+    def _build_forward_batch(
+        self, rows: np.ndarray, start: np.ndarray, num_scheduled: np.ndarray
+    ) -> ForwardBatch:
+        query_len = int(num_scheduled.max())
+        cols = np.arange(query_len)
+        valid = cols[None, :] < num_scheduled[:, None]
+        positions = np.where(valid, start[:, None] + cols[None, :], 0)
+
+        context_lens = start + num_scheduled
+        num_blocks = cdiv(int(context_lens.max()), self.block_size)
+        block_table = self.input_batch.block_table[0].get_numpy_array()[rows, :num_blocks]
+        block_table = block_table.astype(np.int64)
+        # Padding tokens write into block 0: vLLM reserves it and never reads it.
+        block_of_token = np.take_along_axis(block_table, positions // self.block_size, axis=1)
+        slots = np.where(valid, block_of_token * self.block_size + positions % self.block_size, 0)
+        input_ids = np.where(valid, self.input_batch.token_ids_cpu[rows[:, None], positions], 0)
+
+        positions_t = torch.from_numpy(positions)
+        context_len = num_blocks * self.block_size
+        return ForwardBatch(
+            rows=rows,
+            input_ids=torch.from_numpy(input_ids.astype(np.int64)),
+            positions=positions_t,
+            attn_metadata=PagedAttentionMetadata(
+                slot_mapping=torch.from_numpy(slots),
+                block_table=torch.from_numpy(block_table),
+                mask=build_attention_mask(
+                    positions_t, torch.from_numpy(context_lens), context_len
+                ),
+            ),
+            last_token=torch.from_numpy(num_scheduled - 1),
+        )
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Mirror the scheduler's view of the requests into the InputBatch."""
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+
+        if scheduler_output.new_block_ids_to_zero:
+            ids = torch.tensor(scheduler_output.new_block_ids_to_zero)
+            for key_cache, value_cache in self.kv_caches:
+                key_cache[ids] = 0
+                value_cache[ids] = 0
+
+        # Requests not scheduled this step (preempted or waiting) leave the batch
+        # but keep their state.
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled = scheduler_output.num_scheduled_tokens.keys()
+        for req_id in set(batch.req_id_to_index) - (scheduled - cached.resumed_req_ids):
+            batch.remove_request(req_id)
+
+        to_add: list[CachedRequestState] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                prompt_embeds=new.prompt_embeds,
+                prompt_is_token_ids=new.prompt_is_token_ids,
+                mm_features=new.mm_features,
+                sampling_params=params,
+                pooling_params=None,
+                generator=generator,
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=[],
+                lora_request=new.lora_request,
+            )
+            self.requests[new.req_id] = state
+            to_add.append(state)
+
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = new_block_ids
+            elif new_block_ids is not None:
+                for ids, new_ids in zip(state.block_ids, new_block_ids):
+                    ids.extend(new_ids)
+
+            index = batch.req_id_to_index.get(req_id)
+            if index is None:  # resumed, or back after a step without tokens
+                to_add.append(state)
+                continue
+            batch.num_computed_tokens_cpu[index] = state.num_computed_tokens
+            if new_block_ids is not None:
+                batch.block_table.append_row(new_block_ids, index)
+
+        for state in to_add:
+            batch.add_request(state)
+        batch.condense()
+        batch.refresh_metadata()

@@ -1,0 +1,132 @@
+"""The worker: the process-side object vLLM's executor drives.
+
+It owns the device set-up, the KV memory budget and one model runner, and
+forwards each engine step to it. vLLM calls, in order: ``init_device``,
+``load_model``, ``get_kv_cache_spec``, ``determine_available_memory``,
+``initialize_from_config``, ``compile_or_warm_up_model``, then
+``execute_model``/``sample_tokens`` per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.logger import init_logger
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from vllm_accel.settings import env_var_name, load_settings, resolve_device
+from vllm_accel.worker.model_runner import AccelModelRunner
+
+# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
+logger = init_logger(f"vllm.{__name__}")
+
+
+class AccelWorker(WorkerBase):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+    ):
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.settings = load_settings(vllm_config.additional_config)
+        self.model_runner: AccelModelRunner | None = None
+
+    # ---- start-up -----------------------------------------------------------
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+        _tolerate_missing_torch_accelerator()
+        if self.settings.num_threads:
+            torch.set_num_threads(self.settings.num_threads)
+        logger.info(
+            "vllm-accel worker on device backend '%s' with %d torch threads",
+            resolve_device(self.settings),
+            torch.get_num_threads(),
+        )
+        init_distributed_environment(
+            world_size=self.parallel_config.world_size,
+            rank=self.rank,
+            distributed_init_method=self.distributed_init_method,
+            local_rank=self.local_rank,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+        set_random_seed(self.model_config.seed)
+        self.model_runner = AccelModelRunner(self.vllm_config, self.device)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        self.model_runner.load_model()
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model_runner.model
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return self.model_runner.get_kv_cache_spec()
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        # Each layer's cache is [blocks, tokens per block, kv heads, head dim].
+        return [KVCacheLayout.LBNHC.name]
+
+    def determine_available_memory(self) -> int:
+        """The KV cache budget is a setting, checked against one full-length
+        sequence so that a too-small budget fails here, naming the setting."""
+        budget = int(self.settings.kvcache_space * 2**30)
+        needed = self.model_runner.kv_cache_bytes_per_token() * self.model_config.max_model_len
+        if budget < needed:
+            raise ValueError(
+                f"The KV cache budget {env_var_name('kvcache_space')}="
+                f"{self.settings.kvcache_space} GiB is too small for one sequence of "
+                f"max_model_len={self.model_config.max_model_len} tokens, which needs "
+                f"{needed / 2**30:.3f} GiB. Raise {env_var_name('kvcache_space')} or "
+                "lower --max-model-len."
+            )
+        return budget
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        set_random_seed(self.model_config.seed)
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def get_cache_block_size_bytes(self) -> int:
+        return self.model_runner.kv_cache_bytes_per_token() * self.cache_config.block_size
+
+    # ---- per step -----------------------------------------------------------
+
+    def execute_model(self, scheduler_output):
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output):
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self.model_config.max_model_len = max_model_len
+
+    def reset_encoder_cache(self) -> None:
+        pass
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.model_runner = None
+
+
+def _tolerate_missing_torch_accelerator() -> None:
+    """vLLM's shutdown calls ``torch.accelerator.empty_cache()`` on every
+    platform except its own CPU one, and torch raises when it has no accelerator
+    (our simulated device is the host CPU). Make those calls no-ops then."""
+    if not torch.accelerator.is_available():
+        torch.accelerator.empty_cache = lambda: None
+        torch.accelerator.empty_host_cache = lambda: None
