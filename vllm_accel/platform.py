@@ -1,8 +1,8 @@
 """The ``accel`` platform: what vLLM asks of a hardware backend.
 
 vLLM picks this class through the ``vllm.platform_plugins`` entry point. It
-names our worker, fixes the configuration our runner needs (chunked prefill,
-block size, no vLLM-side compilation or async scheduling) without overriding
+names our worker and fixes the configuration our runner needs (block size, no
+vLLM-side compilation or async scheduling) without overriding
 what a user set explicitly unless it must, and rejects what we do not support
 with messages that say what is allowed.
 """
@@ -106,9 +106,9 @@ class AccelPlatform(Platform):
 
         scheduler = vllm_config.scheduler_config
         if scheduler.async_scheduling:
-            cls._adjusted("async_scheduling", True, False, "the runner samples synchronously")
+            # vLLM turns it on by default; our runner samples synchronously.
+            logger.info_once("vllm-accel runs with async scheduling off.")
             scheduler.async_scheduling = False
-        scheduler.enable_chunked_prefill = True
 
         cache = vllm_config.cache_config
         if cache.block_size is None or not cache.user_specified_block_size:
@@ -116,7 +116,11 @@ class AccelPlatform(Platform):
 
         compilation = vllm_config.compilation_config
         if compilation.mode != CompilationMode.NONE:
-            # The model is compiled by vllm-accel itself, per static-shape bucket.
+            logger.info_once(
+                "vllm-accel replaces vLLM compilation mode %s with its own "
+                "(the runner compiles the model itself).",
+                compilation.mode.name,
+            )
             compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         compilation.cudagraph_capture_sizes = []
@@ -131,10 +135,6 @@ class AccelPlatform(Platform):
                     f"'{model_config.runner_type}'."
                 )
             check_architecture(model_config.architectures)
-
-    @staticmethod
-    def _adjusted(setting: str, old, new, why: str) -> None:
-        logger.warning_once("vllm-accel sets %s=%s (was %s): %s.", setting, new, old, why)
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:

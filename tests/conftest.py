@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny offline checkpoints, vLLM engines on our platform, and
+HF transformers as the reference we did not write."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Offline, small, and in-process: the engine core runs in the test process so
+# tests can read the runner's counters; the KV budget fits tiny models.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("VLLM_ACCEL_KVCACHE_SPACE", "0.25")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_PLUGINS", "accel")
+
+import pytest  # noqa: E402
+
+from vllm_accel.testing.tiny_models import make_tiny_model  # noqa: E402
+
+ARCHS = ("llama", "granite")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: make_tiny_model(arch, root / arch) for arch in ARCHS}

@@ -1,0 +1,96 @@
+"""Greedy output of our platform against HF transformers, token for token
+(float32), through vLLM's offline API: single prompts, batches, chunked
+prefill, prefix caching and requests that arrive while others decode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from helpers import hf_greedy, running_llm
+
+MAX_TOKENS = 16
+# A chunk budget well below the longest prompt, so long prompts prefill in chunks.
+ENGINE_OPTIONS = dict(max_num_batched_tokens=128, max_num_seqs=16)
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # ids 6.. are ordinary tokens in the tiny tokenizer (0..5 are special).
+    return [[rng.randrange(6, 384) for _ in range(n)] for n in lengths]
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                           use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module", params=["llama", "granite"])
+def arch_llm(request, tiny_models):
+    model_dir = tiny_models[request.param]
+    with running_llm(model_dir, disable_log_stats=False, **ENGINE_OPTIONS) as llm:
+        yield model_dir, llm
+
+
+def test_single_prompts_match_hf(arch_llm):
+    model_dir, llm = arch_llm
+    prompts = random_prompts([1, 7, 33], seed=1)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    for prompt, want in zip(prompts, expected):
+        assert generate(llm, [prompt]) == [want]
+
+
+def test_batch_of_16_matches_single_prompts_and_hf(arch_llm):
+    model_dir, llm = arch_llm
+    lengths = [3, 90, 17, 5, 64, 1, 31, 150, 12, 8, 45, 2, 77, 20, 9, 128]
+    prompts = random_prompts(lengths, seed=2)
+    batched = generate(llm, prompts)
+    singles = [generate(llm, [p])[0] for p in prompts]
+    assert batched == singles
+    assert batched == hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+
+def test_prompt_longer_than_chunk_size(arch_llm):
+    model_dir, llm = arch_llm
+    prompts = random_prompts([300], seed=3)  # 3 chunks of at most 128 tokens
+    assert generate(llm, prompts) == hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+
+def _prefix_cache_hits(llm) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
+
+def test_prefix_cache_hit_gives_same_output(arch_llm):
+    model_dir, llm = arch_llm
+    shared = random_prompts([200], seed=4)[0]
+    first, second = [shared + tail for tail in random_prompts([10, 11], seed=5)]
+    generate(llm, [first])
+    hits_before = _prefix_cache_hits(llm)
+    got = generate(llm, [second])
+    # The 6 full 32-token blocks of the shared prefix come from the cache.
+    assert _prefix_cache_hits(llm) - hits_before >= 192
+    assert got == hf_greedy(model_dir, [second], MAX_TOKENS)
+
+
+def test_requests_arriving_during_decode(arch_llm):
+    model_dir, llm = arch_llm
+    engine = llm.llm_engine
+    prompts = random_prompts([40, 6, 130, 15], seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    arrivals = {0: [0], 3: [1, 2], 7: [3]}  # engine step -> requests added before it
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(step, []):
+            engine.add_request(f"late-{i}", TokensPrompt(prompt_token_ids=prompts[i]), params)
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert [outputs[f"late-{i}"] for i in range(4)] == expected
