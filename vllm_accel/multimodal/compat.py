@@ -1,7 +1,238 @@
 """Runtime shims that let vLLM and transformers process vision inputs without
 torchvision (which has no CPU build on the registry). Installed in every vLLM
-process through our ``vllm.general_plugins`` entry point."""
+process through our ``vllm.general_plugins`` entry point.
+
+Both shims act only when torchvision is unavailable (by transformers' own
+test, so they agree with the image-processor backend transformers picks),
+edit no file on disk, and stay dormant until the module they concern is
+imported: ``install_shims`` itself only appends one finder to
+``sys.meta_path`` (microseconds; importing the modules eagerly would cost
+~1.5 s per process).
+
+1. ``transformers.models.pixtral.image_processing_pixtral`` is the
+   torchvision image processor in transformers 5 and fails to import without
+   it, yet vLLM's ``models/pixtral.py`` (imported by its LlavaNext, Llava and
+   Mistral3 model modules, also when vLLM's registry inspects the model in a
+   subprocess) imports ``_num_image_tokens`` from it. The name is made to
+   resolve to the PIL variant ``image_processing_pil_pixtral``, which defines
+   the same function.
+
+2. Transformers 5 has no PIL video processors: ``AutoVideoProcessor`` maps
+   qwen2_vl/qwen2_5_vl to ``Qwen2VLVideoProcessor``, a dummy class that raises
+   ImportError without torchvision, so ``Qwen2_5_VLProcessor.from_pretrained``
+   (called by vLLM's Qwen2.5-VL processing) fails even for images. When
+   ``transformers.models.auto.video_processing_auto`` is imported, a stand-in
+   class of the same name (Qwen2-VL video defaults: patch_size 14,
+   temporal_patch_size 2, merge_size 2, ...) is registered with
+   ``AutoVideoProcessor`` for Qwen2-VL and Qwen2.5-VL. Registered classes are
+   looked up by name before the built-in dummy, so the name inferred from
+   ``image_processor_type`` ("Qwen2VLImageProcessor") resolves to it. It loads
+   its settings like the real one, but processing a video raises ImportError.
+   ProcessorMixin then type-checks it against ``transformers.VideoProcessorMixin``,
+   which transformers exports only with torchvision: that attribute is set to
+   the (torchvision-free) class from ``transformers.video_processing_utils``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import threading
+
+logger = logging.getLogger(__name__)
+
+PIXTRAL_TORCHVISION_MODULE = "transformers.models.pixtral.image_processing_pixtral"
+PIXTRAL_PIL_MODULE = "transformers.models.pixtral.image_processing_pil_pixtral"
+VIDEO_AUTO_MODULE = "transformers.models.auto.video_processing_auto"
+# (config module, config class) whose video processor is Qwen2VLVideoProcessor.
+_QWEN_VIDEO_CONFIGS = (
+    ("transformers.models.qwen2_vl.configuration_qwen2_vl", "Qwen2VLConfig"),
+    ("transformers.models.qwen2_5_vl.configuration_qwen2_5_vl", "Qwen2_5_VLConfig"),
+)
+
+_lock = threading.Lock()
+_finder: _ShimFinder | None = None
+_video_registered = False
+
+
+def torchvision_available() -> bool:
+    """transformers' own test (package present), so the shims switch on
+    exactly when transformers falls back to its PIL image processors."""
+    from transformers.utils import is_torchvision_available
+
+    return is_torchvision_available()
 
 
 def install_shims() -> None:
-    """Idempotent; does nothing until a vision architecture needs it."""
+    """Idempotent and cheap: install the import hook once per process."""
+    global _finder
+    with _lock:
+        if _finder is None:
+            _finder = _ShimFinder()
+            sys.meta_path.insert(0, _finder)
+    # The video module may already be loaded (e.g. shims installed late).
+    if VIDEO_AUTO_MODULE in sys.modules:
+        _register_video_stubs()
+
+
+class _ShimFinder(importlib.abc.MetaPathFinder):
+    """Meta-path finder that only answers for the two module names above."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == PIXTRAL_TORCHVISION_MODULE:
+            if torchvision_available():
+                return None
+            return importlib.util.spec_from_loader(fullname, _AliasLoader(PIXTRAL_PIL_MODULE))
+        if fullname == VIDEO_AUTO_MODULE:
+            if torchvision_available():
+                return None
+            spec = _find_spec_elsewhere(self, fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PostImportLoader(spec.loader, _register_video_stubs)
+            return spec
+        return None
+
+
+def _find_spec_elsewhere(skip, fullname, path, target):
+    for finder in sys.meta_path:
+        if finder is skip or not hasattr(finder, "find_spec"):
+            continue
+        spec = finder.find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads a module name as another, already importable module: both
+    names then refer to the same module object."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self._own_spec = None
+
+    def create_module(self, spec):
+        module = importlib.import_module(self.target)
+        self._own_spec = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        # The import system stamped the alias spec on the target module;
+        # give it its own back (it was executed under its own name).
+        module.__spec__ = self._own_spec
+
+
+class _PostImportLoader(importlib.abc.Loader):
+    """Runs the real loader, then a hook on the fresh module."""
+
+    def __init__(self, loader, hook):
+        self._loader = loader
+        self._hook = hook
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        # Put the real loader back where the import system put us.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self._hook()
+
+    def __getattr__(self, name):  # get_source, get_filename, is_package, ...
+        return getattr(self._loader, name)
+
+
+def _register_video_stubs() -> None:
+    global _video_registered
+    with _lock:
+        if _video_registered:
+            return
+        _video_registered = True
+    try:
+        if torchvision_available():
+            return
+        import transformers
+        from transformers.models.auto.video_processing_auto import AutoVideoProcessor
+        from transformers.video_processing_utils import VideoProcessorMixin
+
+        # ProcessorMixin checks a video_processor argument against
+        # transformers.VideoProcessorMixin, which transformers only exports
+        # with torchvision; failing that it searches
+        # transformers.VIDEO_PROCESSOR_MAPPING, a dummy without torchvision,
+        # and raises AttributeError. Export the (torchvision-free) base class.
+        if "VideoProcessorMixin" not in vars(transformers):
+            transformers.VideoProcessorMixin = VideoProcessorMixin
+
+        stub = _make_qwen2_vl_video_processor()
+        for module_name, class_name in _QWEN_VIDEO_CONFIGS:
+            config_class = getattr(importlib.import_module(module_name), class_name)
+            AutoVideoProcessor.register(
+                config_class, video_processor_classes={"torchvision": stub}, exist_ok=True
+            )
+    except Exception:  # never break the import that triggered us
+        logger.warning("vllm-accel: could not register the stand-in video processor",
+                       exc_info=True)
+
+
+def _make_qwen2_vl_video_processor():
+    """A torchvision-free stand-in for transformers' Qwen2VLVideoProcessor:
+    same name, class defaults and init kwargs (so from_pretrained and
+    attribute reads work), but no video processing."""
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
+    from transformers.processing_utils import VideosKwargs
+    from transformers.video_processing_utils import VideoProcessorMixin
+
+    class Qwen2VLVideoProcessorInitKwargs(VideosKwargs, total=False):
+        min_pixels: int
+        max_pixels: int
+        patch_size: int
+        temporal_patch_size: int
+        merge_size: int
+        min_frames: int
+        max_frames: int
+
+    class Qwen2VLVideoProcessor(VideoProcessorMixin):
+        resample = PILImageResampling.BICUBIC
+        size = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
+        image_mean = OPENAI_CLIP_MEAN
+        image_std = OPENAI_CLIP_STD
+        do_resize = True
+        do_rescale = True
+        do_normalize = True
+        do_convert_rgb = True
+        patch_size = 14
+        temporal_patch_size = 2
+        merge_size = 2
+        min_frames = 4
+        max_frames = 768
+        do_sample_frames = False
+        valid_kwargs = Qwen2VLVideoProcessorInitKwargs
+        model_input_names = ["pixel_values_videos", "video_grid_thw"]
+
+        def __init__(self, **kwargs):
+            # As the real class: min/max_pixels override size.
+            size = kwargs.pop("size", None)
+            size = dict(self.size) if size is None else dict(size)
+            if kwargs.get("min_pixels") is not None:
+                size["shortest_edge"] = kwargs["min_pixels"]
+            if kwargs.get("max_pixels") is not None:
+                size["longest_edge"] = kwargs["max_pixels"]
+            super().__init__(size=size, **kwargs)
+
+        def preprocess(self, videos, **kwargs):
+            raise ImportError(
+                "Qwen2VLVideoProcessor is a vllm-accel stand-in (torchvision is not "
+                "installed): video inputs are not supported; images are."
+            )
+
+    # Importable as vllm_accel.multimodal.compat.<name>, so instances pickle.
+    for cls in (Qwen2VLVideoProcessor, Qwen2VLVideoProcessorInitKwargs):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+        globals()[cls.__name__] = cls
+    return Qwen2VLVideoProcessor

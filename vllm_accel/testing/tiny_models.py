@@ -5,6 +5,11 @@ fast tokenizer, chat template, generation config) without network access.
 Everything here is built from scratch: a byte-level BPE tokenizer trained on
 a small built-in corpus, and random weights drawn from a seeded generator.
 
+"llava_next" is a Granite-Vision-like LlavaNextForConditionalGeneration
+(SigLIP vision tower + Granite text model, multi-layer vision features, anyres
+tiling) with its image processor, processor config and a chat template that
+renders OpenAI-style content lists; it needs no torchvision.
+
 Usage:
     from vllm_accel.testing.tiny_models import make_tiny_model
     path = make_tiny_model("llama", tmp_path / "tiny-llama", seed=0)
@@ -22,7 +27,12 @@ import pathlib
 import torch
 from safetensors.torch import save_file
 
+# SUPPORTED_ARCHS: the text-only causal LMs (plain "model.*"/"lm_head.*"
+# checkpoints; tests are parametrised over it). VISION_ARCHS: vision-language
+# models. ALL_ARCHS: everything make_tiny_model and the CLI accept.
 SUPPORTED_ARCHS = ("llama", "granite")
+VISION_ARCHS = ("llava_next",)
+ALL_ARCHS = SUPPORTED_ARCHS + VISION_ARCHS
 
 # Shapes: small enough to build/run in well under a second, but with GQA
 # (4 query heads sharing 2 KV heads) and head_dim 64 so parity tests exercise
@@ -104,8 +114,13 @@ poem about the weather, the mountains and the stars at night.
 """
 
 
-def build_tokenizer():
-    """Train a byte-level BPE on CORPUS and wrap it as a PreTrainedTokenizerFast."""
+def build_tokenizer(*, image_token: str | None = None, chat_template: str = CHAT_TEMPLATE):
+    """Train a byte-level BPE on CORPUS and wrap it as a PreTrainedTokenizerFast.
+
+    With ``image_token`` that token is one more special token (id 6, right
+    after SPECIAL_TOKENS; the vocabulary keeps VOCAB entries) and the
+    tokenizer exposes it as ``tokenizer.image_token``/``image_token_id``.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -114,10 +129,11 @@ def build_tokenizer():
     # (unicode) text round-trips exactly -- needed by incremental detokenizers.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    specials = SPECIAL_TOKENS + ([image_token] if image_token else [])
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB,
         min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -128,14 +144,16 @@ def build_tokenizer():
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
     )
+    extra = {"extra_special_tokens": {"image_token": image_token}} if image_token else {}
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,  # keep decode() an exact inverse
         model_max_length=MAX_POS,
+        **extra,
     )
 
 
@@ -168,7 +186,7 @@ def _hf_config(arch: str, tokenizer):
     return cfg
 
 
-def _unprintable_ids(tokenizer) -> list[int]:
+def _unprintable_ids(tokenizer, specials=tuple(SPECIAL_TOKENS)) -> list[int]:
     """Ids of special tokens and of tokens that are not printable ASCII alone
     (control bytes, lone UTF-8 bytes that decode to U+FFFD)."""
 
@@ -178,7 +196,7 @@ def _unprintable_ids(tokenizer) -> list[int]:
     return [
         i
         for i in range(len(tokenizer))
-        if tokenizer.convert_ids_to_tokens(i) in SPECIAL_TOKENS
+        if tokenizer.convert_ids_to_tokens(i) in specials
         or not printable(tokenizer.decode([i]))
     ]
 
@@ -214,6 +232,217 @@ def _random_state_dict(
     return sd
 
 
+def _save_tokenizer(tokenizer, out: pathlib.Path, chat_template: str) -> None:
+    tokenizer.save_pretrained(out)
+    # Some loaders only look at tokenizer_config.json for the template.
+    tc_path = out / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["chat_template"] = chat_template
+    tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
+
+
+def _save_generation_config(tokenizer, out: pathlib.Path) -> None:
+    from transformers import GenerationConfig
+
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, eot],  # stop on either, like Llama 3
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(out)
+
+
+# ---------------------------------------------------------------------------
+# LlavaNext (Granite Vision): SigLIP vision tower + Granite text model.
+#
+# Text part = the tiny granite above (same shapes, multipliers and weight
+# recipe). Vision part: 64x64-pixel tiles of 8x8-pixel patches, so 64
+# features per tile; anyres tiling over IMAGE_GRID_PINPOINTS; the projector
+# input concatenates several SigLIP hidden states like granite-vision's
+# vision_feature_layer [-24, -20, -12, -1]; "full" select strategy (SigLIP has
+# no CLS token). Checkpoint keys are in the hub layout of granite-vision
+# (language_model.model.*, language_model.lm_head.weight,
+# vision_tower.vision_model.*, multi_modal_projector.*, image_newline): FMS
+# reads exactly that, and transformers converts it on load.
+# ---------------------------------------------------------------------------
+IMAGE_TOKEN = "<image>"  # special token id 6 (after SPECIAL_TOKENS)
+VISION_HIDDEN = 64
+VISION_INTERMEDIATE = 256
+VISION_LAYERS = 4
+VISION_HEADS = 4  # head_dim 16
+IMAGE_SIZE = 64  # pixels per tile side (and the resized base image)
+PATCH_SIZE = 8  # (64 / 8)^2 = 64 features per tile
+VISION_FEATURE_LAYERS = [-4, -2, -1]  # hidden_states has VISION_LAYERS + 1 entries
+# (height, width) in pixels, multiples of IMAGE_SIZE: 1x1, 1x2, 2x1, 2x2, 1x3, 3x1 tiles.
+IMAGE_GRID_PINPOINTS = [[64, 64], [64, 128], [128, 64], [128, 128], [64, 192], [192, 64]]
+SIGLIP_MEAN_STD = [0.5, 0.5, 0.5]
+VISION_SEED_OFFSET = 1_000_003  # vision weights use their own generator
+BIAS_STD = 0.02  # biases non-zero so a bias left unloaded is detectable
+# The projector output is added to the residual stream like a token
+# embedding (and is multiplied by embedding_multiplier too), so its scale is
+# kept near GRANITE_EMBED_STD: images then steer the text without swamping it.
+PROJECTOR_STD = (0.05, 0.003)  # linear_1, linear_2
+
+# Llama-3 style like CHAT_TEMPLATE, but a message's content may also be an
+# OpenAI-style list of parts: {"type": "image"} becomes "<image>\n", {"type":
+# "text", "text": ...} its text. vLLM detects the list loop ("openai" content
+# format) and passes such lists; HF processors' apply_chat_template too.
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] | trim }}"
+    "{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}"
+    "{{ '<image>\\n' }}"
+    "{% elif part['type'] == 'text' %}"
+    "{{ part['text'] | trim }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{{ '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+
+
+def _llava_next_config(tokenizer):
+    from transformers import LlavaNextConfig, SiglipVisionConfig
+
+    text = _hf_config("granite", tokenizer)
+    text.architectures = None
+    vision = SiglipVisionConfig(
+        hidden_size=VISION_HIDDEN,
+        intermediate_size=VISION_INTERMEDIATE,
+        num_hidden_layers=VISION_LAYERS,
+        num_attention_heads=VISION_HEADS,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        hidden_act="gelu_pytorch_tanh",
+        layer_norm_eps=1e-6,
+    )
+    cfg = LlavaNextConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="full",
+        vision_feature_layer=list(VISION_FEATURE_LAYERS),
+        image_grid_pinpoints=[list(p) for p in IMAGE_GRID_PINPOINTS],
+        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+        multimodal_projector_bias=True,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    cfg.architectures = ["LlavaNextForConditionalGeneration"]
+    return cfg
+
+
+def _vision_state_dict(seed: int) -> dict[str, torch.Tensor]:
+    """SigLIP tower (hub prefix vision_tower.vision_model.), projector and
+    image_newline, drawn in a fixed order."""
+    g = torch.Generator().manual_seed(seed + VISION_SEED_OFFSET)
+
+    def normal(*shape, std=WEIGHT_STD):
+        return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+
+    def layer_norm(sd, name, dim=VISION_HIDDEN):
+        sd[name + ".weight"] = 1.0 + NORM_NOISE * torch.randn(dim, generator=g)
+        sd[name + ".bias"] = normal(dim, std=BIAS_STD)
+
+    def linear(sd, name, out_dim, in_dim, std=WEIGHT_STD):
+        sd[name + ".weight"] = normal(out_dim, in_dim, std=std)
+        sd[name + ".bias"] = normal(out_dim, std=BIAS_STD)
+
+    h, inter = VISION_HIDDEN, VISION_INTERMEDIATE
+    sd: dict[str, torch.Tensor] = {}
+    v = "vision_tower.vision_model."
+    sd[v + "embeddings.patch_embedding.weight"] = normal(h, 3, PATCH_SIZE, PATCH_SIZE)
+    sd[v + "embeddings.patch_embedding.bias"] = normal(h, std=BIAS_STD)
+    sd[v + "embeddings.position_embedding.weight"] = normal((IMAGE_SIZE // PATCH_SIZE) ** 2, h)
+    for i in range(VISION_LAYERS):
+        p = f"{v}encoder.layers.{i}."
+        layer_norm(sd, p + "layer_norm1")
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            linear(sd, p + "self_attn." + proj, h, h)
+        layer_norm(sd, p + "layer_norm2")
+        linear(sd, p + "mlp.fc1", inter, h)
+        linear(sd, p + "mlp.fc2", h, inter)
+    layer_norm(sd, v + "post_layernorm")
+    # Attention-pooling head: unused by LlavaNext, but part of every SigLIP
+    # checkpoint (vision_use_head) and of the FMS and HF modules.
+    sd[v + "head.probe"] = normal(1, 1, h)
+    sd[v + "head.attention.in_proj_weight"] = normal(3 * h, h)
+    sd[v + "head.attention.in_proj_bias"] = normal(3 * h, std=BIAS_STD)
+    linear(sd, v + "head.attention.out_proj", h, h)
+    layer_norm(sd, v + "head.layernorm")
+    linear(sd, v + "head.mlp.fc1", inter, h)
+    linear(sd, v + "head.mlp.fc2", h, inter)
+
+    linear(sd, "multi_modal_projector.linear_1", HIDDEN, h * len(VISION_FEATURE_LAYERS),
+           std=PROJECTOR_STD[0])
+    linear(sd, "multi_modal_projector.linear_2", HIDDEN, HIDDEN, std=PROJECTOR_STD[1])
+    sd["image_newline"] = normal(HIDDEN, std=GRANITE_EMBED_STD)
+    return sd
+
+
+def _write_json(path: pathlib.Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _make_llava_next(out: pathlib.Path, *, seed: int, printable_only: bool) -> pathlib.Path:
+    tokenizer = build_tokenizer(image_token=IMAGE_TOKEN, chat_template=VISION_CHAT_TEMPLATE)
+    _save_tokenizer(tokenizer, out, VISION_CHAT_TEMPLATE)
+    cfg = _llava_next_config(tokenizer)
+    cfg.save_pretrained(out)
+    _save_generation_config(tokenizer, out)
+
+    # Legacy two-file processor layout, as on the hub for granite-vision.
+    # "LlavaNextImageProcessor" resolves to LlavaNextImageProcessorPil when
+    # torchvision is missing (transformers 5 picks the backend at load time).
+    _write_json(out / "preprocessor_config.json", {
+        "crop_size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        "do_center_crop": True,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_pad": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_grid_pinpoints": [list(p) for p in IMAGE_GRID_PINPOINTS],
+        "image_mean": SIGLIP_MEAN_STD,
+        "image_processor_type": "LlavaNextImageProcessor",
+        "image_std": SIGLIP_MEAN_STD,
+        "processor_class": "LlavaNextProcessor",
+        "resample": 3,  # bicubic
+        "rescale_factor": 1 / 255,
+        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+    })
+    _write_json(out / "processor_config.json", {
+        "image_token": IMAGE_TOKEN,
+        "num_additional_image_tokens": 0,  # SigLIP: no CLS token
+        "patch_size": PATCH_SIZE,
+        "processor_class": "LlavaNextProcessor",
+        "vision_feature_select_strategy": "full",
+    })
+
+    text_sd = _random_state_dict(
+        cfg.text_config.vocab_size,
+        seed,
+        embed_std=GRANITE_EMBED_STD,
+        lm_head_std=WEIGHT_STD * GRANITE_MULTIPLIERS["logits_scaling"],
+        suppressed=(_unprintable_ids(tokenizer, specials=(*SPECIAL_TOKENS, IMAGE_TOKEN))
+                    if printable_only else []),
+    )
+    sd = {("language_model." + k): t for k, t in text_sd.items()}  # model.* and lm_head.*
+    sd.update(_vision_state_dict(seed))
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def make_tiny_model(
     arch: str, out_dir: str | os.PathLike, *, seed: int = 0, printable_only: bool = True
 ) -> pathlib.Path:
@@ -228,30 +457,18 @@ def make_tiny_model(
     clean ASCII text that always runs to max_tokens (no early eos), and text
     from incremental detokenization matches a one-shot decode.
     """
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported arch {arch!r}; choose from {SUPPORTED_ARCHS}")
-    from transformers import GenerationConfig
-
+    if arch not in ALL_ARCHS:
+        raise ValueError(f"unsupported arch {arch!r}; choose from {ALL_ARCHS}")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if arch == "llava_next":
+        return _make_llava_next(out, seed=seed, printable_only=printable_only)
 
     tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(out)
-    # Some loaders only look at tokenizer_config.json for the template.
-    tc_path = out / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text())
-    tc["chat_template"] = CHAT_TEMPLATE
-    tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
-
+    _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
     cfg = _hf_config(arch, tokenizer)
     cfg.save_pretrained(out)
-
-    eot = tokenizer.convert_tokens_to_ids(EOT)
-    GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=[tokenizer.eos_token_id, eot],  # stop on either, like Llama 3
-        pad_token_id=tokenizer.pad_token_id,
-    ).save_pretrained(out)
+    _save_generation_config(tokenizer, out)
 
     granite = arch == "granite"
     sd = _random_state_dict(
@@ -267,7 +484,7 @@ def make_tiny_model(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("arch", choices=SUPPORTED_ARCHS)
+    parser.add_argument("arch", choices=ALL_ARCHS)
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
