@@ -13,6 +13,8 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("VLLM_ACCEL_KVCACHE_SPACE", "0.25")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_PLUGINS", "accel")
+# Tests compare against eager unless they ask for a compile backend themselves.
+os.environ.setdefault("VLLM_ACCEL_COMPILE_BACKEND", "eager")
 
 import pytest  # noqa: E402
 

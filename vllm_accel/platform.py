@@ -17,6 +17,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from vllm_accel.devices import select_backend
 from vllm_accel.settings import known_env_vars, load_settings, resolve_device
 
 if TYPE_CHECKING:
@@ -85,9 +86,10 @@ class AccelPlatform(Platform):
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         from vllm.config import CompilationMode, CUDAGraphMode
 
-        settings = load_settings(vllm_config.additional_config)
+        backend = select_backend(load_settings(vllm_config.additional_config))
         logger.info_once(
-            "vllm-accel platform active: device backend '%s'", resolve_device(settings)
+            "vllm-accel platform active: device backend '%s', compile backend '%s'",
+            backend.device, backend.compile_backend,
         )
 
         parallel = vllm_config.parallel_config

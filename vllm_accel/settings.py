@@ -1,9 +1,10 @@
 """All vllm-accel settings, in one typed place.
 
-Each setting can come from an environment variable (``VLLM_ACCEL_*``) or from
-vLLM's ``--additional-config '{"accel": {"<key>": ...}}'``; the additional
-config wins because it is the more explicit of the two. An invalid value fails
-at start-up with a message naming the variable and the allowed values.
+Each setting can come from an environment variable (``VLLM_ACCEL_*``; a few
+keep vllm-gaudi's names, e.g. ``VLLM_SKIP_WARMUP``) or from vLLM's
+``--additional-config '{"accel": {"<key>": ...}}'``; the additional config wins
+because it is the more explicit of the two. An invalid value fails at start-up
+with a message naming the variable and the allowed values.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "VLLM_ACCEL_"
 ADDITIONAL_CONFIG_KEY = "accel"
+# Settings whose environment variable keeps vllm-gaudi's name.
+GAUDI_ENV_NAMES = {"skip_warmup": "VLLM_SKIP_WARMUP"}
 
 
 @dataclass(frozen=True)
@@ -25,23 +29,47 @@ class AccelSettings:
     # Which device runs the model: "auto" picks "hpu" when habana_frameworks is
     # importable, else the CPU simulated accelerator.
     device: str = "auto"
+    # How the model is compiled: "auto" is "inductor" on cpu, "hpu_backend" on hpu;
+    # "eager" runs the same bucketed shapes without compiling.
+    compile_backend: str = "auto"
+    # Compile lazily, on first use of each bucket, instead of during start-up.
+    skip_warmup: bool = False
+    # Token-count buckets of the compiled forward (see worker/buckets.py):
+    # "" derives them from max_num_batched_tokens; "1,8,64,512" is an explicit
+    # list; "exp:min=1,max=2048,limit=8" or "lin:min=64,step=64,max=512" a range.
+    token_buckets: str = ""
+    # Context-length buckets, in KV blocks, that decode attention pads to.
+    context_buckets: str = ""
+    # Where compiled graphs persist between starts ("" = the user's cache dir).
+    compile_cache_dir: str = ""
     # Threads the worker's torch ops may use; 0 leaves torch's default.
     num_threads: int = 0
+
+    @property
+    def cache_dir(self) -> Path:
+        if self.compile_cache_dir:
+            return Path(self.compile_cache_dir).expanduser()
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base) / "vllm_accel" / "compile"
 
 
 _ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "hpu"),
+    "compile_backend": ("auto", "eager", "inductor", "hpu_backend"),
 }
 
 _DESCRIPTIONS: dict[str, str] = {
     "kvcache_space": "KV cache size in GiB (a number > 0)",
-    "device": "device backend",
     "num_threads": "worker torch threads (an integer >= 0, 0 = torch default)",
+    "skip_warmup": "true or false",
 }
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
 
 
 def env_var_name(key: str) -> str:
-    return ENV_PREFIX + key.upper()
+    return GAUDI_ENV_NAMES.get(key, ENV_PREFIX + key.upper())
 
 
 def known_env_vars() -> set[str]:
@@ -51,18 +79,31 @@ def known_env_vars() -> set[str]:
 def _parse(key: str, raw: Any, source: str) -> Any:
     field_type = {f.name: f.type for f in fields(AccelSettings)}[key]
     allowed = _ALLOWED_VALUES.get(key)
+    value: Any = None
     try:
         if field_type == "float":
-            value: Any = float(raw)
+            value = float(raw)
             ok = value > 0
         elif field_type == "int":
             value = int(raw)
             ok = value >= 0
+        elif field_type == "bool":
+            text = str(raw).strip().lower()
+            value, ok = text in _TRUE, text in _TRUE + _FALSE
         else:
-            value = str(raw).strip().lower()
+            value = str(raw).strip()
+            if allowed is not None:
+                value = value.lower()
             ok = allowed is None or value in allowed
     except (TypeError, ValueError):
         ok = False
+    if key in ("token_buckets", "context_buckets") and ok and value:
+        from vllm_accel.worker.buckets import parse_bucket_spec
+
+        try:
+            parse_bucket_spec(value)
+        except ValueError as error:
+            raise ValueError(f"Invalid value {raw!r} for {source}: {error}") from None
     if not ok:
         hint = f"one of {', '.join(allowed)}" if allowed else _DESCRIPTIONS[key]
         raise ValueError(f"Invalid value {raw!r} for {source}: expected {hint}.")

@@ -1,21 +1,21 @@
 """One generic wrapper around IBM foundation-model-stack (FMS) causal LMs.
 
 It loads any HF checkpoint directory FMS can build, checks that every weight
-was really loaded (FMS only logs keys it cannot place), and exposes the two
-calls the runner needs: ``forward`` (token ids or embeddings, positions and the
-paged-KV metadata -> hidden states) and ``compute_logits``.
+was really loaded (FMS only logs keys it cannot place), compiles the decoder
+layers, and exposes the two calls the runner needs: ``forward`` (token ids or
+embeddings and positions -> hidden states; the paged-KV layout comes from
+``attention_context``) and ``compute_logits``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 from vllm.logger import init_logger
 
-from vllm_accel.model.paged_attention import (
-    PagedAttentionMetadata,
-    register_paged_attention,
-)
+from vllm_accel.model.paged_attention import ATTN_NAME, register_paged_attention
 
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
 logger = init_logger(f"vllm.{__name__}")
@@ -39,7 +39,7 @@ def check_architecture(architectures: list[str] | None) -> str:
     )
 
 
-def _load_fms_model(model_path: str, dtype: torch.dtype) -> nn.Module:
+def _load_fms_model(model_path: str, dtype: torch.dtype, device: str) -> nn.Module:
     """Load with FMS, leaving any weight FMS did not load as NaN (not garbage).
 
     FMS builds the model on the meta device and materialises unloaded weights
@@ -55,7 +55,7 @@ def _load_fms_model(model_path: str, dtype: torch.dtype) -> nn.Module:
     deterministic.fill_uninitialized_memory = True
     try:
         return get_model(
-            "hf_pretrained", model_path=model_path, device_type="cpu", data_type=dtype
+            "hf_pretrained", model_path=model_path, device_type=device, data_type=dtype
         )
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
@@ -92,10 +92,11 @@ class FmsCausalLM(nn.Module):
         self.logits_scaling: float = float(getattr(config, "logits_scaling", 1.0))
 
     @classmethod
-    def load(cls, model_path: str, architectures: list[str], dtype: torch.dtype):
+    def load(cls, model_path: str, architectures: list[str], dtype: torch.dtype,
+             device: str = "cpu"):
         check_architecture(architectures)
         register_paged_attention()
-        fms_model = _load_fms_model(model_path, dtype)
+        fms_model = _load_fms_model(model_path, dtype, device)
         _check_all_weights_loaded(fms_model, model_path)
         fms_model.eval()
         logger.info(
@@ -109,21 +110,34 @@ class FmsCausalLM(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.fms_model.base_model.embedding(input_ids)
 
+    def compile_layers(self, backend: str) -> None:
+        """Compile the decoder layer's forward once for all layers.
+
+        Layers share code and shapes, so dynamo reuses one graph per input
+        shape across them (weights are graph inputs): compile time does not
+        grow with depth. Static shapes: each token bucket is its own graph.
+        """
+        layers = self.fms_model.base_model.layers
+        compiled = torch.compile(
+            type(layers[0]).forward, backend=backend, dynamic=False, fullgraph=True
+        )
+        for layer in layers:
+            layer.forward = functools.partial(compiled, layer)
+
     def forward(
         self,
         inputs: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: PagedAttentionMetadata,
     ) -> torch.Tensor:
-        """inputs: token ids [batch, query_len] or embeddings
-        [batch, query_len, hidden]. Returns hidden states [batch, query_len, hidden]."""
+        """inputs: token ids [1, tokens] (or embeddings [1, tokens, hidden],
+        for FMS models that take them). Returns hidden states [1, tokens, hidden]."""
         hidden, _ = self.fms_model.base_model(
             inputs,
             position_ids=positions,
             past_key_value_states=kv_caches,
             use_cache=True,
-            **attn_metadata.as_kwargs(),
+            attn_name=ATTN_NAME,
         )
         return hidden
 

@@ -1,23 +1,27 @@
 """Paged attention in plain PyTorch, plugged into FMS's attention-op registry.
 
 vLLM's KV cache manager hands out fixed-size blocks; the scheduler sends, per
-request, the list of block ids that hold its context. Each layer's cache is a
-pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+request, the block ids that hold its context. Each layer's cache is a pair of
+tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
-The runner feeds the model a padded batch ``[batch, query_len]``. Per step we
+The runner packs all tokens of a step into one sequence ``[1, tokens]``:
+decode tokens first (one per request), then prefill chunks, then padding up to
+a token bucket. Attention is one opaque custom op, like vLLM's own attention
+ops: compiled graphs see only ``[1, tokens]`` tensors, so their shapes depend
+on the token bucket alone, while the op reads the per-step layout (slots, block
+tables, masks) from ``attention_context``. Per layer it
 
-1. *store*: write the new keys/values into their slots (``slot_mapping``;
-   padding tokens write into block 0, which vLLM never hands to a request);
-2. *compute*: gather each row's context through its block table into
-   ``[batch, context_len]`` and run one masked SDPA over the whole batch.
-
-Every shape is fixed by (batch, query_len, blocks per row), so a bucketed
-runner can compile one graph per bucket.
+1. writes the new keys/values into their slots (padding writes go to block 0,
+   which vLLM never hands to a request);
+2. attends: all decodes at once, over block tables padded to a context bucket;
+   each prefill chunk over its own context.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,64 +31,106 @@ ATTN_NAME = "vllm_accel_paged"
 
 
 @dataclass
+class PrefillChunk:
+    start: int  # first token of the chunk in the packed sequence
+    end: int
+    block_table: torch.Tensor  # [1, blocks] the request's blocks
+    mask: torch.Tensor  # [1, 1, chunk_len, blocks * block_size] bool
+
+
+@dataclass
 class PagedAttentionMetadata:
-    """What every layer needs to read and write the paged KV cache."""
+    """The per-step token layout every layer's attention reads."""
 
-    slot_mapping: torch.Tensor  # [batch, query_len] int64: cache slot per new token
-    block_table: torch.Tensor  # [batch, max_blocks] int64: block ids per row
-    mask: torch.Tensor  # [batch, 1, query_len, max_blocks * block_size] bool
-
-    def as_kwargs(self) -> dict:
-        return {
-            "attn_name": ATTN_NAME,
-            "slot_mapping": self.slot_mapping,
-            "block_table": self.block_table,
-            "mask": self.mask,
-        }
+    slot_mapping: torch.Tensor  # [tokens] int64: cache slot of each packed token
+    num_decodes: int  # tokens [0, num_decodes) are decodes, one per request
+    decode_block_table: torch.Tensor  # [num_decodes, context_bucket] int64
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, context_bucket * block_size] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def build_attention_mask(
+_current: PagedAttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def attention_context(metadata: PagedAttentionMetadata):
+    """Make ``metadata`` the layout attention reads during one forward."""
+    global _current
+    _current, previous = metadata, _current
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def causal_context_mask(
     positions: torch.Tensor, context_lens: torch.Tensor, context_len: int
 ) -> torch.Tensor:
-    """Causal mask over the gathered context: a token at position p sees keys
-    0..p of its own row, and never keys past the row's context length."""
-    key_pos = torch.arange(context_len, device=positions.device)
+    """[rows, 1, queries, context_len]: the query at position p sees keys 0..p
+    of its own row, never past the row's context length."""
+    key_pos = torch.arange(context_len)
     visible = key_pos[None, None, :] <= positions[:, :, None]
     visible &= key_pos[None, None, :] < context_lens[:, None, None]
     return visible.unsqueeze(1)
 
 
-def _store(keys, values, key_cache, value_cache, *, slot_mapping, **_):
-    # keys/values: [batch, query_len, kv_heads, head_dim]
-    num_blocks, block_size, kv_heads, head_dim = key_cache.shape
-    slots = slot_mapping.reshape(-1)
-    key_cache.view(-1, kv_heads, head_dim).index_copy_(
-        0, slots, keys.reshape(-1, kv_heads, head_dim)
-    )
-    value_cache.view(-1, kv_heads, head_dim).index_copy_(
-        0, slots, values.reshape(-1, kv_heads, head_dim)
-    )
-    return key_cache, value_cache, key_cache, value_cache
+@torch.library.custom_op("vllm_accel::paged_attention", mutates_args=())
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query [1, tokens, heads, dim], key/value [1, tokens, kv_heads, dim] ->
+    [1, tokens, heads, dim]. Writes key/value into the caches: like vLLM's
+    attention ops, the cache is state the compiled graph does not track."""
+    md = _current
+    assert md is not None, "paged_attention runs only inside attention_context()"
+    kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, key[0])
+    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0])
+
+    out = query.new_zeros(query.shape)
+    gqa = query.shape[2] != kv_heads
+
+    def attend(q, block_table, mask):
+        # q [rows, queries, heads, dim]; context gathered through the block table.
+        rows = block_table.shape[0]
+        k = key_cache[block_table].view(rows, -1, kv_heads, head_dim).transpose(1, 2)
+        v = value_cache[block_table].view(rows, -1, kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+        return o.transpose(1, 2)
+
+    if md.num_decodes:
+        decode_q = query[0, : md.num_decodes].unsqueeze(1)
+        out[0, : md.num_decodes] = attend(decode_q, md.decode_block_table, md.decode_mask)[:, 0]
+    for chunk in md.prefills:
+        out[0, chunk.start : chunk.end] = attend(
+            query[:, chunk.start : chunk.end], chunk.block_table, chunk.mask
+        )[0]
+    return out
 
 
-def _compute(
-    query, key_cache, value_cache, nheads, kvheads, p_dropout, scale_factor,
-    *, block_table, mask, **_,
-):
-    # query: [batch, query_len, heads, head_dim] -> [batch, heads, query_len, head_dim]
-    batch = query.shape[0]
-    head_dim = key_cache.shape[-1]
-    keys = key_cache[block_table].view(batch, -1, kvheads, head_dim).transpose(1, 2)
-    values = value_cache[block_table].view(batch, -1, kvheads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        query.transpose(1, 2),
-        keys,
-        values,
-        attn_mask=mask,
-        scale=scale_factor,
-        enable_gqa=nheads != kvheads,
-    )
-    return out.transpose(1, 2).contiguous()
+@paged_attention.register_fake
+def _paged_attention_fake(query, key, value, key_cache, value_cache, scale):
+    return query.new_empty(query.shape)
+
+
+def _store(keys, values, key_cache, value_cache, **_):
+    # FMS stores, then computes with what store returns. The op does both, so
+    # hand the new keys/values and the caches through together.
+    return (keys, key_cache), (values, value_cache), key_cache, value_cache
+
+
+def _compute(query, keys_and_cache, values_and_cache, nheads, kvheads, p_dropout,
+             scale_factor, **_):
+    (keys, key_cache), (values, value_cache) = keys_and_cache, values_and_cache
+    scale = scale_factor if scale_factor is not None else 1.0 / math.sqrt(query.shape[-1])
+    return paged_attention(query, keys, values, key_cache, value_cache, scale)
 
 
 _registered = False

@@ -3,13 +3,9 @@
 One runner does it all (continuous batching, chunked prefill, prefix caching):
 vLLM's scheduler and KV cache manager decide what runs and where its KV lives;
 we keep the per-request state in vLLM's own ``InputBatch`` (which also builds
-the sampling metadata and runs logits processors), build padded model inputs,
-run the FMS model and sample with vLLM's ``Sampler``.
-
-A step runs at most two forwards: one for the requests that prefill (several
-tokens each) and one for those that decode (one token each), so that a long
-prefill chunk never pads the decodes to its length. Both are padded batches
-``[batch, query_len]`` whose shapes the next layer (buckets) can fix.
+the sampling metadata and runs logits processors), pack the step's tokens into
+one sequence padded to a token bucket, run the FMS model and sample with
+vLLM's ``Sampler``.
 """
 
 from __future__ import annotations
@@ -30,25 +26,31 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from vllm_accel.devices import DeviceBackend
 from vllm_accel.model.fms_causal_lm import FmsCausalLM
 from vllm_accel.model.paged_attention import (
     PagedAttentionMetadata,
-    build_attention_mask,
+    PrefillChunk,
+    attention_context,
+    causal_context_mask,
 )
+from vllm_accel.settings import AccelSettings, env_var_name
+from vllm_accel.worker.buckets import find_bucket, make_buckets
+from vllm_accel.worker.compile_stats import CompileStats
 
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
 logger = init_logger(f"vllm.{__name__}")
 
 
 @dataclass
-class ForwardBatch:
-    """Padded inputs of one forward: rows are requests, columns are tokens."""
+class StepInputs:
+    """One step's tokens packed into a sequence padded to a token bucket."""
 
-    rows: np.ndarray  # [batch] index of each row's request in the InputBatch
-    input_ids: torch.Tensor  # [batch, query_len]
-    positions: torch.Tensor  # [batch, query_len]
+    input_ids: torch.Tensor  # [1, padded_tokens]
+    positions: torch.Tensor  # [1, padded_tokens]
     attn_metadata: PagedAttentionMetadata
-    last_token: torch.Tensor  # [batch] column of each row's last scheduled token
+    last_token: torch.Tensor  # [num_reqs] packed index of each request's last token
+    num_tokens: int  # before padding
 
 
 @dataclass
@@ -61,29 +63,42 @@ class PendingSample:
 
 
 class AccelModelRunner:
-    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+    def __init__(self, vllm_config: VllmConfig, backend: DeviceBackend,
+                 settings: AccelSettings):
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
-        self.device = device
+        self.backend = backend
+        self.settings = settings
+        self.device = torch.device(backend.device)
         self.dtype = self.model_config.dtype
         self.max_model_len = self.model_config.max_model_len
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.block_size = vllm_config.cache_config.block_size
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
+        # The scheduler never sends more tokens than this in one step.
+        max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
+        buckets = make_buckets(settings.token_buckets, 1, max_step)
+        self.token_buckets = [b for b in buckets if b <= max_step] or [max_step]
+        self.context_buckets = make_buckets(settings.context_buckets, 1, self.max_blocks_per_req)
+        logger.info(
+            "vllm_accel buckets: tokens %s, context blocks %s (block size %d)",
+            self.token_buckets, self.context_buckets, self.block_size,
+        )
 
         self.model: FmsCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.compile_stats = CompileStats()
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_tokens,
-            device=device,
+            device=self.device,
             vocab_size=self.model_config.get_vocab_size(),
             block_sizes=[self.block_size],
             max_num_blocks_per_req=[self.max_blocks_per_req],
-            logitsprocs=build_logitsprocs(vllm_config, device, False, False),
+            logitsprocs=build_logitsprocs(vllm_config, self.device, False, False),
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.pending: PendingSample | None = None
@@ -95,7 +110,11 @@ class AccelModelRunner:
             self.model_config.model,
             self.model_config.hf_config.architectures,
             self.dtype,
+            self.backend.device,
         )
+        if self.backend.compiles:
+            self.compile_stats.configure(self.settings.cache_dir, len(self.token_buckets))
+            self.model.compile_layers(self.backend.compile_backend)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         assert self.model is not None
@@ -113,17 +132,18 @@ class AccelModelRunner:
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         assert self.model is not None
-        num_blocks = kv_cache_config.num_blocks
-        shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.num_blocks = kv_cache_config.num_blocks
+        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.model.num_layers)
         ]
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
-            num_blocks,
+            self.num_blocks,
             self.block_size,
-            num_blocks * self.block_size,
+            self.num_blocks * self.block_size,
             2 * sum(k.numel() * k.element_size() for k, _ in self.kv_caches) / 2**30,
         )
 
@@ -136,24 +156,22 @@ class AccelModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
 
         batch = self.input_batch
-        num_reqs = batch.num_reqs
         num_scheduled = np.array(
             [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64
         )
-        start = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        start = batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64)
+        step = self._pack_step(num_scheduled, start)
 
-        hidden = torch.empty(num_reqs, self.model.hidden_size, dtype=self.dtype)
-        decode = num_scheduled == 1
-        for rows in (np.flatnonzero(~decode), np.flatnonzero(decode)):
-            if len(rows):
-                fb = self._build_forward_batch(rows, start[rows], num_scheduled[rows])
-                out = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.attn_metadata)
-                hidden[torch.from_numpy(rows)] = out[torch.arange(len(rows)), fb.last_token]
+        with attention_context(step.attn_metadata):
+            hidden = self.model(step.input_ids.to(self.device), step.positions.to(self.device),
+                                self.kv_caches)
+        self.compile_stats.after_forward(step.input_ids.shape[1])
+        logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)]).cpu()
 
         num_tokens = np.array([self.requests[r].num_tokens for r in batch.req_ids])
         self.pending = PendingSample(
             scheduler_output=scheduler_output,
-            logits=self.model.compute_logits(hidden),
+            logits=logits,
             discard=start + num_scheduled < num_tokens,
         )
         return None
@@ -198,38 +216,86 @@ class AccelModelRunner:
 
     # ---- helpers ------------------------------------------------------------
 
-    def _build_forward_batch(
-        self, rows: np.ndarray, start: np.ndarray, num_scheduled: np.ndarray
-    ) -> ForwardBatch:
-        query_len = int(num_scheduled.max())
-        cols = np.arange(query_len)
-        valid = cols[None, :] < num_scheduled[:, None]
-        positions = np.where(valid, start[:, None] + cols[None, :], 0)
+    def _pack_step(self, num_scheduled: np.ndarray, start: np.ndarray) -> StepInputs:
+        """Pack decodes, then prefill chunks, into one padded token sequence."""
+        bs = self.block_size
+        is_decode = num_scheduled == 1
+        order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
+        counts = num_scheduled[order]
+        ends = np.cumsum(counts)
+        firsts = ends - counts
+        total = int(ends[-1])
+        padded = self._token_bucket(total)
 
-        context_lens = start + num_scheduled
-        num_blocks = cdiv(int(context_lens.max()), self.block_size)
-        block_table = self.input_batch.block_table[0].get_numpy_array()[rows, :num_blocks]
-        block_table = block_table.astype(np.int64)
-        # Padding tokens write into block 0: vLLM reserves it and never reads it.
-        block_of_token = np.take_along_axis(block_table, positions // self.block_size, axis=1)
-        slots = np.where(valid, block_of_token * self.block_size + positions % self.block_size, 0)
-        input_ids = np.where(valid, self.input_batch.token_ids_cpu[rows[:, None], positions], 0)
+        row_of_token = np.repeat(order, counts)
+        pos = start[row_of_token] + np.arange(total) - np.repeat(firsts, counts)
+        block_table = self.input_batch.block_table[0].get_numpy_array()
+        input_ids = np.zeros(padded, dtype=np.int64)
+        positions = np.zeros(padded, dtype=np.int64)
+        slots = np.zeros(padded, dtype=np.int64)  # padding writes into block 0
+        input_ids[:total] = self.input_batch.token_ids_cpu[row_of_token, pos]
+        positions[:total] = pos
+        slots[:total] = block_table[row_of_token, pos // bs] * bs + pos % bs
+        last_token = np.empty(len(order), dtype=np.int64)
+        last_token[order] = ends - 1
 
-        positions_t = torch.from_numpy(positions)
-        context_len = num_blocks * self.block_size
-        return ForwardBatch(
-            rows=rows,
-            input_ids=torch.from_numpy(input_ids.astype(np.int64)),
-            positions=positions_t,
-            attn_metadata=PagedAttentionMetadata(
-                slot_mapping=torch.from_numpy(slots),
-                block_table=torch.from_numpy(block_table),
-                mask=build_attention_mask(
-                    positions_t, torch.from_numpy(context_lens), context_len
+        num_decodes = int(is_decode.sum())
+        decode_rows = order[:num_decodes]
+        context_lens = start[decode_rows] + 1
+        width = self._context_bucket(cdiv(int(context_lens.max(initial=1)), bs))
+        decode_mask = np.arange(width * bs)[None, :] < context_lens[:, None]
+        prefills = []
+        for row, first, count in zip(order[num_decodes:], firsts[num_decodes:],
+                                     counts[num_decodes:]):
+            context_len = int(start[row] + count)
+            blocks = cdiv(context_len, bs)
+            prefills.append(PrefillChunk(
+                start=int(first),
+                end=int(first + count),
+                block_table=torch.from_numpy(block_table[row : row + 1, :blocks].astype(np.int64)),
+                mask=causal_context_mask(
+                    torch.from_numpy(positions[first : first + count][None]),
+                    torch.tensor([context_len]),
+                    blocks * bs,
                 ),
-            ),
-            last_token=torch.from_numpy(num_scheduled - 1),
+            ))
+        metadata = PagedAttentionMetadata(
+            slot_mapping=torch.from_numpy(slots),
+            num_decodes=num_decodes,
+            decode_block_table=torch.from_numpy(block_table[decode_rows, :width].astype(np.int64)),
+            decode_mask=torch.from_numpy(decode_mask[:, None, None, :]),
+            prefills=prefills,
         )
+        return StepInputs(
+            input_ids=torch.from_numpy(input_ids)[None],
+            positions=torch.from_numpy(positions)[None],
+            attn_metadata=metadata,
+            last_token=torch.from_numpy(last_token),
+            num_tokens=total,
+        )
+
+    def _token_bucket(self, num_tokens: int) -> int:
+        bucket = find_bucket(self.token_buckets, num_tokens)
+        if bucket is None:
+            logger.warning(
+                "vllm_accel: a step of %d tokens exceeds every token bucket %s; running "
+                "it unpadded (a new compiled graph when compiling). Add a bucket >= %d "
+                "to %s.", num_tokens, self.token_buckets, num_tokens,
+                env_var_name("token_buckets"),
+            )
+            return num_tokens
+        return bucket
+
+    def _context_bucket(self, blocks: int) -> int:
+        bucket = find_bucket(self.context_buckets, blocks)
+        if bucket is None:
+            logger.warning(
+                "vllm_accel: a context of %d blocks exceeds every context bucket %s; "
+                "attention runs unpadded. Add a bucket >= %d to %s.",
+                blocks, self.context_buckets, blocks, env_var_name("context_buckets"),
+            )
+            return blocks
+        return bucket
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Mirror the scheduler's view of the requests into the InputBatch."""

@@ -9,6 +9,8 @@ forwards each engine step to it. vLLM calls, in order: ``init_device``,
 
 from __future__ import annotations
 
+import time
+
 import torch
 from vllm.config import VllmConfig
 from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -18,8 +20,10 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from vllm_accel.settings import env_var_name, load_settings, resolve_device
+from vllm_accel.devices import select_backend
+from vllm_accel.settings import env_var_name, load_settings
 from vllm_accel.worker.model_runner import AccelModelRunner
+from vllm_accel.worker.warmup import warm_up
 
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
 logger = init_logger(f"vllm.{__name__}")
@@ -36,18 +40,20 @@ class AccelWorker(WorkerBase):
     ):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.settings = load_settings(vllm_config.additional_config)
+        self.backend = select_backend(self.settings)
         self.model_runner: AccelModelRunner | None = None
 
     # ---- start-up -----------------------------------------------------------
 
     def init_device(self) -> None:
-        self.device = torch.device("cpu")
+        self.device = torch.device(self.backend.device)
         _tolerate_missing_torch_accelerator()
         if self.settings.num_threads:
             torch.set_num_threads(self.settings.num_threads)
         logger.info(
-            "vllm-accel worker on device backend '%s' with %d torch threads",
-            resolve_device(self.settings),
+            "vllm-accel worker on device backend '%s', compile backend '%s', %d torch threads",
+            self.backend.device,
+            self.backend.compile_backend,
             torch.get_num_threads(),
         )
         init_distributed_environment(
@@ -59,7 +65,7 @@ class AccelWorker(WorkerBase):
         )
         ensure_model_parallel_initialized(1, 1)
         set_random_seed(self.model_config.seed)
-        self.model_runner = AccelModelRunner(self.vllm_config, self.device)
+        self.model_runner = AccelModelRunner(self.vllm_config, self.backend, self.settings)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         self.model_runner.load_model()
@@ -93,8 +99,18 @@ class AccelWorker(WorkerBase):
         self.model_runner.initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
+        started = time.perf_counter()
+        if self.settings.skip_warmup:
+            logger.warning(
+                "%s is set: each of the %d token buckets compiles on first use, so "
+                "early requests wait for compilation.",
+                env_var_name("skip_warmup"), len(self.model_runner.token_buckets),
+            )
+        else:
+            warm_up(self.model_runner)
+        # Warmup sampled with seeds: start serving from the configured seed.
         set_random_seed(self.model_config.seed)
-        return CompilationTimes(language_model=0.0, encoder=0.0)
+        return CompilationTimes(language_model=time.perf_counter() - started, encoder=0.0)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)

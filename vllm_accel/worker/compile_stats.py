@@ -1,0 +1,73 @@
+"""Counting torch.compile work: graphs compiled during warmup and at run time.
+
+Dynamo's process-wide counters are read as deltas, so several engines in one
+process (tests) each see their own numbers. A compile after warmup is a
+recompile: the thing an accelerator user must never pay for while serving.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+from vllm.logger import init_logger
+
+# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
+logger = init_logger(f"vllm.{__name__}")
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def _cache_hits() -> tuple[int, int]:
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+class CompileStats:
+    def __init__(self) -> None:
+        self._start = self._seen = _graphs()
+        self._start_hits = _cache_hits()
+        self.warmup_graphs = 0
+        self.runtime_compiles = 0
+        self.warmed_up = False
+
+    @property
+    def graphs_compiled(self) -> int:
+        return _graphs() - self._start
+
+    @property
+    def cache_hits(self) -> tuple[int, int]:
+        hits, misses = _cache_hits()
+        return hits - self._start_hits[0], misses - self._start_hits[1]
+
+    def configure(self, cache_dir: Path, num_buckets: int) -> None:
+        """Persist compiled graphs under cache_dir, and let dynamo keep one
+        graph per bucket (its default limit is 8 per function)."""
+        # Torch fills in its own default early, so ours (a setting) always wins.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
+        limit = max(64, 2 * num_buckets + 8)
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 4 * limit
+        )
+        logger.info("vllm_accel compile cache: %s", os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+    def finish_warmup(self) -> None:
+        self.warmup_graphs = self.graphs_compiled
+        self._seen = _graphs()
+        self.warmed_up = True
+
+    def after_forward(self, num_tokens: int) -> None:
+        now = _graphs()
+        if now == self._seen:
+            return
+        new, self._seen = now - self._seen, now
+        if self.warmed_up:
+            self.runtime_compiles += new
+            logger.warning(
+                "vllm_accel recompile at run time: %d new graph(s) for %d tokens "
+                "(runtime recompiles: %d)", new, num_tokens, self.runtime_compiles,
+            )

@@ -1,0 +1,98 @@
+"""Warmup: run every token bucket through the real execute path once.
+
+Each bucket gets a synthetic step made of prefill chunks that fill it exactly,
+then a decode step for the same requests, then the requests finish. This is
+vLLM's own scheduler-output format, so warmup exercises input packing,
+attention, the compiled layers and the sampler exactly as serving does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from vllm_accel.worker.model_runner import AccelModelRunner
+
+# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
+logger = init_logger(f"vllm.{__name__}")
+
+# Greedy, then random sampling with top-k/top-p: the sampler's two main paths.
+_SAMPLING = [
+    SamplingParams(temperature=0.0, max_tokens=2),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0, max_tokens=2),
+]
+
+
+def _prompt_lengths(num_tokens: int, max_prompt: int, max_reqs: int) -> list[int]:
+    """Split num_tokens into at most max_reqs prompts of at most max_prompt
+    tokens (the largest bucket may hold a little less: it still pads to it)."""
+    num_reqs = min(max_reqs, num_tokens)
+    base, extra = divmod(num_tokens, num_reqs)
+    return [min(max_prompt, base + (i < extra)) for i in range(num_reqs)]
+
+
+def _step(runner: AccelModelRunner, scheduler_output: SchedulerOutput) -> None:
+    if runner.execute_model(scheduler_output) is None:
+        runner.sample_tokens(None)
+
+
+def _run_bucket(runner: AccelModelRunner, bucket: int, params: SamplingParams) -> None:
+    # Room for the prefill, one decode token and the token it samples.
+    lengths = _prompt_lengths(bucket, runner.max_model_len - 2, runner.max_num_reqs)
+    next_block = 1  # block 0 is vLLM's null block; others are free during warmup
+    new_reqs = []
+    for i, length in enumerate(lengths):
+        blocks = -(-(length + 1) // runner.block_size)
+        ids = [1 + (next_block + b - 1) % (runner.num_blocks - 1) for b in range(blocks)]
+        next_block += blocks
+        new_reqs.append(NewRequestData(
+            req_id=f"warmup-{bucket}-{i}", prompt_token_ids=[i % 7 + 10] * length,
+            mm_features=[], sampling_params=params, pooling_params=None,
+            block_ids=(ids,), num_computed_tokens=0, lora_request=None,
+        ))
+    req_ids = [r.req_id for r in new_reqs]
+
+    prefill = SchedulerOutput.make_empty()
+    prefill.scheduled_new_reqs = new_reqs
+    prefill.num_scheduled_tokens = dict(zip(req_ids, lengths))
+    prefill.total_num_scheduled_tokens = sum(lengths)
+    _step(runner, prefill)
+
+    decode = SchedulerOutput.make_empty()
+    decode.scheduled_cached_reqs = CachedRequestData(
+        req_ids=req_ids, resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
+        new_block_ids=[None] * len(req_ids), num_computed_tokens=lengths,
+        num_output_tokens=[1] * len(req_ids),
+    )
+    decode.num_scheduled_tokens = dict.fromkeys(req_ids, 1)
+    decode.total_num_scheduled_tokens = len(req_ids)
+    _step(runner, decode)
+
+    finish = SchedulerOutput.make_empty()
+    finish.finished_req_ids = set(req_ids)
+    _step(runner, finish)
+
+
+def warm_up(runner: AccelModelRunner) -> None:
+    """Compile and run every token bucket, smallest first; log parseable totals."""
+    stats = runner.compile_stats
+    buckets = runner.token_buckets
+    started = time.perf_counter()
+    for index, bucket in enumerate(buckets):
+        bucket_start = time.perf_counter()
+        _run_bucket(runner, bucket, _SAMPLING[index == len(buckets) - 1])
+        logger.info(
+            "vllm_accel warmup: bucket %d/%d (%d tokens) in %.1f s",
+            index + 1, len(buckets), bucket, time.perf_counter() - bucket_start,
+        )
+    stats.finish_warmup()
+    hits, misses = stats.cache_hits
+    logger.info(
+        "vllm_accel warmup finished in %.1f s: %d graphs (compile cache hits %d, misses %d)",
+        time.perf_counter() - started, stats.warmup_graphs, hits, misses,
+    )
