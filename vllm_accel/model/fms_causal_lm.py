@@ -10,6 +10,7 @@ embeddings and positions -> hidden states; the paged-KV layout comes from
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 from torch import nn
@@ -76,6 +77,16 @@ def _check_all_weights_loaded(model: nn.Module, model_path: str) -> None:
         )
 
 
+def _own_copy(function):
+    """A copy of ``function`` with its own code object. Dynamo keeps compiled
+    graphs per code object, process-wide; a copy makes each engine own (and
+    count) its graphs instead of silently reusing another engine's."""
+    return types.FunctionType(
+        function.__code__.replace(), function.__globals__, function.__name__,
+        function.__defaults__, function.__closure__,
+    )
+
+
 class FmsCausalLM(nn.Module):
     """An FMS decoder-only model driven through vLLM's paged KV cache."""
 
@@ -119,7 +130,7 @@ class FmsCausalLM(nn.Module):
         """
         layers = self.fms_model.base_model.layers
         compiled = torch.compile(
-            type(layers[0]).forward, backend=backend, dynamic=False, fullgraph=True
+            _own_copy(type(layers[0]).forward), backend=backend, dynamic=False, fullgraph=True
         )
         for layer in layers:
             layer.forward = functools.partial(compiled, layer)

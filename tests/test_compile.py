@@ -1,0 +1,156 @@
+"""The accelerator execution model on the CPU backend with inductor: every
+shape is warmed up, serving compiles nothing, results equal eager and HF."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import pytest
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from helpers import hf_greedy, model_runner, running_llm
+from test_generation import random_prompts
+
+MAX_MODEL_LEN = 256
+ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64, max_num_seqs=8)
+BUCKETS = "1,4,16,64"
+WARMUP_LINE = re.compile(r"vllm_accel warmup finished in ([\d.]+) s: (\d+) graphs")
+
+
+def accel_config(cache_dir, **settings) -> dict:
+    options = {"compile_backend": "inductor", "token_buckets": BUCKETS,
+               "compile_cache_dir": str(cache_dir)}
+    options.update(settings)
+    return {"accel": options}
+
+
+class LogLines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture()
+def warmup_log():
+    handler = LogLines()
+    logger = logging.getLogger("vllm.vllm_accel.worker.warmup")
+    logger.addHandler(handler)
+    yield handler.lines
+    logger.removeHandler(handler)
+
+
+def greedy(llm, prompts, max_tokens=8):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_models, cache_dir):
+    """One inductor engine, started cold (empty compile cache)."""
+    started = time.perf_counter()
+    with running_llm(tiny_models["llama"], additional_config=accel_config(cache_dir),
+                     **ENGINE) as llm:
+        yield llm, time.perf_counter() - started
+
+
+def test_warmup_compiles_every_bucket_once(compiled):
+    llm, _ = compiled
+    runner = model_runner(llm)
+    assert runner.token_buckets == [1, 4, 16, 64]
+    assert runner.compile_stats.warmup_graphs == 4
+    assert runner.compile_stats.cache_hits == (0, 4)
+
+
+def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
+    llm, _ = compiled
+    runner = model_runner(llm)
+    model_dir = tiny_models["llama"]
+    graphs_before = runner.compile_stats.graphs_compiled
+
+    # 1 request, then max_num_seqs at once, lengths across bucket boundaries up
+    # to max_model_len; then a prefix hit; then n>1; then arrivals mid-decode.
+    single = random_prompts([5], seed=10)
+    batch = random_prompts([1, 3, 4, 5, 16, 17, 63, 240], seed=11)
+    shared = random_prompts([100], seed=12)[0]
+    prefix_pair = [shared + t for t in random_prompts([7, 9], seed=13)]
+    got = greedy(llm, single) + greedy(llm, batch) + greedy(llm, prefix_pair)
+    expected = hf_greedy(model_dir, single + batch + prefix_pair, 8)
+    assert got == expected
+
+    n_params = SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=6)
+    assert len(llm.generate([TokensPrompt(prompt_token_ids=batch[4])], n_params,
+                            use_tqdm=False)[0].outputs) == 3
+
+    engine = llm.llm_engine
+    late = random_prompts([30, 2, 70], seed=14)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outputs, step = {}, 0
+    while step < 6 or engine.has_unfinished_requests():
+        if step in (0, 2, 5):
+            i = (0, 2, 5).index(step)
+            engine.add_request(f"late-{i}", TokensPrompt(prompt_token_ids=late[i]), params)
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+    assert [outputs[f"late-{i}"] for i in range(3)] == hf_greedy(model_dir, late, 8)
+
+    assert runner.compile_stats.runtime_compiles == 0
+    assert runner.compile_stats.graphs_compiled == graphs_before
+
+
+def test_inductor_equals_eager(compiled, tiny_models):
+    llm, _ = compiled
+    prompts = random_prompts([2, 15, 16, 17, 64, 65, 200], seed=15)
+    with running_llm(tiny_models["llama"], **ENGINE,
+                     additional_config={"accel": {"token_buckets": BUCKETS}}) as eager:
+        assert model_runner(eager).backend.compile_backend == "eager"
+        assert greedy(eager, prompts, 12) == greedy(llm, prompts, 12)
+
+
+def test_second_start_uses_the_compile_cache(compiled, tiny_models, cache_dir, warmup_log):
+    _, cold_s = compiled
+    started = time.perf_counter()
+    with running_llm(tiny_models["llama"], additional_config=accel_config(cache_dir),
+                     **ENGINE) as llm:
+        warm_s = time.perf_counter() - started
+        assert model_runner(llm).compile_stats.cache_hits == (4, 0)
+    match = next(m for m in map(WARMUP_LINE.search, warmup_log) if m)
+    assert int(match.group(2)) == 4
+    print(f"engine start: cold {cold_s:.1f} s, with compile cache {warm_s:.1f} s "
+          f"(warmup {float(match.group(1)):.1f} s)")
+
+
+def test_shape_outside_every_bucket_is_served_and_counted(tiny_models, cache_dir):
+    config = accel_config(cache_dir, token_buckets="1,4,16")
+    with running_llm(tiny_models["llama"], additional_config=config, **ENGINE) as llm:
+        runner = model_runner(llm)
+        assert runner.compile_stats.runtime_compiles == 0
+        prompt = random_prompts([40], seed=16)  # 40 tokens > largest bucket (16)
+        assert greedy(llm, prompt) == hf_greedy(tiny_models["llama"], prompt, 8)
+        assert runner.compile_stats.runtime_compiles == 1
+
+
+def test_skip_warmup_compiles_lazily(tiny_models, cache_dir, warmup_log, monkeypatch):
+    monkeypatch.setenv("VLLM_SKIP_WARMUP", "true")
+    with running_llm(tiny_models["llama"], additional_config=accel_config(cache_dir),
+                     **ENGINE) as llm:
+        runner = model_runner(llm)
+        assert runner.compile_stats.graphs_compiled == 0
+        prompt = random_prompts([10], seed=17)
+        assert greedy(llm, prompt) == hf_greedy(tiny_models["llama"], prompt, 8)
+        assert runner.compile_stats.graphs_compiled == 2  # 16 (prefill), 1 (decode)
+    assert not any(WARMUP_LINE.search(line) for line in warmup_log)

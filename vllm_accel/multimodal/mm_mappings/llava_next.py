@@ -1,0 +1,70 @@
+"""LlavaNext (Granite Vision) on FMS: SigLIP tower + projector + Granite.
+
+Anyres: an image becomes a base tile (the image resized to one tile) plus
+the tiles of its best-fitting grid pinpoint; each tile gives
+(image_size / patch_size)^2 features, the concatenation of several SigLIP
+hidden layers, projected to the text width. Packing drops the letterbox
+padding rows/columns and ends each feature row with ``image_newline``.
+All of that is FMS's own ``get_image_features`` / ``pack_image_features``;
+this class only feeds them one image at a time (per-image lengths) with the
+patches vLLM padded on removed.
+
+Compiled, only the SigLIP tower runs under torch.compile (``vision_module``),
+padded to the image's patch count bucket: it is most of the work and treats
+patches independently (attention stays within a patch), so zero patches do
+not change the real ones. The projector and packing stay eager: their shapes
+vary with the image and they are cheap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+
+
+class LlavaNextUtils(MultiModalUtils):
+    @property
+    def text_model(self) -> nn.Module:
+        return self.fms_model.language_model
+
+    @property
+    def vision_module(self) -> nn.Module:
+        return self.fms_model.vision_tower
+
+    def _tile(self) -> int:
+        return self.fms_model.config.vision_config.image_size
+
+    def num_patches(self, image_size: torch.Tensor) -> int:
+        """Tiles (base + grid) FMS encodes for an image of (height, width)."""
+        config = self.fms_model.config
+        return self.fms_model.image_size_to_num_patches(
+            image_size, config.image_grid_pinpoints, self._tile())
+
+    def vision_buckets(self) -> list[int]:
+        tile = self._tile()
+        return sorted({1 + math.ceil(h / tile) * math.ceil(w / tile)
+                       for h, w in self.fms_model.config.image_grid_pinpoints})
+
+    def warmup_image_sizes(self) -> list[tuple[int, int]]:
+        # An image exactly the size of a pinpoint picks that pinpoint.
+        by_bucket: dict[int, tuple[int, int]] = {}
+        for h, w in self.fms_model.config.image_grid_pinpoints:
+            by_bucket.setdefault(self.num_patches(torch.tensor([h, w])), (w, h))
+        return [by_bucket[b] for b in sorted(by_bucket)]
+
+    def encode_item(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
+        # vLLM pads the pixel_values of images processed together to the most
+        # tiles among them; FMS wants a 4-D input already trimmed.
+        sizes = item["image_sizes"].reshape(1, 2).cpu()
+        count = self.num_patches(sizes[0])
+        pixel_values = item["pixel_values"]
+        if pixel_values.dim() != 4 or pixel_values.shape[0] < count:
+            raise ValueError(f"image of size {sizes[0].tolist()} needs {count} tiles, got "
+                             f"pixel_values of shape {tuple(pixel_values.shape)}")
+        model = self.fms_model
+        features = model.get_image_features(pixel_values[:count].to(self.device), sizes)
+        return model.pack_image_features(features, sizes, image_newline=model.image_newline)
