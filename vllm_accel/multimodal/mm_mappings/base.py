@@ -116,9 +116,15 @@ class MultiModalUtils(ABC):
     @property
     @abstractmethod
     def vision_module(self) -> nn.Module:
-        """The module ``compile_encoder`` compiles. Its forward's first argument
-        and every tensor it returns must share a leading axis whose rows are
-        computed independently (so zero rows can pad it to a bucket)."""
+        """The module ``compile_encoder`` pads. Its forward's first argument and
+        every tensor it returns share a leading axis whose rows are computed
+        independently (so zero rows can pad it to a bucket)."""
+
+    def vision_compile_units(self) -> list[nn.Module]:
+        """Modules of one class that run under torch.compile (default: the whole
+        ``vision_module``). Identical encoder layers share one graph per shape,
+        so compile time does not grow with depth."""
+        return [self.vision_module]
 
     @abstractmethod
     def vision_buckets(self) -> list[int]:
@@ -129,15 +135,28 @@ class MultiModalUtils(ABC):
         """(width, height) of images that together hit every vision bucket."""
 
     def compile_encoder(self, backend: str, buckets: list[int] | None = None) -> None:
-        """Run ``vision_module`` compiled with static shapes: its input is
-        zero-padded to the smallest bucket that fits and its outputs sliced
-        back, so there is one graph per bucket. ``buckets`` defaults to
+        """Compile ``vision_compile_units`` with static shapes and zero-pad the
+        input of ``vision_module`` to the smallest bucket that fits (outputs
+        sliced back): one graph per bucket. ``buckets`` defaults to
         ``vision_buckets()``; coarser lists mean fewer graphs, more padding."""
+        if self.encoder_buckets is not None:
+            raise RuntimeError("compile_encoder was already called")
         module = self.vision_module
         self.encoder_buckets = sorted(set(buckets or self.vision_buckets()))
-        compiled = torch.compile(type(module).forward, backend=backend, dynamic=False,
+        units = self.vision_compile_units()
+        compiled = torch.compile(type(units[0]).forward, backend=backend, dynamic=False,
                                  fullgraph=True)
-        compiled = functools.partial(compiled, module)
+        # An instance attribute wins over the class's forward in nn.Module.__call__,
+        # so the architecture's own code (e.g. FMS get_image_features) calls these.
+        for unit in units:
+            unit.forward = functools.partial(compiled, unit)
+        # One cache entry per bucket for the same code: dynamo's default limit (8)
+        # would silently fall back to eager beyond it.
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit,
+                                            len(self.encoder_buckets) + 1)
+        inner = module.forward
 
         def padded_forward(x: torch.Tensor, *args, **kwargs):
             rows = x.shape[0]
@@ -148,11 +167,9 @@ class MultiModalUtils(ABC):
                 bucket = rows
             if bucket > rows:
                 x = torch.cat([x, x.new_zeros(bucket - rows, *x.shape[1:])])
-            out = compiled(x, *args, **kwargs)
+            out = inner(x, *args, **kwargs)
             return pytree.tree_map_only(torch.Tensor, lambda t: t[:rows], out)
 
-        # An instance attribute wins over the class's forward in nn.Module.__call__,
-        # so the architecture's own code (e.g. FMS get_image_features) calls this.
         module.forward = padded_forward
 
     def warmup_items(self, processor_dir: str,

@@ -9,11 +9,14 @@ All of that is FMS's own ``get_image_features`` / ``pack_image_features``;
 this class only feeds them one image at a time (per-image lengths) with the
 patches vLLM padded on removed.
 
-Compiled, only the SigLIP tower runs under torch.compile (``vision_module``),
-padded to the image's patch count bucket: it is most of the work and treats
-patches independently (attention stays within a patch), so zero patches do
-not change the real ones. The projector and packing stay eager: their shapes
-vary with the image and they are cheap.
+Compiled: the SigLIP tower (``vision_module``) gets its input padded with
+zero tiles to the image's tile-count bucket; it treats tiles independently
+(attention stays within a tile), so padding does not change the real ones.
+Its encoder layers run under torch.compile, all layers sharing one graph per
+bucket (like the text layers: compile time independent of depth; whole-tower
+graphs took twice as long to build for the 4-layer fixture). Patch
+embedding, pooling head, projector and packing stay eager: single ops or
+small, and the latter two have image-dependent shapes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class LlavaNextUtils(MultiModalUtils):
     @property
     def vision_module(self) -> nn.Module:
         return self.fms_model.vision_tower
+
+    def vision_compile_units(self) -> list[nn.Module]:
+        return list(self.fms_model.vision_tower.base_model.encoder.layers)
 
     def _tile(self) -> int:
         return self.fms_model.config.vision_config.image_size

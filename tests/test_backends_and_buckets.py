@@ -1,0 +1,78 @@
+"""Device-backend selection (Gaudi faked: none here) and bucket arithmetic."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+
+import pytest
+
+from vllm_accel.devices import DeviceBackend, select_backend
+from vllm_accel.settings import load_settings
+from vllm_accel.worker.buckets import (
+    exponential_buckets,
+    find_bucket,
+    linear_buckets,
+    make_buckets,
+)
+
+
+@pytest.fixture(autouse=True)
+def default_settings(monkeypatch):
+    monkeypatch.delenv("VLLM_ACCEL_COMPILE_BACKEND", raising=False)
+
+
+@pytest.fixture()
+def fake_habana(monkeypatch):
+    """Pretend habana_frameworks.torch is installed (the real one is not)."""
+    imported = []
+    for name in ("habana_frameworks", "habana_frameworks.torch"):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr("importlib.import_module",
+                        lambda name: imported.append(name) or sys.modules[name])
+    return imported
+
+
+def test_cpu_is_chosen_without_habana():
+    assert select_backend(load_settings()) == DeviceBackend("cpu", "inductor")
+    eager = load_settings({"accel": {"compile_backend": "eager"}})
+    assert select_backend(eager) == DeviceBackend("cpu", "eager")
+    with pytest.raises(ValueError, match=r"hpu_backend is not available on device 'cpu'"):
+        select_backend(load_settings({"accel": {"compile_backend": "hpu_backend"}}))
+
+
+def test_hpu_is_chosen_when_habana_is_importable(fake_habana):
+    assert select_backend(load_settings()) == DeviceBackend("hpu", "hpu_backend")
+    assert fake_habana == ["habana_frameworks.torch"]  # registers hpu_backend
+    forced_cpu = load_settings({"accel": {"device": "cpu"}})
+    assert select_backend(forced_cpu).device == "cpu"
+
+
+def test_inductor_is_refused_on_hpu_naming_the_setting(fake_habana):
+    with pytest.raises(ValueError, match=r"VLLM_ACCEL_COMPILE_BACKEND=inductor .* 'hpu'.*"
+                                         r"hpu_backend, eager"):
+        select_backend(load_settings({"accel": {"compile_backend": "inductor"}}))
+
+
+def test_bucket_strategies():
+    assert exponential_buckets(1, 128, limit=8) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert exponential_buckets(1, 2048, limit=8) == [1, 4, 16, 64, 256, 1024, 2048]
+    assert linear_buckets(64, 64, 300) == [64, 128, 192, 256, 300]
+    assert make_buckets("", 1, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert make_buckets("64,8, 1", 1, 100) == [1, 8, 64]
+    assert make_buckets("exp:min=2,max=32,limit=3", 1, 100) == [2, 8, 32]
+    assert make_buckets("lin:step=40", 40, 100) == [40, 80, 100]
+    assert find_bucket([1, 8, 64], 9) == 64
+    assert find_bucket([1, 8, 64], 65) is None
+
+
+def test_bad_bucket_spec_fails_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("VLLM_ACCEL_TOKEN_BUCKETS", "exp:min=1,maxx=4")
+    with pytest.raises(ValueError, match=r"VLLM_ACCEL_TOKEN_BUCKETS.*bad field 'maxx=4'"):
+        load_settings()
+    monkeypatch.setenv("VLLM_ACCEL_TOKEN_BUCKETS", "1,two")
+    with pytest.raises(ValueError, match=r"VLLM_ACCEL_TOKEN_BUCKETS.*comma-separated list"):
+        load_settings()

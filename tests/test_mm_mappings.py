@@ -1,0 +1,260 @@
+"""mm_mappings: the registry, and LlavaNextUtils on the tiny LlavaNext fixture
+fed with items from vLLM's own multimodal processor, checked against HF
+transformers' LlavaNextForConditionalGeneration. Offline and CPU only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_accel.multimodal.mm_mappings import (
+    get_mm_utils_cls,
+    register_mm_utils,
+    registered_model_types,
+)
+from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils, warmup_image
+from vllm_accel.testing.tiny_models import make_tiny_model
+
+IMAGE_TOKEN_ID = 6
+# (width, height): 1x2 tiles and not a multiple of the tile (80x50), 1x3
+# (60x150), 1x1, 2x2, and a 3x1 with letterbox padding (200x70).
+SIZES = [(80, 50), (60, 150), (64, 64), (128, 128), (200, 70)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_model("llava_next", tmp_path_factory.mktemp("llava_next") / "m")
+
+
+@pytest.fixture(scope="module")
+def hf_config(ckpt):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(ckpt)
+
+
+def _fms_model(ckpt):
+    from fms.models import get_model
+
+    return get_model("hf_pretrained", model_path=str(ckpt), device_type="cpu",
+                     data_type=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def utils(ckpt, hf_config):
+    return get_mm_utils_cls(hf_config)(hf_config, _fms_model(ckpt))
+
+
+@pytest.fixture(scope="module")
+def hf_model(ckpt):
+    from transformers import LlavaNextForConditionalGeneration
+
+    return LlavaNextForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def vllm_process(ckpt):
+    """images -> (prompt ids, per-image MultiModalKwargsItem, placeholders),
+    from vLLM's LlavaNext processor on a chat prompt with those images."""
+    from vllm_accel.multimodal.compat import install_shims
+
+    install_shims()  # before vLLM resolves LlavaNext (torchvision-free)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    model_config = EngineArgs(model=str(ckpt), dtype="float32", max_model_len=2048,
+                              seed=0).create_model_config()
+    processor = MULTIMODAL_REGISTRY.create_processor(model_config)
+    tokenizer = processor.info.get_tokenizer()
+
+    def run(images):
+        content = [{"type": "image"}] * len(images) + [{"type": "text", "text": "Describe."}]
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                               add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        out = processor(ids, processor.info.parse_mm_data({"image": images}))
+        return (out["prompt_token_ids"], list(out["mm_kwargs"]["image"]),
+                list(out["mm_placeholders"]["image"]))
+
+    return run
+
+
+def _images(sizes):
+    return [warmup_image(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+
+
+def _hf_image_features(hf_model, items):
+    """HF's packed features per image (get_image_features + pack_image_features)."""
+    out = []
+    with torch.no_grad():
+        for item in items:
+            feats = hf_model.model.get_image_features(item["pixel_values"][None],
+                                                      item["image_sizes"][None])
+            out.append(feats.pooler_output[0])
+    return out
+
+
+# --------------------------------------------------------------------------
+
+
+def test_registry(hf_config):
+    from transformers import AutoConfig
+
+    from vllm_accel.multimodal.mm_mappings.llava_next import LlavaNextUtils
+
+    assert "llava_next" in registered_model_types()
+    assert get_mm_utils_cls(hf_config) is LlavaNextUtils
+    assert get_mm_utils_cls(hf_config.text_config) is None  # granite: text only
+    assert get_mm_utils_cls(AutoConfig.for_model("llama")) is None
+    text = LlavaNextUtils.text_config(hf_config)
+    assert text is hf_config.text_config and text.model_type == "granite"
+    assert (text.num_hidden_layers, text.num_key_value_heads) == (
+        hf_config.text_config.num_hidden_layers, hf_config.text_config.num_key_value_heads)
+
+    with pytest.raises(ValueError, match="module:ClassName"):
+        register_mm_utils("x", "no_colon")
+    register_mm_utils("my_vlm", "vllm_accel.multimodal.mm_mappings.base:warmup_image")
+    try:
+        with pytest.raises(TypeError, match="not a MultiModalUtils"):
+            get_mm_utils_cls(type("Cfg", (), {"model_type": "my_vlm"}))
+    finally:
+        from vllm_accel.multimodal import mm_mappings
+
+        del mm_mappings._REGISTRY["my_vlm"]
+
+    # Importing the package loads no mapping (nor torch/FMS/vLLM).
+    code = ("import sys, vllm_accel.multimodal.mm_mappings\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'fms', 'vllm', 'transformers') or 'mm_mappings.' in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ), check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_utils_basics(utils, hf_config):
+    assert isinstance(utils, MultiModalUtils) and utils.is_multimodal
+    text = utils.text_model
+    assert text is utils.fms_model.language_model
+    assert text.config.nlayers == hf_config.text_config.num_hidden_layers
+    assert hasattr(text, "base_model") and hasattr(text, "head")
+    # 1 base tile + 1, 2, 2, 4, 3, 3 grid tiles.
+    assert utils.vision_buckets() == [2, 3, 4, 5]
+    assert utils.warmup_image_sizes() == [(64, 64), (128, 64), (192, 64), (128, 128)]
+
+
+def test_encode_vllm_items_equals_hf(utils, hf_model, vllm_process, ckpt):
+    """One image per prompt: lengths equal vLLM's placeholders, features HF's;
+    the HF processor (warmup_items) yields the same items as vLLM's."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+
+    warm = utils.warmup_items(str(ckpt), SIZES)
+    for size, image, warm_item in zip(SIZES, _images(SIZES), warm):
+        ids, items, placeholders = vllm_process([image])
+        # What the runner finds in CachedRequestState.mm_features.
+        spec = MultiModalFeatureSpec(data=items[0], modality="image", identifier="h",
+                                     mm_position=placeholders[0])
+        item = MultiModalUtils.item_tensors(spec.data)
+        assert set(item) == {"pixel_values", "image_sizes"}
+        assert item["image_sizes"].tolist() == [size[1], size[0]]  # (height, width)
+        for key in item:
+            torch.testing.assert_close(item[key], warm_item[key], atol=0, rtol=0)
+
+        (feats,) = utils.encode([item])
+        (hf_feats,) = _hf_image_features(hf_model, [item])
+        assert len(placeholders) == 1 and placeholders[0].is_embed is None
+        assert feats.shape == (placeholders[0].length, 256), size
+        assert ids.count(IMAGE_TOKEN_ID) == placeholders[0].length
+        torch.testing.assert_close(feats, hf_feats, atol=1e-5, rtol=1e-5)
+    assert utils.encode_calls >= len(SIZES)
+    with pytest.raises(ValueError, match="no data"):
+        MultiModalUtils.item_tensors(None)
+
+
+@pytest.mark.parametrize("sizes", [[(80, 50)], [(80, 50), (60, 150)]])
+def test_merged_embeddings_equal_hf(utils, hf_model, vllm_process, sizes):
+    ids, items, placeholders = vllm_process(_images(sizes))
+    items = [MultiModalUtils.item_tensors(it) for it in items]
+    if len(sizes) == 2:
+        # vLLM pads the images of a request to the most tiles: 80x50 needs 3.
+        assert [it["pixel_values"].shape[0] for it in items] == [4, 4]
+        assert torch.count_nonzero(items[0]["pixel_values"][3]) == 0
+
+    is_mm = torch.zeros(len(ids), dtype=torch.bool)
+    for p in placeholders:
+        is_mm[p.offset:p.offset + p.length] = True
+    input_ids = torch.tensor([ids])
+    # Placeholders cover exactly the image tokens (newline positions included).
+    assert torch.equal(is_mm, input_ids[0] == IMAGE_TOKEN_ID)
+
+    before = utils.encode_calls
+    feats = utils.encode(items)
+    assert utils.encode_calls == before + len(sizes)
+    assert [f.shape[0] for f in feats] == [p.length for p in placeholders]
+    with torch.inference_mode():
+        merged = utils.merge(utils.embed_tokens(input_ids), torch.cat(feats), is_mm)
+
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured["embeds"] = kwargs["inputs_embeds"]
+
+    hook = hf_model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            hf_model(input_ids=input_ids,
+                     pixel_values=torch.stack([it["pixel_values"] for it in items]),
+                     image_sizes=torch.stack([it["image_sizes"] for it in items]))
+    finally:
+        hook.remove()
+    assert merged.shape == captured["embeds"].shape == (1, len(ids), 256)
+    torch.testing.assert_close(merged, captured["embeds"], atol=1e-5, rtol=1e-5)
+
+    with pytest.raises(ValueError, match="placeholder positions"):
+        utils.merge(merged, torch.cat(feats)[1:], is_mm)
+
+
+def test_padding_tiles_changes_nothing(utils, ckpt):
+    """SigLIP encodes tiles independently: zero tiles appended to a batch leave
+    the real tiles' outputs (every hidden state) unchanged."""
+    (item,) = utils.warmup_items(str(ckpt), [(80, 50)])
+    pixels = item["pixel_values"]
+    padded = torch.cat([pixels, torch.zeros(2, *pixels.shape[1:])])
+    tower = utils.fms_model.vision_tower
+    with torch.inference_mode():
+        _, _, hidden = tower(pixels, output_hidden_states=True)
+        _, _, hidden_padded = tower(padded, output_hidden_states=True)
+    for h, hp in zip(hidden, hidden_padded):
+        torch.testing.assert_close(hp[: len(pixels)], h, atol=1e-6, rtol=1e-6)
+
+
+def test_compiled_encode(ckpt, hf_config, utils):
+    """Inductor with coarse buckets [3, 5]: 2 and 3 tiles run in bucket 3, 4
+    and 5 tiles in bucket 5 (padded). One graph per bucket, none after."""
+    from torch._dynamo.utils import counters
+
+    compiled = get_mm_utils_cls(hf_config)(hf_config, _fms_model(ckpt))
+    compiled.compile_encoder("inductor", buckets=[3, 5])
+    sizes = [(80, 50), (64, 64), (60, 150), (128, 128)]  # 3, 2, 4, 5 tiles
+    items = compiled.warmup_items(str(ckpt), sizes)
+    assert [it["pixel_values"].shape[0] for it in items] == [3, 2, 4, 5]
+
+    graphs = counters["stats"]["unique_graphs"]
+    out = compiled.encode(items[:2])  # bucket 3
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    out += compiled.encode(items[2:])  # bucket 5
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    again = compiled.encode(items)
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # no recompiles
+    assert compiled.encode_calls == 2 * len(items)
+    with pytest.raises(RuntimeError, match="already"):
+        compiled.compile_encoder("inductor")
+
+    eager = utils.encode(items)
+    for c, c2, e in zip(out, again, eager):
+        assert c.shape == e.shape
+        torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c2, c, atol=0, rtol=0)
