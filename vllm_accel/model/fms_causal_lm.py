@@ -9,13 +9,13 @@ embeddings and positions -> hidden states; the paged-KV layout comes from
 
 from __future__ import annotations
 
-import functools
-import types
-
 import torch
 from torch import nn
 from vllm.logger import init_logger
 
+from vllm_accel.model.compile import compile_shared_forward
+from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
+from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
 from vllm_accel.model.paged_attention import ATTN_NAME, register_paged_attention
 
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
@@ -26,6 +26,8 @@ logger = init_logger(f"vllm.{__name__}")
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "GraniteForCausalLM": "granite",
+    # Vision-language: the vision side lives in vllm_accel/multimodal/mm_mappings.
+    "LlavaNextForConditionalGeneration": "llava_next",
 }
 
 
@@ -77,22 +79,17 @@ def _check_all_weights_loaded(model: nn.Module, model_path: str) -> None:
         )
 
 
-def _own_copy(function):
-    """A copy of ``function`` with its own code object. Dynamo keeps compiled
-    graphs per code object, process-wide; a copy makes each engine own (and
-    count) its graphs instead of silently reusing another engine's."""
-    return types.FunctionType(
-        function.__code__.replace(), function.__globals__, function.__name__,
-        function.__defaults__, function.__closure__,
-    )
-
-
 class FmsCausalLM(nn.Module):
-    """An FMS decoder-only model driven through vLLM's paged KV cache."""
+    """An FMS decoder-only model driven through vLLM's paged KV cache.
 
-    def __init__(self, fms_model: nn.Module):
+    For a vision-language model, ``fms_model`` is its text model and
+    ``mm_utils`` the architecture's multimodal util (encoder, merge).
+    """
+
+    def __init__(self, fms_model: nn.Module, mm_utils: MultiModalUtils | None = None):
         super().__init__()
         self.fms_model = fms_model
+        self.mm_utils = mm_utils
         config = fms_model.config
         self.num_layers: int = config.nlayers
         self.num_heads: int = config.nheads
@@ -103,9 +100,8 @@ class FmsCausalLM(nn.Module):
         self.logits_scaling: float = float(getattr(config, "logits_scaling", 1.0))
 
     @classmethod
-    def load(cls, model_path: str, architectures: list[str], dtype: torch.dtype,
-             device: str = "cpu"):
-        check_architecture(architectures)
+    def load(cls, model_path: str, hf_config, dtype: torch.dtype, device: str = "cpu"):
+        check_architecture(hf_config.architectures)
         register_paged_attention()
         fms_model = _load_fms_model(model_path, dtype, device)
         _check_all_weights_loaded(fms_model, model_path)
@@ -116,24 +112,18 @@ class FmsCausalLM(nn.Module):
             sum(p.numel() for p in fms_model.parameters()) / 1e6,
             dtype,
         )
-        return cls(fms_model)
+        mm_utils_cls = get_mm_utils_cls(hf_config)
+        if mm_utils_cls is None:
+            return cls(fms_model)
+        mm_utils = mm_utils_cls(hf_config, fms_model)
+        return cls(mm_utils.text_model, mm_utils)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.fms_model.base_model.embedding(input_ids)
 
-    def compile_layers(self, backend: str) -> None:
-        """Compile the decoder layer's forward once for all layers.
-
-        Layers share code and shapes, so dynamo reuses one graph per input
-        shape across them (weights are graph inputs): compile time does not
-        grow with depth. Static shapes: each token bucket is its own graph.
-        """
-        layers = self.fms_model.base_model.layers
-        compiled = torch.compile(
-            _own_copy(type(layers[0]).forward), backend=backend, dynamic=False, fullgraph=True
-        )
-        for layer in layers:
-            layer.forward = functools.partial(compiled, layer)
+    def compile_layers(self, backend: str, num_buckets: int) -> None:
+        """One compiled decoder-layer graph per token bucket, shared by all layers."""
+        compile_shared_forward(list(self.fms_model.base_model.layers), backend, num_buckets)
 
     def forward(
         self,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
 from torch._dynamo.utils import counters
 from vllm.logger import init_logger
 
@@ -43,16 +42,10 @@ class CompileStats:
         hits, misses = _cache_hits()
         return hits - self._start_hits[0], misses - self._start_hits[1]
 
-    def configure(self, cache_dir: Path, num_buckets: int) -> None:
-        """Persist compiled graphs under cache_dir, and let dynamo keep one
-        graph per bucket (its default limit is 8 per function)."""
+    def configure(self, cache_dir: Path) -> None:
+        """Persist compiled graphs under cache_dir."""
         # Torch fills in its own default early, so ours (a setting) always wins.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
-        limit = max(64, 2 * num_buckets + 8)
-        torch._dynamo.config.recompile_limit = limit
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 4 * limit
-        )
         logger.info("vllm_accel compile cache: %s", os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
     def finish_warmup(self) -> None:

@@ -6,6 +6,10 @@ we keep the per-request state in vLLM's own ``InputBatch`` (which also builds
 the sampling metadata and runs logits processors), pack the step's tokens into
 one sequence padded to a token bucket, run the FMS model and sample with
 vLLM's ``Sampler``.
+
+A vision-language model always runs on embeddings: images scheduled this step
+are encoded (once each, cached by their identifier until vLLM frees them) and
+their rows merged at the placeholder positions the step covers.
 """
 
 from __future__ import annotations
@@ -51,6 +55,12 @@ class StepInputs:
     attn_metadata: PagedAttentionMetadata
     last_token: torch.Tensor  # [num_reqs] packed index of each request's last token
     num_tokens: int  # before padding
+    # Per packed request (decodes first): InputBatch row, first packed token,
+    # number of tokens, and the position of its first token in its sequence.
+    rows: np.ndarray
+    firsts: np.ndarray
+    counts: np.ndarray
+    starts: np.ndarray
 
 
 @dataclass
@@ -87,6 +97,8 @@ class AccelModelRunner:
         )
 
         self.model: FmsCausalLM | None = None
+        self.encoder_cache: dict[str, torch.Tensor] = {}  # image identifier -> embeddings
+        self.images_encoded = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.compile_stats = CompileStats()
         self.requests: dict[str, CachedRequestState] = {}
@@ -108,13 +120,15 @@ class AccelModelRunner:
     def load_model(self) -> None:
         self.model = FmsCausalLM.load(
             self.model_config.model,
-            self.model_config.hf_config.architectures,
+            self.model_config.hf_config,
             self.dtype,
             self.backend.device,
         )
         if self.backend.compiles:
-            self.compile_stats.configure(self.settings.cache_dir, len(self.token_buckets))
-            self.model.compile_layers(self.backend.compile_backend)
+            self.compile_stats.configure(self.settings.cache_dir)
+            self.model.compile_layers(self.backend.compile_backend, len(self.token_buckets))
+            if self.model.mm_utils is not None:
+                self.model.mm_utils.compile_encoder(self.backend.compile_backend)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         assert self.model is not None
@@ -161,10 +175,13 @@ class AccelModelRunner:
         )
         start = batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64)
         step = self._pack_step(num_scheduled, start)
+        inputs = step.input_ids.to(self.device)
+        if self.model.mm_utils is not None:
+            self._encode_scheduled_images(scheduler_output)
+            inputs = self._merged_embeddings(step, inputs)
 
         with attention_context(step.attn_metadata):
-            hidden = self.model(step.input_ids.to(self.device), step.positions.to(self.device),
-                                self.kv_caches)
+            hidden = self.model(inputs, step.positions.to(self.device), self.kv_caches)
         self.compile_stats.after_forward(step.input_ids.shape[1])
         logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)]).cpu()
 
@@ -213,6 +230,51 @@ class AccelModelRunner:
             logprobs=logprobs.tolists() if logprobs is not None else None,
             prompt_logprobs_dict={},
         )
+
+    # ---- multimodal ---------------------------------------------------------
+
+    def _encode_scheduled_images(self, scheduler_output: SchedulerOutput) -> None:
+        """Encode the images whose placeholders this step reaches (prefill only),
+        each once: vLLM schedules an image again only after freeing it."""
+        for image_id in scheduler_output.free_encoder_mm_hashes:
+            self.encoder_cache.pop(image_id, None)
+        mm = self.model.mm_utils
+        ids, items = [], []
+        for req_id, indices in scheduler_output.scheduled_encoder_inputs.items():
+            for index in indices:
+                feature = self.requests[req_id].mm_features[index]
+                if feature.identifier not in self.encoder_cache and feature.identifier not in ids:
+                    ids.append(feature.identifier)
+                    items.append(mm.item_tensors(feature.data))
+        if items:
+            self.encoder_cache.update(zip(ids, mm.encode(items)))
+            self.images_encoded += len(items)
+
+    def _merged_embeddings(self, step: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
+        """Text embeddings with image rows placed at the absolute positions of
+        their placeholders, also when a prefill chunk cuts through an image."""
+        is_image = torch.zeros(input_ids.shape[1], dtype=torch.bool)
+        chunks = []
+        for row, first, count, start in zip(step.rows, step.firsts, step.counts, step.starts):
+            end = start + count
+            for feature in self.requests[self.input_batch.req_ids[row]].mm_features:
+                place = feature.mm_position
+                lo, hi = max(start, place.offset), min(end, place.offset + place.length)
+                if lo >= hi:
+                    continue
+                if place.is_embed is not None:
+                    raise NotImplementedError("placeholders with non-embedding tokens")
+                is_image[first + lo - start : first + hi - start] = True
+                chunks.append(self.encoder_cache[feature.identifier][lo - place.offset :
+                                                                      hi - place.offset])
+        mm = self.model.mm_utils
+        embeds = mm.embed_tokens(input_ids)
+        if not chunks:
+            return embeds
+        return mm.merge(embeds, torch.cat(chunks), is_image)
+
+    def reset_encoder_cache(self) -> None:
+        self.encoder_cache.clear()
 
     # ---- helpers ------------------------------------------------------------
 
@@ -272,6 +334,10 @@ class AccelModelRunner:
             attn_metadata=metadata,
             last_token=torch.from_numpy(last_token),
             num_tokens=total,
+            rows=order,
+            firsts=firsts,
+            counts=counts,
+            starts=start[order],
         )
 
     def _token_bucket(self, num_tokens: int) -> int:

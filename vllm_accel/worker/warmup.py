@@ -3,7 +3,8 @@
 Each bucket gets a synthetic step made of prefill chunks that fill it exactly,
 then a decode step for the same requests, then the requests finish. This is
 vLLM's own scheduler-output format, so warmup exercises input packing,
-attention, the compiled layers and the sampler exactly as serving does.
+attention, the compiled layers and the sampler exactly as serving does. A
+vision model then encodes one real image per vision bucket.
 """
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ def warm_up(runner: AccelModelRunner) -> None:
         logger.info(
             "vllm_accel warmup: bucket %d/%d (%d tokens) in %.1f s",
             index + 1, len(buckets), bucket, time.perf_counter() - bucket_start,
+        )
+    mm = runner.model.mm_utils
+    if mm is not None:
+        # Real images through the model's own processor, one per vision bucket.
+        encoder_start = time.perf_counter()
+        sizes = mm.warmup_image_sizes()
+        mm.encode(mm.warmup_items(runner.model_config.model, sizes))
+        logger.info(
+            "vllm_accel warmup: vision encoder, %d image sizes %s in %.1f s",
+            len(sizes), sizes, time.perf_counter() - encoder_start,
         )
     stats.finish_warmup()
     hits, misses = stats.cache_hits

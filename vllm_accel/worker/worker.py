@@ -130,7 +130,7 @@ class AccelWorker(WorkerBase):
         self.model_config.max_model_len = max_model_len
 
     def reset_encoder_cache(self) -> None:
-        pass
+        self.model_runner.reset_encoder_cache()
 
     def check_health(self) -> None:
         pass

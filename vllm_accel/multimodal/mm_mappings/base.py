@@ -17,7 +17,6 @@ The text model is then fed the merged embeddings instead of token ids.
 
 from __future__ import annotations
 
-import functools
 import logging
 from abc import ABC, abstractmethod
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from vllm_accel.model.compile import compile_shared_forward
 from vllm_accel.worker.buckets import find_bucket
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -143,19 +143,7 @@ class MultiModalUtils(ABC):
             raise RuntimeError("compile_encoder was already called")
         module = self.vision_module
         self.encoder_buckets = sorted(set(buckets or self.vision_buckets()))
-        units = self.vision_compile_units()
-        compiled = torch.compile(type(units[0]).forward, backend=backend, dynamic=False,
-                                 fullgraph=True)
-        # An instance attribute wins over the class's forward in nn.Module.__call__,
-        # so the architecture's own code (e.g. FMS get_image_features) calls these.
-        for unit in units:
-            unit.forward = functools.partial(compiled, unit)
-        # One cache entry per bucket for the same code: dynamo's default limit (8)
-        # would silently fall back to eager beyond it.
-        from torch._dynamo import config as dynamo_config
-
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit,
-                                            len(self.encoder_buckets) + 1)
+        compile_shared_forward(self.vision_compile_units(), backend, len(self.encoder_buckets))
         inner = module.forward
 
         def padded_forward(x: torch.Tensor, *args, **kwargs):
