@@ -438,12 +438,10 @@ def test_vllm_processor_matches_hf(vllm_processed, processor):
 
 
 @no_torchvision
-def test_vllm_config_is_refused_by_our_platform_for_now(vllm_processed):
-    """ModelConfig and the multimodal processor work; building a VllmConfig
-    runs AccelPlatform.check_and_update_config, which still only accepts
-    Llama/Granite (vllm_accel/model/fms_causal_lm.py SUPPORTED_ARCHITECTURES)."""
-    err = vllm_processed["engine_config_error"]
-    assert err is not None and "LlavaNextForConditionalGeneration" in err, err
+def test_vllm_config_is_accepted_by_our_platform(vllm_processed):
+    """Building a VllmConfig runs AccelPlatform.check_and_update_config, which
+    accepts LlavaNext."""
+    assert vllm_processed["engine_config_error"] is None
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""LlavaNext (Granite Vision) through our platform against HF transformers'
+LlavaNextForConditionalGeneration, token for token (float32), with vLLM's own
+processor expanding the prompts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from vllm import SamplingParams
+
+from helpers import model_runner, running_llm
+from vllm_accel.testing.tiny_models import make_tiny_model
+
+MAX_TOKENS = 10
+SIZES = [(80, 50), (60, 150), (64, 64), (128, 128), (200, 70)]  # (width, height)
+ENGINE = dict(max_model_len=1024, limit_mm_per_prompt={"image": 2}, max_num_seqs=8)
+
+
+def image(width, height, seed=0):
+    rng = np.random.default_rng(seed + width * 1000 + height)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return make_tiny_model("llava_next", tmp_path_factory.mktemp("llava") / "llava_next")
+
+
+@pytest.fixture(scope="module")
+def hf(llava_dir):
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(llava_dir)
+    model = LlavaNextForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32)
+    return processor, model.eval()
+
+
+def prompt_for(processor, num_images: int, question: str) -> str:
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}],
+                                         add_generation_prompt=True)
+
+
+def hf_greedy(hf, prompt: str, images: list) -> list[int]:
+    processor, model = hf
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, inputs.input_ids.shape[1]:].tolist()
+
+
+def vllm_greedy(llm, cases) -> list[list[int]]:
+    requests = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else {"prompt": p}
+                for p, imgs in cases]
+    outs = llm.generate(requests, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def cases(hf):
+    processor, _ = hf
+    single = [(prompt_for(processor, 1, f"Describe picture {i}."), [image(*size)])
+              for i, size in enumerate(SIZES)]
+    two = [(prompt_for(processor, 2, "Compare them."), [image(80, 50), image(60, 150)])]
+    text = [(prompt_for(processor, 0, "Tell me a story about a fox."), [])]
+    return single + two + text
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir):
+    with running_llm(llava_dir, **ENGINE) as llm:
+        yield llm
+
+
+def test_each_case_matches_hf(llm, hf, cases):
+    for prompt, images in cases:
+        assert vllm_greedy(llm, [(prompt, images)]) == [hf_greedy(hf, prompt, images)]
+
+
+def test_mixed_batch_equals_single_requests(llm, hf, cases):
+    batched = vllm_greedy(llm, cases)
+    assert batched == [vllm_greedy(llm, [case])[0] for case in cases]
+    assert batched == [hf_greedy(hf, p, imgs) for p, imgs in cases]
+
+
+def test_chunk_boundary_inside_an_image(llava_dir, hf):
+    processor, _ = hf
+    # The 80x50 image takes 168 placeholder tokens from offset 8: 48-token chunks
+    # end inside it three times.
+    prompt, images = prompt_for(processor, 1, "What is it?"), [image(80, 50, seed=3)]
+    with running_llm(llava_dir, max_num_batched_tokens=48, **ENGINE) as chunked:
+        runner = model_runner(chunked)
+        assert vllm_greedy(chunked, [(prompt, images)]) == [hf_greedy(hf, prompt, images)]
+        assert runner.images_encoded == 1  # one image, encoded once across chunks
+
+
+def test_encoder_runs_once_per_distinct_image_never_in_decode(llm, hf):
+    processor, _ = hf
+    runner = model_runner(llm)
+    picture = image(128, 64, seed=7)
+    before = runner.images_encoded
+    first = prompt_for(processor, 1, "What colour dominates?")
+    # The same image twice in one batch: one encode; 10 decode steps: none.
+    assert vllm_greedy(llm, [(first, [picture]), (first, [picture])]) == \
+        [hf_greedy(hf, first, [picture])] * 2
+    assert runner.images_encoded - before == 1
+    # A later request with the same image and prompt prefix: vLLM reports the
+    # image cached (prefix cache / encoder cache), so nothing is encoded.
+    again = prompt_for(processor, 1, "What colour dominates? Answer briefly.")
+    assert vllm_greedy(llm, [(again, [picture])]) == [hf_greedy(hf, again, [picture])]
+    assert runner.images_encoded - before == 1
+
+
+def test_compiled_serving_has_no_recompiles_across_image_sizes(llava_dir, hf, cases,
+                                                               tmp_path):
+    config = {"accel": {"compile_backend": "inductor", "token_buckets": "1,16,256,2048",
+                        "compile_cache_dir": str(tmp_path)}}
+    with running_llm(llava_dir, additional_config=config, max_num_batched_tokens=2048,
+                     **ENGINE) as llm:
+        stats = model_runner(llm).compile_stats
+        assert stats.warmup_graphs == 4 + 4  # token buckets + vision tile buckets
+        got = vllm_greedy(llm, cases)
+        assert stats.runtime_compiles == 0
+    assert got == [hf_greedy(hf, p, imgs) for p, imgs in cases]
