@@ -93,26 +93,52 @@ def paged_attention(
     value_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0])
 
     out = query.new_zeros(query.shape)
-    gqa = query.shape[2] != kv_heads
-
-    def attend(q, block_table, mask):
-        # q [rows, queries, heads, dim]; context gathered through the block table.
-        rows = block_table.shape[0]
-        k = key_cache[block_table].view(rows, -1, kv_heads, head_dim).transpose(1, 2)
-        v = value_cache[block_table].view(rows, -1, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
-        )
-        return o.transpose(1, 2)
-
     if md.num_decodes:
-        decode_q = query[0, : md.num_decodes].unsqueeze(1)
-        out[0, : md.num_decodes] = attend(decode_q, md.decode_block_table, md.decode_mask)[:, 0]
+        out[0, : md.num_decodes] = _decode_attention(
+            query[0, : md.num_decodes], key_cache, value_cache,
+            md.decode_block_table, md.decode_mask, scale,
+        )
     for chunk in md.prefills:
-        out[0, chunk.start : chunk.end] = attend(
-            query[:, chunk.start : chunk.end], chunk.block_table, chunk.mask
-        )[0]
+        out[0, chunk.start : chunk.end] = _prefill_attention(
+            query[0, chunk.start : chunk.end], key_cache, value_cache,
+            chunk.block_table, chunk.mask, scale,
+        )
     return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[rows, blocks] block ids -> the rows' context [rows, kv_heads, tokens, dim]."""
+    rows = block_table.shape[0]
+    kv_heads, head_dim = cache.shape[-2:]
+    context = cache.index_select(0, block_table.reshape(-1))
+    return context.view(rows, -1, kv_heads, head_dim).transpose(1, 2)
+
+
+def _decode_attention(query, key_cache, value_cache, block_table, mask, scale):
+    """query [rows, heads, dim], one token per row -> [rows, heads, dim].
+
+    The query heads that share a KV head become rows of one matmul against
+    it (no copies of K/V per query head); for one query token, explicit
+    matmul-softmax-matmul is faster on CPU than SDPA's kernels.
+    """
+    rows, heads, head_dim = query.shape
+    kv_heads = key_cache.shape[-2]
+    keys, values = _gather(key_cache, block_table), _gather(value_cache, block_table)
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask.view(rows, 1, 1, -1), float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)
+    return out.reshape(rows, heads, head_dim)
+
+
+def _prefill_attention(query, key_cache, value_cache, block_table, mask, scale):
+    """query [tokens, heads, dim] of one request's chunk -> [tokens, heads, dim]."""
+    keys, values = _gather(key_cache, block_table), _gather(value_cache, block_table)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask, scale=scale,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+    return out[0].transpose(0, 1)
 
 
 @paged_attention.register_fake
