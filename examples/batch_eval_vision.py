@@ -11,8 +11,8 @@ images of different sizes and aspect ratios (one sample with two images, one
 text-only). An --input line looks like
     {"images": ["cat.png", "dog.jpg"], "question": "Which animal is bigger?"}
 ("images" may be empty or missing for text-only questions; relative paths are
-relative to the JSONL file). Each result line
-of --output is {"index", "question", "images", "answer"}, in input order.
+relative to the JSONL file). Each result line of --output is
+{"index", "question", "images", "answer"}, in input order.
 """
 
 import argparse
@@ -20,8 +20,6 @@ import json
 import os
 from pathlib import Path
 
-# A small KV budget is plenty for a tiny model (the default is 4 GiB).
-os.environ.setdefault("VLLM_ACCEL_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_PLUGINS", "accel")
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,11 +39,19 @@ def demo_image(width: int, height: int, seed: int):
     return image
 
 
+def default_max_model_len(model: str) -> int:
+    """8192 tokens (room for a few images), or the model's context if shorter."""
+    from transformers import AutoConfig
+
+    text_config = AutoConfig.from_pretrained(model).get_text_config()
+    return min(8192, getattr(text_config, "max_position_embeddings", 8192))
+
+
 def default_samples() -> list[tuple[list, str, list[str]]]:
     """(images, question, image labels): square, wide, tall, two images, text only."""
-    sizes = {"square 96x96": (96, 96), "wide 200x70": (200, 70), "tall 60x180": (60, 180),
-             "small 40x40": (40, 40)}
-    image = {name: demo_image(w, h, seed) for seed, (name, (w, h)) in enumerate(sizes.items())}
+    sizes = {"square 96x96": (96, 96, 4), "wide 200x70": (200, 70, 5),
+             "tall 60x180": (60, 180, 4), "small 40x40": (40, 40, 5)}
+    image = {name: demo_image(w, h, seed) for name, (w, h, seed) in sizes.items()}
     return [
         ([image["square 96x96"]], "What is in this image?", ["square 96x96"]),
         ([image["wide 200x70"]], "Describe the colours.", ["wide 200x70"]),
@@ -83,7 +89,8 @@ def main() -> None:
     parser.add_argument("--output", help="JSONL results (default: print only)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="default: 1024 for the tiny model, 8192 otherwise")
+                        help="default: 8192 or the model's context if shorter")
+    parser.add_argument("--dtype", default="float32", help="e.g. bfloat16 for a large model")
     args = parser.parse_args()
 
     model = args.model
@@ -92,14 +99,16 @@ def main() -> None:
 
         model = str(make_tiny_model("llava_next", REPO / ".cache" / "tiny-llava_next"))
         print(f"tiny llava_next checkpoint: {model}")
+        # A small KV budget is plenty for a tiny model (the default is 4 GiB).
+        os.environ.setdefault("VLLM_ACCEL_KVCACHE_SPACE", "1")
     samples = read_samples(args.input) if args.input else default_samples()
 
     from vllm import LLM, SamplingParams
 
     llm = LLM(
         model=model,
-        dtype="float32",
-        max_model_len=args.max_model_len or (1024 if args.model is None else 8192),
+        dtype=args.dtype,
+        max_model_len=args.max_model_len or default_max_model_len(model),
         # The most images any sample has (vLLM rejects prompts with more).
         limit_mm_per_prompt={"image": max([1] + [len(images) for images, _, _ in samples])},
     )

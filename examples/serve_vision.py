@@ -37,8 +37,17 @@ def demo_image(width: int = 160, height: int = 96):
                    for y in range(height) for x in range(width)])
     draw = ImageDraw.Draw(image)
     draw.ellipse((width // 8, height // 8, width // 2, height * 7 // 8), fill=(240, 200, 0))
-    draw.rectangle((width * 5 // 8, height // 4, width * 7 // 8, height * 3 // 4), fill=(20, 40, 200))
+    draw.rectangle((width * 5 // 8, height // 4, width * 7 // 8, height * 3 // 4),
+                   fill=(20, 40, 200))
     return image
+
+
+def default_max_model_len(model: str) -> int:
+    """8192 tokens (room for a few images), or the model's context if shorter."""
+    from transformers import AutoConfig
+
+    text_config = AutoConfig.from_pretrained(model).get_text_config()
+    return min(8192, getattr(text_config, "max_position_embeddings", 8192))
 
 
 def data_url(image) -> str:
@@ -58,7 +67,7 @@ def ask(client, model: str, image_url: str, question: str, max_tokens: int) -> s
 
 
 @contextlib.contextmanager
-def local_server(model: str, max_model_len: int):
+def local_server(model: str, max_model_len: int, dtype: str):
     """`vllm serve MODEL` on a free port of 127.0.0.1; yields the /v1 base URL."""
     import requests
 
@@ -66,10 +75,9 @@ def local_server(model: str, max_model_len: int):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, VLLM_PLUGINS="accel")
-    env.setdefault("VLLM_ACCEL_KVCACHE_SPACE", "1")  # GiB; plenty for a tiny model
     cmd = [str(Path(sys.executable).with_name("vllm")), "serve", model,
            "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", str(max_model_len)]
+           "--dtype", dtype, "--max-model-len", str(max_model_len)]
     print(f"starting vllm serve on 127.0.0.1:{port} ...", flush=True)
     log = tempfile.TemporaryFile("w+")  # the server's output, shown if it fails
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -104,7 +112,8 @@ def main() -> None:
     parser.add_argument("--question", default="What is in this image?")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="for a local server (default: 1024 tiny, 8192 otherwise)")
+                        help="for a local server (default: 8192 or the model's context)")
+    parser.add_argument("--dtype", default="float32", help="for a local server, e.g. bfloat16")
     args = parser.parse_args()
 
     import openai
@@ -121,8 +130,10 @@ def main() -> None:
 
                 model = str(make_tiny_model("llava_next", REPO / ".cache" / "tiny-llava_next"))
                 print(f"tiny llava_next checkpoint: {model}")
-            max_len = args.max_model_len or (1024 if args.model is None else 8192)
-            base_url = stack.enter_context(local_server(model, max_len))
+                # A small KV budget is plenty for a tiny model (the default is 4 GiB).
+                os.environ.setdefault("VLLM_ACCEL_KVCACHE_SPACE", "1")
+            max_len = args.max_model_len or default_max_model_len(model)
+            base_url = stack.enter_context(local_server(model, max_len, args.dtype))
         elif not base_url.rstrip("/").endswith("/v1"):
             base_url = base_url.rstrip("/") + "/v1"
         client = openai.OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"))

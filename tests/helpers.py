@@ -58,3 +58,24 @@ def prompt_ids(model_dir, texts: list[str]) -> list[list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return [tokenizer(t).input_ids for t in texts]
+
+
+def wait_until_serving(proc, base_url: str, log, timeout: float = 240) -> None:
+    """Poll a `vllm serve` subprocess until /health answers; fail with its log."""
+    import time
+
+    import pytest
+    import requests
+
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited early:\n{log.read_text()[-4000:]}")
+        try:
+            if requests.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        if time.time() > deadline:
+            pytest.fail(f"vllm serve not ready in {timeout:.0f} s:\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)

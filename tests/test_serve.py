@@ -7,14 +7,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
 import pytest
 import requests
 
-from helpers import hf_greedy, prompt_ids
+from helpers import hf_greedy, prompt_ids, wait_until_serving
 
 VLLM = str(Path(sys.executable).with_name("vllm"))
 MAX_MODEL_LEN = 256
@@ -43,18 +42,7 @@ def server(tiny_models, tmp_path_factory):
                                 stdout=log_file, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited early:\n{log.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"vllm serve not ready in 240 s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+        wait_until_serving(proc, base, log)
         yield base, str(tiny_models["llama"]), log
     finally:
         proc.terminate()
@@ -116,6 +104,14 @@ def test_too_long_prompt_is_a_400_and_server_keeps_serving(server, client):
     assert str(MAX_MODEL_LEN) in str(error.value)
     out = client.completions.create(model=model, prompt="still there?", max_tokens=4)
     assert out.usage.completion_tokens == 4
+
+
+def test_unsupported_option_is_a_400_naming_it(server, client):
+    _, model, _ = server
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                  extra_body={"prompt_logprobs": 1})
+    assert client.completions.create(model=model, prompt="hi", max_tokens=2).choices
 
 
 def test_unrelated_plugin_list_leaves_our_platform_off(tiny_models):

@@ -137,13 +137,43 @@ class AccelPlatform(Platform):
                     f"'{model_config.runner_type}'."
                 )
             check_architecture(model_config.architectures)
+            from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
+
+            mm_utils_cls = get_mm_utils_cls(model_config.hf_config)
+            if mm_utils_cls is not None:
+                cls.image_token_id = mm_utils_cls.image_token_id(model_config.hf_config)
+
+    # Set for vision models by check_and_update_config (front end included).
+    image_token_id: int | None = None
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
+        # VLLMValidationError, unlike a plain ValueError, reaches an API client
+        # as an HTTP 400 with this message.
+        from vllm.exceptions import VLLMValidationError
+
         if getattr(params, "prompt_logprobs", None) is not None:
-            raise ValueError(
-                "vllm-accel does not support prompt_logprobs yet; "
-                "omit it (output logprobs via 'logprobs' are supported)."
+            raise VLLMValidationError(
+                "vllm-accel does not support prompt_logprobs yet; omit it "
+                "(output logprobs via 'logprobs' are supported).",
+                parameter="prompt_logprobs", value=params.prompt_logprobs,
+            )
+        if cls.image_token_id is not None and isinstance(processed_inputs, dict):
+            cls._check_image_tokens(processed_inputs, VLLMValidationError)
+
+    @classmethod
+    def _check_image_tokens(cls, inputs: dict, error) -> None:
+        """Every image token must belong to an image's placeholder: vLLM passes
+        a literal image token typed in the text on to the model otherwise."""
+        images = (inputs.get("mm_placeholders") or {}).get("image", [])
+        expected = sum(place.length for place in images)
+        found = list(inputs.get("prompt_token_ids") or []).count(cls.image_token_id)
+        if found != expected:
+            raise error(
+                f"The prompt has {found} image tokens but its {len(images)} image(s) "
+                f"fill {expected}: the image token (id {cls.image_token_id}) must not "
+                "appear in the prompt text; send each image as an image part.",
+                parameter="image",
             )
 
     @classmethod

@@ -52,6 +52,15 @@ class MultiModalUtils(ABC):
     # ---- text side ------------------------------------------------------
 
     @classmethod
+    def image_token_id(cls, hf_config: Any) -> int | None:
+        """The token every image placeholder position holds in the prompt (the
+        front end checks that the text itself adds none)."""
+        for name in ("image_token_index", "image_token_id"):
+            if getattr(hf_config, name, None) is not None:
+                return int(getattr(hf_config, name))
+        return None
+
+    @classmethod
     def text_config(cls, hf_config: Any) -> Any:
         """The HF text sub-config (layers, kv heads, head dim for the KV spec)."""
         return hf_config.get_text_config()

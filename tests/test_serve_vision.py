@@ -1,0 +1,323 @@
+"""`vllm serve` of the tiny LlavaNext (Granite Vision) on our platform, as a user
+runs it: images as base64 data URLs over the OpenAI API, parity with HF
+transformers, bad image inputs answered with a 400 while the server keeps
+serving; and the two vision examples end to end.
+
+The server and both example runs start together (one module fixture) so that
+their start-ups overlap; all use the eager backend and skip the warmup."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import contextlib
+import io
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from helpers import wait_until_serving
+from test_serve import VLLM, free_port, server_env
+from vllm_accel.testing.tiny_models import make_tiny_model
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+LIMIT = 2  # images per prompt
+MAX_MODEL_LEN = 1024
+FAST = dict(VLLM_PLUGINS="accel", VLLM_ACCEL_COMPILE_BACKEND="eager", VLLM_SKIP_WARMUP="1")
+QUESTION = "What is in this image?"
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+serve_vision = load_example("serve_vision")
+batch_eval_vision = load_example("batch_eval_vision")
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def text(value: str) -> dict:
+    return {"type": "text", "text": value}
+
+
+GOOD_URL = serve_vision.data_url(serve_vision.demo_image(120, 80))
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> Path:
+    return make_tiny_model("llava_next", tmp_path_factory.mktemp("llava_next") / "m")
+
+
+@pytest.fixture(scope="module")
+def launched(llava, tmp_path_factory):
+    """{name: (process, log)} for the server and the two example runs."""
+    tmp = tmp_path_factory.mktemp("serve-vision")
+    port = free_port()
+    commands = {
+        "server": [VLLM, "serve", str(llava), "--host", "127.0.0.1", "--port", str(port),
+                   "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                   "--limit-mm-per-prompt", json.dumps({"image": LIMIT})],
+        "serve_example": [sys.executable, str(EXAMPLES / "serve_vision.py"), "--model",
+                          str(llava)],
+        "batch_example": [sys.executable, str(EXAMPLES / "batch_eval_vision.py"), "--model",
+                          str(llava), "--output", str(tmp / "results.jsonl")],
+    }
+    # The offline example runs its engine in-process: one vLLM import less.
+    envs = {"batch_example": server_env(**FAST, VLLM_ENABLE_V1_MULTIPROCESSING="0")}
+    procs = {}
+    try:
+        for name, cmd in commands.items():
+            log = tmp / f"{name}.log"
+            with open(log, "w") as log_file:
+                # Own process groups: stopping one also stops the server an
+                # unfinished serve_vision.py started.
+                procs[name] = (subprocess.Popen(cmd, env=envs.get(name, server_env(**FAST)),
+                                                cwd=tmp, stdout=log_file,
+                                                stderr=subprocess.STDOUT,
+                                                start_new_session=True), log)
+        yield {"port": port, "tmp": tmp, **procs}
+    finally:
+        for proc, _ in procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.time() + 30
+        for proc, _ in procs.values():
+            stop_group(proc, deadline)
+
+
+def stop_group(proc: subprocess.Popen, deadline: float) -> None:
+    """Wait for proc's process group to end (a `vllm serve` still starting up
+    may not react to SIGTERM), killing what is left at the deadline."""
+    while time.time() < deadline:
+        proc.poll()  # reap the leader
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def finished(launched, name: str) -> str:
+    """The output of an example run, once it has exited successfully."""
+    proc, log = launched[name]
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} still running after 300 s:\n{log.read_text()[-4000:]}")
+    output = log.read_text()
+    assert proc.returncode == 0, f"{name} failed:\n{output[-4000:]}"
+    return output
+
+
+@pytest.fixture(scope="module")
+def server(launched, llava):
+    proc, log = launched["server"]
+    base = f"http://127.0.0.1:{launched['port']}"
+    wait_until_serving(proc, base, log)
+    return base, str(llava), log
+
+
+@pytest.fixture()
+def client(server):
+    base, _, _ = server
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def ask(client, model, messages, max_tokens=8, **extra):
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                          temperature=0, **extra)
+
+
+def assert_still_serving(client, model):
+    reply = ask(client, model, user(image_part(GOOD_URL), text(QUESTION)))
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+
+
+def test_log_names_our_platform(server):
+    _, _, log = server
+    assert "vllm-accel platform active: device backend 'cpu'" in log.read_text()
+
+
+def test_image_chat_matches_hf(server, client, llava):
+    """Same prompt ids and the same greedy tokens as HF's LlavaNext for a data-URL image."""
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    _, model, _ = server
+    reply = ask(client, model, user(image_part(GOOD_URL), text(QUESTION)),
+                extra_body={"return_token_ids": True})
+    answer = reply.choices[0].message.content
+    assert answer and reply.choices[0].finish_reason == "length"
+
+    processor = AutoProcessor.from_pretrained(llava)
+    hf = LlavaNextForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    # As the server renders it: the content list [image, text] through the
+    # chat template; the template brings the bos, so no special tokens added.
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, text(QUESTION)]}],
+        add_generation_prompt=True)
+    image = Image.open(io.BytesIO(base64.b64decode(GOOD_URL.split(",", 1)[1])))
+    inputs = processor(images=image.convert("RGB"), text=prompt, add_special_tokens=False,
+                       return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=8, do_sample=False)
+    expected = out[0, inputs.input_ids.shape[1]:].tolist()
+
+    assert reply.prompt_token_ids == inputs.input_ids[0].tolist()
+    assert reply.choices[0].token_ids == expected
+    assert answer == processor.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+BAD_IMAGES = {
+    # payload -> what vLLM 0.33 says
+    "not base64": ("data:image/png;base64,%%%not-base64%%%", "Non-base64 digit found"),
+    "not an image": ("data:image/png;base64," + base64.b64encode(b"no png here").decode(),
+                     "Failed to load image: cannot identify image file"),
+    "truncated png": ("data:image/png;base64," + base64.b64encode(
+        base64.b64decode(GOOD_URL.split(",", 1)[1])[:120]).decode(),
+        "Failed to load image: image file is truncated"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_IMAGES)
+def test_corrupt_image_is_a_400_and_server_keeps_serving(server, client, kind):
+    _, model, _ = server
+    url, message = BAD_IMAGES[kind]
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, model, user(image_part(url), text(QUESTION)))
+    assert error.value.status_code == 400
+    assert message in error.value.message
+    assert_still_serving(client, model)
+
+
+def test_too_many_images_is_a_400_and_server_keeps_serving(server, client):
+    _, model, _ = server
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, model, user(*[image_part(GOOD_URL)] * (LIMIT + 1), text(QUESTION)))
+    assert error.value.status_code == 400
+    assert f"At most {LIMIT} image(s) may be provided in one prompt" in error.value.message
+    assert_still_serving(client, model)
+
+
+def outcome(call):
+    try:
+        return call()
+    except openai.APIStatusError as error:
+        return error
+
+
+def assert_rejected(result):
+    """A 400 naming the image token; anything accepted is described precisely."""
+    if isinstance(result, openai.APIStatusError):
+        assert result.status_code == 400, f"{result.status_code}: {result.message}"
+        assert "image" in result.message.lower(), result.message
+        return
+    choice = result.choices[0]
+    answer = choice.message.content if hasattr(choice, "message") else choice.text
+    pytest.fail(f"accepted with 200: {result.usage.prompt_tokens} prompt tokens, "
+                f"answer {answer!r}")
+
+
+def test_image_token_in_text_besides_an_image_is_a_400(server, client):
+    """The literal `<image>` in the text adds a second image token for one image.
+    HF's LlavaNext rejects the mismatch; vLLM 0.33 expands only the first
+    `<image>` and feeds the stray one to the model as an ordinary token. vLLM
+    calls Platform.validate_request with the processed prompt ids and image
+    placeholders, so our platform can turn this into a 400."""
+    _, model, _ = server
+    result = outcome(lambda: ask(client, model, user(image_part(GOOD_URL),
+                                                     text("<image> " + QUESTION))))
+    assert_still_serving(client, model)
+    assert_rejected(result)
+
+
+def test_image_token_without_image_data_is_a_400(server, client):
+    """A completion prompt with `<image>` but no image: one image token, no
+    image features (HF rejects it; vLLM 0.33 runs it)."""
+    _, model, _ = server
+    result = outcome(lambda: client.completions.create(
+        model=model, prompt="<image>\n" + QUESTION, max_tokens=8, temperature=0))
+    assert_still_serving(client, model)
+    assert_rejected(result)
+
+
+# --------------------------------------------------------------------------
+# The examples, end to end on the tiny fixture.
+# --------------------------------------------------------------------------
+
+def answer_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("answer: ")]
+    assert len(lines) == 1, output[-4000:]
+    answer = ast.literal_eval(lines[0].removeprefix("answer: "))  # printed as repr()
+    assert isinstance(answer, str) and answer.strip()
+    return answer
+
+
+def test_serve_example_own_server_and_base_url_agree(launched, server):
+    """Without --base-url it serves the checkpoint itself; with --base-url it asks
+    ours (model name from /v1/models): same image and question, same answer."""
+    own = answer_line(finished(launched, "serve_example"))
+    base, _, _ = server
+    remote = subprocess.run(
+        [sys.executable, str(EXAMPLES / "serve_vision.py"), "--base-url", base],
+        env=server_env(**FAST), capture_output=True, text=True, timeout=120)
+    assert remote.returncode == 0, remote.stdout + remote.stderr
+    assert answer_line(remote.stdout) == own
+
+
+def test_batch_example_in_input_order_and_equal_to_one_by_one(launched, server, client):
+    output = finished(launched, "batch_example")
+    results = [json.loads(line)
+               for line in (launched["tmp"] / "results.jsonl").read_text().splitlines()]
+    samples = batch_eval_vision.default_samples()
+    assert [r["index"] for r in results] == list(range(len(samples)))
+    assert [r["question"] for r in results] == [question for _, question, _ in samples]
+    assert [r["images"] for r in results] == [labels for _, _, labels in samples]
+    assert {len(images) for images, _, _ in samples} == {0, 1, 2}
+    assert f"wrote {len(samples)} results" in output
+
+    _, model, _ = server
+    alone = [ask(client, model,
+                 user(*[image_part(serve_vision.data_url(im)) for im in images], text(question)),
+                 max_tokens=16).choices[0].message.content
+             for images, question, _ in samples]
+    assert [r["answer"] for r in results] == alone
+    assert len(set(alone)) == len(alone)  # all different: the order check means something
+
+
+def test_batch_example_reads_jsonl_with_relative_image_paths(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (30, 20), (255, 0, 0)).save(tmp_path / "imgs" / "red.png")
+    Image.new("L", (10, 40)).save(tmp_path / "imgs" / "gray.png")
+    (tmp_path / "samples.jsonl").write_text(
+        json.dumps({"images": ["imgs/red.png", "imgs/gray.png"], "question": "Two?"}) + "\n\n"
+        + json.dumps({"question": "None?"}) + "\n")
+    samples = batch_eval_vision.read_samples(str(tmp_path / "samples.jsonl"))
+    assert [(len(images), q, paths) for images, q, paths in samples] == [
+        (2, "Two?", ["imgs/red.png", "imgs/gray.png"]), (0, "None?", [])]
+    assert [im.size for im in samples[0][0]] == [(30, 20), (10, 40)]
+    assert {im.mode for im in samples[0][0]} == {"RGB"}
