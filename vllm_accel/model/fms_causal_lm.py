@@ -118,9 +118,6 @@ class FmsCausalLM(nn.Module):
         mm_utils = mm_utils_cls(hf_config, fms_model)
         return cls(mm_utils.text_model, mm_utils)
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.fms_model.base_model.embedding(input_ids)
-
     def compile_layers(self, backend: str, num_buckets: int) -> None:
         """One compiled decoder-layer graph per token bucket, shared by all layers."""
         compile_shared_forward(list(self.fms_model.base_model.layers), backend, num_buckets)
