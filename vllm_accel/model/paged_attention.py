@@ -115,20 +115,13 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(query, key_cache, value_cache, block_table, mask, scale):
-    """query [rows, heads, dim], one token per row -> [rows, heads, dim].
-
-    The query heads that share a KV head become rows of one matmul against
-    it (no copies of K/V per query head); for one query token, explicit
-    matmul-softmax-matmul is faster on CPU than SDPA's kernels.
-    """
-    rows, heads, head_dim = query.shape
-    kv_heads = key_cache.shape[-2]
+    """query [rows, heads, dim], one token per row -> [rows, heads, dim]."""
     keys, values = _gather(key_cache, block_table), _gather(value_cache, block_table)
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask.view(rows, 1, 1, -1), float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), values)
-    return out.reshape(rows, heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+    return out[:, :, 0]
 
 
 def _prefill_attention(query, key_cache, value_cache, block_table, mask, scale):

