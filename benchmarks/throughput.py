@@ -103,6 +103,26 @@ def run_worker(name, args, log_dir, round_no):
     return None, f"exit code {r.returncode}, no result line ({last}); log: {log_path}"
 
 
+def alternate_rounds(names, rounds, run_one, describe):
+    """Run each backend once per round, one at a time, reversing the order every
+    other round; a backend that fails is skipped from then on.
+    Returns ({name: [result, ...]}, {name: error})."""
+    results = {n: [] for n in names}
+    errors = {}
+    for rnd in range(1, rounds + 1):
+        for name in (names if rnd % 2 else names[::-1]):
+            if name in errors:
+                continue
+            res, err = run_one(name, rnd)
+            if err:
+                errors[name] = err
+                log(f"{name} FAILED: {err}")
+            else:
+                results[name].append(res)
+                log(f"{name}: {describe(res)}")
+    return results, errors
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="model directory (default: generate the tiny Llama)")
@@ -135,21 +155,11 @@ def main():
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="vllm-accel-bench-logs-")
     os.makedirs(log_dir, exist_ok=True)
 
-    results = {n: [] for n in names}
-    errors = {}
-    for rnd in range(1, args.rounds + 1):
-        for name in (names if rnd % 2 else names[::-1]):
-            if name in errors:
-                continue
-            res, err = run_worker(name, args, log_dir, rnd)
-            if err:
-                errors[name] = err
-                log(f"{name} FAILED: {err}")
-            else:
-                results[name].append(res)
-                log(f"{name}: {res['output_tok_s']:.1f} output tok/s "
-                    f"(generate {res['elapsed_s']:.2f} s, load {res['load_s']:.1f} s, "
-                    f"engine init {res['init_s']:.1f} s)")
+    results, errors = alternate_rounds(
+        names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd),
+        lambda res: f"{res['output_tok_s']:.1f} output tok/s (generate {res['elapsed_s']:.2f} s, "
+                    f"load {res['load_s']:.1f} s, engine init {res['init_s']:.1f} s)",
+    )
 
     print(f"\nmodel {args.model}: {args.num_prompts} prompts x {args.input_len} in / "
           f"{args.output_len} out, {args.dtype}, greedy, {args.rounds} round(s)")

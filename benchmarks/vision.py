@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import native_shims
-from throughput import ACCEL, BENCH, INIT_LINE, NATIVE, REPO, ensure_native_env
+from throughput import ACCEL, BENCH, INIT_LINE, NATIVE, REPO, alternate_rounds, ensure_native_env
 
 WORKER = BENCH / "_vision_worker.py"
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"
@@ -194,22 +194,13 @@ def main():
     os.makedirs(log_dir, exist_ok=True)
 
     reference = hf_reference(args, log_dir) if args.check_hf else None
-    results = {n: [] for n in names}
-    errors = {}
-    for rnd in range(1, args.rounds + 1):
-        for name in (names if rnd % 2 else names[::-1]):
-            if name in errors:
-                continue
-            res, err = run_worker(name, args, log_dir, rnd)
-            if err:
-                errors[name] = err
-                log(f"{name} FAILED: {err}")
-            else:
-                results[name].append(res)
-                log(f"{name}: TTFT median {res['ttft_median_s'] * 1000:.1f} ms "
+    results, errors = alternate_rounds(
+        names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd),
+        lambda res: f"TTFT median {res['ttft_median_s'] * 1000:.1f} ms "
                     f"({' '.join(f'{t * 1000:.0f}' for t in res['ttft_s'])}), "
                     f"{res['output_tok_s']:.1f} output tok/s, {res['req_s']:.2f} req/s; "
-                    f"load {res['load_s']:.1f} s, engine init {res['init_s']:.1f} s")
+                    f"load {res['load_s']:.1f} s, engine init {res['init_s']:.1f} s",
+    )
 
     buckets = f", accel token buckets {args.accel_token_buckets}" * bool(args.accel_token_buckets)
     print(f"\nmodel {args.model}, {args.dtype}, greedy, {args.rounds} round(s){buckets}; "
