@@ -103,6 +103,18 @@ def run_worker(name, args, log_dir, round_no):
     return None, f"exit code {r.returncode}, no result line ({last}); log: {log_path}"
 
 
+def parse_backends(spec, known):
+    """Backend names from "a,b,c", checked against `known`; sets up the native
+    venv if a native backend is asked for."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"unknown backend(s) {unknown}; known: {list(known)}")
+    if any(n.startswith("native") for n in names):
+        ensure_native_env()
+    return names
+
+
 def alternate_rounds(names, rounds, run_one, describe):
     """Run each backend once per round, one at a time, reversing the order every
     other round; a backend that fails is skipped from then on.
@@ -140,12 +152,7 @@ def main():
     p.add_argument("--log-dir", help="worker logs (default: a temp dir)")
     args = p.parse_args()
 
-    names = [n.strip() for n in args.backends.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BACKENDS]
-    if unknown:
-        sys.exit(f"unknown backend(s) {unknown}; known: {list(BACKENDS)}")
-    if any(n.startswith("native") for n in names):
-        ensure_native_env()
+    names = parse_backends(args.backends, BACKENDS)
     shutil.rmtree(COMPILE_CACHE, ignore_errors=True)  # accel's round 1 compiles cold
     tmp = tempfile.TemporaryDirectory(prefix="vllm-accel-bench-")
     if not args.model:

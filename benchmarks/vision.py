@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import native_shims
-from throughput import ACCEL, BENCH, INIT_LINE, NATIVE, REPO, alternate_rounds, ensure_native_env
+from throughput import ACCEL, BENCH, INIT_LINE, NATIVE, REPO, alternate_rounds, parse_backends
 
 WORKER = BENCH / "_vision_worker.py"
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"
@@ -172,12 +172,8 @@ def main():
     p.add_argument("--log-dir", help="worker logs (default: a temp dir)")
     args = p.parse_args()
 
-    names = [n.strip() for n in args.backends.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BACKENDS]
-    if unknown:
-        sys.exit(f"unknown backend(s) {unknown}; known: {list(BACKENDS)}")
+    names = parse_backends(args.backends, BACKENDS)
     if any(n.startswith("native") for n in names):
-        ensure_native_env()
         native_shims.install(quiet=True)
     if args.cold:
         shutil.rmtree(args.compile_cache_dir, ignore_errors=True)
