@@ -5,15 +5,15 @@ vLLM's LlavaNext model module imports a transformers module that needs torchvisi
 these machines), and vLLM inspects the model in a subprocess: without a shim in every process,
 vLLM's own CPU build cannot load LlavaNext at all ("Model architectures
 ['LlavaNextForConditionalGeneration'] failed to be inspected ... No module named 'torchvision'").
-vllm-accel installs the shims (vllm_accel/multimodal/compat.py) through its general plugin; the
+vllm-accel installs the shims (vllm_accel/patches.py) through its general plugin; the
 native venv must not get that plugin (it would register our platform there too). Instead this
 writes two files into the venv's site-packages:
 
   vllm_accel_bench_shims.pth   one line, "import _vllm_accel_bench_shims" (site runs it at every
                                interpreter start of that venv, so in every vLLM process)
-  _vllm_accel_bench_shims.py   loads compat.py by file path (the path of this checkout, fixed at
-                               install time) as module "_vllm_accel_bench_compat" and calls
-                               install_shims(): an import hook, dormant until transformers'
+  _vllm_accel_bench_shims.py   loads vllm_accel/patches.py by file path (the path of this checkout, fixed at
+                               install time) as module "_vllm_accel_bench_patches" and calls
+                               apply_patches(): an import hook, dormant until transformers'
                                pixtral/video modules are imported, inactive if torchvision is there
 
 Only that venv's interpreter reads its site-packages' .pth files. VLLM_BENCH_NO_SHIMS=1 turns
@@ -30,17 +30,17 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-COMPAT = REPO / "vllm_accel" / "multimodal" / "compat.py"
+COMPAT = REPO / "vllm_accel" / "patches.py"
 DEFAULT_VENV = REPO / ".bench-venv"
 PTH_NAME = "vllm_accel_bench_shims.pth"
 MODULE = "_vllm_accel_bench_shims"
-COMPAT_MODULE = "_vllm_accel_bench_compat"
+COMPAT_MODULE = "_vllm_accel_bench_patches"
 
 MODULE_SOURCE = '''\
 """Written by benchmarks/native_shims.py (vllm-accel checkout {repo}), loaded by {pth}.
 
 Torchvision shims for vLLM's native CPU build in this venv only: loads vllm-accel's
-multimodal/compat.py by file path and calls install_shims(). VLLM_BENCH_NO_SHIMS=1 disables it.
+vllm_accel/patches.py by file path and calls apply_patches(). VLLM_BENCH_NO_SHIMS=1 disables it.
 """
 import os
 import sys
@@ -63,7 +63,7 @@ def _install():
     sys.modules[NAME] = module  # the stand-in video processor pickles by this module name
     try:
         spec.loader.exec_module(module)
-        module.install_shims()
+        module.apply_patches()
     except Exception as error:  # never break interpreter start-up
         sys.modules.pop(NAME, None)
         sys.stderr.write(f"[{{__name__}}] torchvision shims not installed: {{error!r}}\\n")

@@ -26,12 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
+from common import ACCEL, BENCH, INIT_LINE, NATIVE, REPO, alternate_rounds, parse_backends
+
 WORKER = BENCH / "_throughput_worker.py"
 
-NATIVE = (REPO / ".bench-venv/bin/python", {"VLLM_CPU_KVCACHE_SPACE": "1"})
-ACCEL = (REPO / ".venv/bin/python", {"VLLM_PLUGINS": "accel", "VLLM_ACCEL_KVCACHE_SPACE": "1"})
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-compile-cache"
 # name -> (python, extra env, enforce_eager)
 BACKENDS = {
@@ -41,18 +39,10 @@ BACKENDS = {
     "native": (*NATIVE, True),
     "native-compile": (*NATIVE, False),
 }
-# vLLM logs this for every platform once the engine is ready.
-INIT_LINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
 
 
 def log(msg):
     print(f"[throughput] {msg}", flush=True)
-
-
-def ensure_native_env():
-    if not (REPO / ".bench-venv/.native-cpu-complete").exists():
-        log("native venv missing or incomplete: running benchmarks/setup_native_cpu.sh")
-        subprocess.run(["bash", str(BENCH / "setup_native_cpu.sh")], check=True)
 
 
 def make_model(out_dir):
@@ -101,38 +91,6 @@ def run_worker(name, args, log_dir, round_no):
     errs = [s.strip() for s in stderr if re.match(r"[\w.]*(Error|Exception)\b", s.strip())]
     last = (errs or stderr or ["no output"])[-1].strip()[:200]
     return None, f"exit code {r.returncode}, no result line ({last}); log: {log_path}"
-
-
-def parse_backends(spec, known):
-    """Backend names from "a,b,c", checked against `known`; sets up the native
-    venv if a native backend is asked for."""
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        sys.exit(f"unknown backend(s) {unknown}; known: {list(known)}")
-    if any(n.startswith("native") for n in names):
-        ensure_native_env()
-    return names
-
-
-def alternate_rounds(names, rounds, run_one, describe):
-    """Run each backend once per round, one at a time, reversing the order every
-    other round; a backend that fails is skipped from then on.
-    Returns ({name: [result, ...]}, {name: error})."""
-    results = {n: [] for n in names}
-    errors = {}
-    for rnd in range(1, rounds + 1):
-        for name in (names if rnd % 2 else names[::-1]):
-            if name in errors:
-                continue
-            res, err = run_one(name, rnd)
-            if err:
-                errors[name] = err
-                log(f"{name} FAILED: {err}")
-            else:
-                results[name].append(res)
-                log(f"{name}: {describe(res)}")
-    return results, errors
 
 
 def main():

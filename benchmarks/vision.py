@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import native_shims
-from throughput import ACCEL, BENCH, INIT_LINE, NATIVE, REPO, alternate_rounds, parse_backends
+from common import ACCEL, BENCH, INIT_LINE, NATIVE, REPO, alternate_rounds, parse_backends
 
 WORKER = BENCH / "_vision_worker.py"
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_accel.devices import DeviceBackend, select_backend
 from vllm_accel.settings import load_settings
-from vllm_accel.worker.buckets import (
+from vllm_accel.buckets import (
     exponential_buckets,
     find_bucket,
     linear_buckets,

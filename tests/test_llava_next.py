@@ -92,26 +92,27 @@ def test_chunk_boundary_inside_an_image(llava_dir, hf):
     # end inside it three times.
     prompt, images = prompt_for(processor, 1, "What is it?"), [image(80, 50, seed=3)]
     with running_llm(llava_dir, max_num_batched_tokens=48, **ENGINE) as chunked:
-        runner = model_runner(chunked)
+        encoder = model_runner(chunked).vision_encoder
+        before = encoder.images_encoded  # warmup images
         assert vllm_greedy(chunked, [(prompt, images)]) == [hf_greedy(hf, prompt, images)]
-        assert runner.images_encoded == 1  # one image, encoded once across chunks
+        assert encoder.images_encoded - before == 1  # one image, encoded once across chunks
 
 
 def test_encoder_runs_once_per_distinct_image_never_in_decode(llm, hf):
     processor, _ = hf
-    runner = model_runner(llm)
+    encoder = model_runner(llm).vision_encoder
     picture = image(128, 64, seed=7)
-    before = runner.images_encoded
+    before = encoder.images_encoded
     first = prompt_for(processor, 1, "What colour dominates?")
     # The same image twice in one batch: one encode; 10 decode steps: none.
     assert vllm_greedy(llm, [(first, [picture]), (first, [picture])]) == \
         [hf_greedy(hf, first, [picture])] * 2
-    assert runner.images_encoded - before == 1
+    assert encoder.images_encoded - before == 1
     # A later request with the same image and prompt prefix: vLLM reports the
     # image cached (prefix cache / encoder cache), so nothing is encoded.
     again = prompt_for(processor, 1, "What colour dominates? Answer briefly.")
     assert vllm_greedy(llm, [(again, [picture])]) == [hf_greedy(hf, again, [picture])]
-    assert runner.images_encoded - before == 1
+    assert encoder.images_encoded - before == 1
 
 
 def test_compiled_serving_has_no_recompiles_across_image_sizes(llava_dir, hf, cases,
@@ -125,3 +126,20 @@ def test_compiled_serving_has_no_recompiles_across_image_sizes(llava_dir, hf, ca
         got = vllm_greedy(llm, cases)
         assert stats.runtime_compiles == 0
     assert got == [hf_greedy(hf, p, imgs) for p, imgs in cases]
+
+
+def test_text_engine_after_a_vision_engine_keeps_no_image_state(llava_dir, tiny_models):
+    """A vision engine, then a text engine in the same process (a notebook, this
+    suite): the text model's prompts may contain the vision model's image token
+    id (6 is an ordinary token of the text tokenizer)."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.inputs import TokensPrompt
+
+    with running_llm(llava_dir, **ENGINE) as vision:
+        with pytest.raises(VLLMValidationError, match="image token"):
+            vision.generate(TokensPrompt(prompt_token_ids=[0, 6, 20, 21]),
+                            SamplingParams(max_tokens=1), use_tqdm=False)
+    with running_llm(tiny_models["llama"]) as text:
+        out = text.generate(TokensPrompt(prompt_token_ids=[0, 6, 20, 21]),
+                            SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

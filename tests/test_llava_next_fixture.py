@@ -1,6 +1,6 @@
 """The tiny LlavaNext (Granite Vision) fixture, checked against HF transformers,
 FMS and vLLM's own multimodal processor; and the torchvision-free shims
-(vllm_accel.multimodal.compat) that vLLM's LlavaNext/Qwen2.5-VL processing
+(vllm_accel.patches) that vLLM's LlavaNext/Qwen2.5-VL processing
 needs. Offline and CPU only."""
 
 from __future__ import annotations
@@ -468,9 +468,9 @@ def test_shims_are_cheap_idempotent_and_alias_pixtral():
         for name in list(sys.modules):  # forget the failed attempt
             if name.startswith("transformers.models.pixtral"):
                 del sys.modules[name]
-        from vllm_accel.multimodal.compat import install_shims
+        from vllm_accel.patches import apply_patches
         start = time.perf_counter()
-        install_shims(); install_shims()
+        apply_patches(); apply_patches()
         assert time.perf_counter() - start < 0.05
         assert sum(type(f).__name__ == "_ShimFinder" for f in sys.meta_path) == 1
         assert "transformers.models.pixtral.image_processing_pil_pixtral" not in sys.modules
@@ -509,8 +509,8 @@ def test_video_processor_stub_lets_qwen2_5_vl_processor_load(tmp_path):
             "min_pixels": 3136, "max_pixels": 200704}))
         from transformers import Qwen2_5_VLProcessor
         if sys.argv[2] == "shim":
-            from vllm_accel.multimodal.compat import install_shims
-            install_shims()
+            from vllm_accel.patches import apply_patches
+            apply_patches()
         try:
             p = Qwen2_5_VLProcessor.from_pretrained(d)
         except Exception as e:

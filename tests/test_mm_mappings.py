@@ -16,7 +16,9 @@ from vllm_accel.multimodal.mm_mappings import (
     register_mm_utils,
     registered_model_types,
 )
-from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils, warmup_image
+from vllm_accel.multimodal.encoder import VisionEncoder, merge_embeddings
+from vllm_accel.multimodal.inputs import item_tensors, warmup_image
+from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
 from vllm_accel.testing.tiny_models import make_tiny_model
 
 IMAGE_TOKEN_ID = 6
@@ -60,9 +62,9 @@ def hf_model(ckpt):
 def vllm_process(ckpt):
     """images -> (prompt ids, per-image MultiModalKwargsItem, placeholders),
     from vLLM's LlavaNext processor on a chat prompt with those images."""
-    from vllm_accel.multimodal.compat import install_shims
+    from vllm_accel.patches import apply_patches
 
-    install_shims()  # before vLLM resolves LlavaNext (torchvision-free)
+    apply_patches()  # before vLLM resolves LlavaNext (torchvision-free)
     from vllm.engine.arg_utils import EngineArgs
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
@@ -110,14 +112,11 @@ def test_registry(hf_config):
     assert get_mm_utils_cls(hf_config) is LlavaNextUtils
     assert get_mm_utils_cls(hf_config.text_config) is None  # granite: text only
     assert get_mm_utils_cls(AutoConfig.for_model("llama")) is None
-    text = LlavaNextUtils.text_config(hf_config)
-    assert text is hf_config.text_config and text.model_type == "granite"
-    assert (text.num_hidden_layers, text.num_key_value_heads) == (
-        hf_config.text_config.num_hidden_layers, hf_config.text_config.num_key_value_heads)
+    assert LlavaNextUtils.image_token_id(hf_config) == IMAGE_TOKEN_ID
 
     with pytest.raises(ValueError, match="module:ClassName"):
         register_mm_utils("x", "no_colon")
-    register_mm_utils("my_vlm", "vllm_accel.multimodal.mm_mappings.base:warmup_image")
+    register_mm_utils("my_vlm", "vllm_accel.multimodal.inputs:warmup_image")
     try:
         with pytest.raises(TypeError, match="not a MultiModalUtils"):
             get_mm_utils_cls(type("Cfg", (), {"model_type": "my_vlm"}))
@@ -136,7 +135,7 @@ def test_registry(hf_config):
 
 
 def test_utils_basics(utils, hf_config):
-    assert isinstance(utils, MultiModalUtils) and utils.is_multimodal
+    assert isinstance(utils, MultiModalUtils)
     text = utils.text_model
     assert text is utils.fms_model.language_model
     assert text.config.nlayers == hf_config.text_config.num_hidden_layers
@@ -157,27 +156,26 @@ def test_encode_vllm_items_equals_hf(utils, hf_model, vllm_process, ckpt):
         # What the runner finds in CachedRequestState.mm_features.
         spec = MultiModalFeatureSpec(data=items[0], modality="image", identifier="h",
                                      mm_position=placeholders[0])
-        item = MultiModalUtils.item_tensors(spec.data)
+        item = item_tensors(spec.data)
         assert set(item) == {"pixel_values", "image_sizes"}
         assert item["image_sizes"].tolist() == [size[1], size[0]]  # (height, width)
         for key in item:
             torch.testing.assert_close(item[key], warm_item[key], atol=0, rtol=0)
 
-        (feats,) = utils.encode([item])
+        feats = utils.encode_item(item)
         (hf_feats,) = _hf_image_features(hf_model, [item])
         assert len(placeholders) == 1 and placeholders[0].is_embed is None
         assert feats.shape == (placeholders[0].length, 256), size
         assert ids.count(IMAGE_TOKEN_ID) == placeholders[0].length
         torch.testing.assert_close(feats, hf_feats, atol=1e-5, rtol=1e-5)
-    assert utils.encode_calls >= len(SIZES)
     with pytest.raises(ValueError, match="no data"):
-        MultiModalUtils.item_tensors(None)
+        item_tensors(None)
 
 
 @pytest.mark.parametrize("sizes", [[(80, 50)], [(80, 50), (60, 150)]])
 def test_merged_embeddings_equal_hf(utils, hf_model, vllm_process, sizes):
     ids, items, placeholders = vllm_process(_images(sizes))
-    items = [MultiModalUtils.item_tensors(it) for it in items]
+    items = [item_tensors(it) for it in items]
     if len(sizes) == 2:
         # vLLM pads the images of a request to the most tiles: 80x50 needs 3.
         assert [it["pixel_values"].shape[0] for it in items] == [4, 4]
@@ -190,12 +188,12 @@ def test_merged_embeddings_equal_hf(utils, hf_model, vllm_process, sizes):
     # Placeholders cover exactly the image tokens (newline positions included).
     assert torch.equal(is_mm, input_ids[0] == IMAGE_TOKEN_ID)
 
-    before = utils.encode_calls
-    feats = utils.encode(items)
-    assert utils.encode_calls == before + len(sizes)
+    encoder = VisionEncoder(utils)
+    feats = encoder.encode(items)
+    assert encoder.images_encoded == len(sizes)
     assert [f.shape[0] for f in feats] == [p.length for p in placeholders]
     with torch.inference_mode():
-        merged = utils.merge(utils.embed_tokens(input_ids), torch.cat(feats), is_mm)
+        merged = merge_embeddings(utils.embed_tokens(input_ids), torch.cat(feats), is_mm)
 
     captured = {}
 
@@ -214,7 +212,7 @@ def test_merged_embeddings_equal_hf(utils, hf_model, vllm_process, sizes):
     torch.testing.assert_close(merged, captured["embeds"], atol=1e-5, rtol=1e-5)
 
     with pytest.raises(ValueError, match="placeholder positions"):
-        utils.merge(merged, torch.cat(feats)[1:], is_mm)
+        merge_embeddings(merged, torch.cat(feats)[1:], is_mm)
 
 
 def test_padding_tiles_changes_nothing(utils, ckpt):
@@ -236,10 +234,11 @@ def test_compiled_encode(ckpt, hf_config, utils):
     and 5 tiles in bucket 5 (padded). One graph per bucket, none after."""
     from torch._dynamo.utils import counters
 
-    compiled = get_mm_utils_cls(hf_config)(hf_config, _fms_model(ckpt))
-    compiled.compile_encoder("inductor", buckets=[3, 5])
+    compiled_utils = get_mm_utils_cls(hf_config)(hf_config, _fms_model(ckpt))
+    compiled = VisionEncoder(compiled_utils, "inductor", buckets=[3, 5])
+    assert compiled.buckets == [3, 5]
     sizes = [(80, 50), (64, 64), (60, 150), (128, 128)]  # 3, 2, 4, 5 tiles
-    items = compiled.warmup_items(str(ckpt), sizes)
+    items = compiled_utils.warmup_items(str(ckpt), sizes)
     assert [it["pixel_values"].shape[0] for it in items] == [3, 2, 4, 5]
 
     graphs = counters["stats"]["unique_graphs"]
@@ -249,11 +248,9 @@ def test_compiled_encode(ckpt, hf_config, utils):
     assert counters["stats"]["unique_graphs"] - graphs == 2
     again = compiled.encode(items)
     assert counters["stats"]["unique_graphs"] - graphs == 2  # no recompiles
-    assert compiled.encode_calls == 2 * len(items)
-    with pytest.raises(RuntimeError, match="already"):
-        compiled.compile_encoder("inductor")
+    assert compiled.images_encoded == 2 * len(items)
 
-    eager = utils.encode(items)
+    eager = VisionEncoder(utils).encode(items)
     for c, c2, e in zip(out, again, eager):
         assert c.shape == e.shape
         torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)

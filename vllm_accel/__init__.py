@@ -15,6 +15,6 @@ def register() -> str:
 
 def register_general() -> None:
     """Entry point for ``vllm.general_plugins``: runs once in every vLLM process."""
-    from vllm_accel.multimodal.compat import install_shims
+    from vllm_accel.patches import apply_patches
 
-    install_shims()
+    apply_patches()

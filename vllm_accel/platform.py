@@ -48,7 +48,11 @@ class AccelPlatform(Platform):
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
-        return f"vllm-accel ({resolve_device(load_settings())})"
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        settings = load_settings(config.additional_config if config is not None else None)
+        return f"vllm-accel ({resolve_device(settings)})"
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
@@ -139,11 +143,15 @@ class AccelPlatform(Platform):
             check_architecture(model_config.architectures)
             from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
 
+            # Set anew for every model (a text model after a vision model in
+            # one process must not inherit its image token).
             mm_utils_cls = get_mm_utils_cls(model_config.hf_config)
-            if mm_utils_cls is not None:
-                cls.image_token_id = mm_utils_cls.image_token_id(model_config.hf_config)
+            cls.image_token_id = (
+                mm_utils_cls.image_token_id(model_config.hf_config) if mm_utils_cls else None
+            )
 
-    # Set for vision models by check_and_update_config (front end included).
+    # The image token of the model last configured in this process (the front
+    # end's validate_request gets no model config); None for text models.
     image_token_id: int | None = None
 
     @classmethod
@@ -178,10 +186,12 @@ class AccelPlatform(Platform):
 
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
-        # Our own VLLM_ACCEL_* variables are known; let vLLM judge the rest.
-        ours = known_env_vars()
-        saved = {k: os.environ.pop(k) for k in list(os.environ) if k in ours}
-        try:
-            super().validate_environ(hard_fail)
-        finally:
-            os.environ.update(saved)
+        """vLLM's check of VLLM_* variables, knowing ours too."""
+        from vllm import envs
+
+        known = set(envs.environment_variables) | known_env_vars()
+        for name in os.environ:
+            if name.startswith("VLLM_") and name not in known:
+                if hard_fail:
+                    raise ValueError(f"Unknown vLLM environment variable detected: {name}")
+                logger.warning("Unknown vLLM environment variable detected: %s", name)

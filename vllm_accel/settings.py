@@ -10,11 +10,15 @@ with a message naming the variable and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from vllm_accel.buckets import parse_bucket_spec
 
 ENV_PREFIX = "VLLM_ACCEL_"
 ADDITIONAL_CONFIG_KEY = "accel"
@@ -98,8 +102,6 @@ def _parse(key: str, raw: Any, source: str) -> Any:
     except (TypeError, ValueError):
         ok = False
     if key in ("token_buckets", "context_buckets") and ok and value:
-        from vllm_accel.worker.buckets import parse_bucket_spec
-
         try:
             parse_bucket_spec(value)
         except ValueError as error:
@@ -111,14 +113,25 @@ def _parse(key: str, raw: Any, source: str) -> Any:
 
 
 def load_settings(additional_config: dict | None = None) -> AccelSettings:
-    """Read the settings from the environment and vLLM's additional config."""
+    """Read the settings from the environment and vLLM's additional config.
+
+    Parsed once per distinct input: the platform, the worker and the device
+    name all ask, and get the same object."""
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k in known_env_vars()))
+    overrides = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    return _parse_settings(env, json.dumps(overrides, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_settings(env: tuple[tuple[str, str], ...], overrides_json: str) -> AccelSettings:
+    environ = dict(env)
     values: dict[str, Any] = {}
     for f in fields(AccelSettings):
         env_name = env_var_name(f.name)
-        if os.environ.get(env_name, "") != "":
-            values[f.name] = _parse(f.name, os.environ[env_name], env_name)
+        if environ.get(env_name, "") != "":
+            values[f.name] = _parse(f.name, environ[env_name], env_name)
 
-    overrides = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+    overrides = json.loads(overrides_json) or {}
     if not isinstance(overrides, dict):
         raise ValueError(
             f"--additional-config key '{ADDITIONAL_CONFIG_KEY}' must be a JSON object."

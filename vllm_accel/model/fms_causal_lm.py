@@ -1,9 +1,11 @@
 """One generic wrapper around IBM foundation-model-stack (FMS) causal LMs.
 
-It loads any HF checkpoint directory FMS can build, checks that every weight
-was really loaded (FMS only logs keys it cannot place), compiles the decoder
-layers, and exposes the two calls the runner needs: ``forward`` (token ids or
-embeddings and positions -> hidden states; the paged-KV layout comes from
+``load_fms_model`` loads any HF checkpoint directory FMS can build and checks
+that every weight was really loaded (FMS only logs keys it cannot place).
+``FmsCausalLM`` wraps the text model (for a vision-language model, the
+language model its mm_mappings util names), compiles its decoder layers, and
+exposes the two calls the runner needs: ``forward`` (token ids or embeddings
+and positions -> hidden states; the paged-KV layout comes from
 ``attention_context``) and ``compute_logits``.
 """
 
@@ -14,21 +16,19 @@ from torch import nn
 from vllm.logger import init_logger
 
 from vllm_accel.model.compile import compile_shared_forward
-from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
-from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
 from vllm_accel.model.paged_attention import ATTN_NAME, register_paged_attention
 
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
 logger = init_logger(f"vllm.{__name__}")
 
-# HF architecture -> FMS architecture, for the ones whose FMS model runs with our
-# paged attention and that our tests compare against HF transformers.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "GraniteForCausalLM": "granite",
-    # Vision-language: the vision side lives in vllm_accel/multimodal/mm_mappings.
-    "LlavaNextForConditionalGeneration": "llava_next",
-}
+# HF architectures whose FMS model runs with our paged attention and that our
+# tests compare against a reference. Vision-language models have their vision
+# side in vllm_accel/multimodal/mm_mappings.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "GraniteForCausalLM",
+    "LlavaNextForConditionalGeneration",
+)
 
 
 def check_architecture(architectures: list[str] | None) -> str:
@@ -42,7 +42,21 @@ def check_architecture(architectures: list[str] | None) -> str:
     )
 
 
-def _load_fms_model(model_path: str, dtype: torch.dtype, device: str) -> nn.Module:
+def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
+                   device: str = "cpu") -> nn.Module:
+    """The FMS model of a supported HF checkpoint directory, every weight loaded."""
+    check_architecture(hf_config.architectures)
+    register_paged_attention()
+    model = _load_with_nan_fill(model_path, dtype, device)
+    _check_all_weights_loaded(model, model_path)
+    logger.info(
+        "Loaded %s with FMS (%.1fM parameters, %s)",
+        type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6, dtype,
+    )
+    return model.eval()
+
+
+def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str) -> nn.Module:
     """Load with FMS, leaving any weight FMS did not load as NaN (not garbage).
 
     FMS builds the model on the meta device and materialises unloaded weights
@@ -80,43 +94,17 @@ def _check_all_weights_loaded(model: nn.Module, model_path: str) -> None:
 
 
 class FmsCausalLM(nn.Module):
-    """An FMS decoder-only model driven through vLLM's paged KV cache.
+    """An FMS decoder-only text model driven through vLLM's paged KV cache."""
 
-    For a vision-language model, ``fms_model`` is its text model and
-    ``mm_utils`` the architecture's multimodal util (encoder, merge).
-    """
-
-    def __init__(self, fms_model: nn.Module, mm_utils: MultiModalUtils | None = None):
+    def __init__(self, fms_model: nn.Module):
         super().__init__()
         self.fms_model = fms_model
-        self.mm_utils = mm_utils
         config = fms_model.config
         self.num_layers: int = config.nlayers
-        self.num_heads: int = config.nheads
         self.num_kv_heads: int = config.kvheads or config.nheads
         self.head_dim: int = config.emb_dim // config.nheads
-        self.hidden_size: int = config.emb_dim
         # Granite divides its logits by this; other models have no such field.
         self.logits_scaling: float = float(getattr(config, "logits_scaling", 1.0))
-
-    @classmethod
-    def load(cls, model_path: str, hf_config, dtype: torch.dtype, device: str = "cpu"):
-        check_architecture(hf_config.architectures)
-        register_paged_attention()
-        fms_model = _load_fms_model(model_path, dtype, device)
-        _check_all_weights_loaded(fms_model, model_path)
-        fms_model.eval()
-        logger.info(
-            "Loaded %s with FMS (%.1fM parameters, %s)",
-            type(fms_model).__name__,
-            sum(p.numel() for p in fms_model.parameters()) / 1e6,
-            dtype,
-        )
-        mm_utils_cls = get_mm_utils_cls(hf_config)
-        if mm_utils_cls is None:
-            return cls(fms_model)
-        mm_utils = mm_utils_cls(hf_config, fms_model)
-        return cls(mm_utils.text_model, mm_utils)
 
     def compile_layers(self, backend: str, num_buckets: int) -> None:
         """One compiled decoder-layer graph per token bucket, shared by all layers."""

@@ -74,7 +74,12 @@ def causal_context_mask(
     return visible.unsqueeze(1)
 
 
-@torch.library.custom_op("vllm_accel::paged_attention", mutates_args=())
+# The op writes the step's keys/values into both caches: declared, so that a
+# compiler orders every read of a cache after the write (inductor then updates
+# the caches in place; it does not copy them).
+@torch.library.custom_op(
+    "vllm_accel::paged_attention", mutates_args=("key_cache", "value_cache")
+)
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -84,8 +89,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """query [1, tokens, heads, dim], key/value [1, tokens, kv_heads, dim] ->
-    [1, tokens, heads, dim]. Writes key/value into the caches: like vLLM's
-    attention ops, the cache is state the compiled graph does not track."""
+    [1, tokens, heads, dim]; writes key/value into their cache slots."""
     md = _current
     assert md is not None, "paged_attention runs only inside attention_context()"
     kv_heads, head_dim = key_cache.shape[-2:]
@@ -94,15 +98,17 @@ def paged_attention(
 
     out = query.new_zeros(query.shape)
     if md.num_decodes:
-        out[0, : md.num_decodes] = _decode_attention(
-            query[0, : md.num_decodes], key_cache, value_cache,
-            md.decode_block_table, md.decode_mask, scale,
-        )
+        # All decodes at once: one query row per request.
+        decodes = query[0, : md.num_decodes].unsqueeze(2)  # [rows, heads, 1, dim]
+        out[0, : md.num_decodes] = _attend(
+            decodes, key_cache, value_cache, md.decode_block_table, md.decode_mask, scale
+        )[:, :, 0]
     for chunk in md.prefills:
-        out[0, chunk.start : chunk.end] = _prefill_attention(
-            query[0, chunk.start : chunk.end], key_cache, value_cache,
-            chunk.block_table, chunk.mask, scale,
-        )
+        # One request's chunk: its tokens are the query rows of one sequence.
+        chunk_query = query[0, chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+        out[0, chunk.start : chunk.end] = _attend(
+            chunk_query, key_cache, value_cache, chunk.block_table, chunk.mask, scale
+        )[0].transpose(0, 1)
     return out
 
 
@@ -114,24 +120,14 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return context.view(rows, -1, kv_heads, head_dim).transpose(1, 2)
 
 
-def _decode_attention(query, key_cache, value_cache, block_table, mask, scale):
-    """query [rows, heads, dim], one token per row -> [rows, heads, dim]."""
+def _attend(query, key_cache, value_cache, block_table, mask, scale):
+    """query [rows, heads, queries, dim] over each row's cached context ->
+    [rows, heads, queries, dim]; query heads share KV heads (grouped query)."""
     keys, values = _gather(key_cache, block_table), _gather(value_cache, block_table)
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+    return F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scale,
         enable_gqa=query.shape[1] != keys.shape[1],
     )
-    return out[:, :, 0]
-
-
-def _prefill_attention(query, key_cache, value_cache, block_table, mask, scale):
-    """query [tokens, heads, dim] of one request's chunk -> [tokens, heads, dim]."""
-    keys, values = _gather(key_cache, block_table), _gather(value_cache, block_table)
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask, scale=scale,
-        enable_gqa=query.shape[1] != keys.shape[1],
-    )
-    return out[0].transpose(0, 1)
 
 
 @paged_attention.register_fake

@@ -1,4 +1,5 @@
-"""Counting torch.compile work: graphs compiled during warmup and at run time.
+"""Counting torch.compile work (graphs compiled during warmup and at run time)
+and where compiled graphs persist.
 
 Dynamo's process-wide counters are read as deltas, so several engines in one
 process (tests) each see their own numbers. A compile after warmup is a
@@ -7,6 +8,7 @@ recompile: the thing an accelerator user must never pay for while serving.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -25,6 +27,9 @@ def _cache_hits() -> tuple[int, int]:
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
+_INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
 class CompileStats:
     def __init__(self) -> None:
         self._start = self._seen = _graphs()
@@ -32,6 +37,7 @@ class CompileStats:
         self.warmup_graphs = 0
         self.runtime_compiles = 0
         self.warmed_up = False
+        self.cache_dir: Path | None = None
 
     @property
     def graphs_compiled(self) -> int:
@@ -43,10 +49,27 @@ class CompileStats:
         return hits - self._start_hits[0], misses - self._start_hits[1]
 
     def configure(self, cache_dir: Path) -> None:
-        """Persist compiled graphs under cache_dir."""
-        # Torch fills in its own default early, so ours (a setting) always wins.
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
-        logger.info("vllm_accel compile cache: %s", os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        """Persist this engine's compiled graphs under cache_dir."""
+        self.cache_dir = cache_dir / "inductor"
+        logger.info("vllm_accel compile cache: %s", self.cache_dir)
+
+    @contextlib.contextmanager
+    def cache_scope(self):
+        """Inductor reads its cache directory from the environment at each
+        compile; point it at ours only while our model runs (a compile can
+        happen in any step), so other code in the process keeps its own."""
+        if self.cache_dir is None:
+            yield
+            return
+        previous = os.environ.get(_INDUCTOR_CACHE_ENV)
+        os.environ[_INDUCTOR_CACHE_ENV] = str(self.cache_dir)
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(_INDUCTOR_CACHE_ENV, None)
+            else:
+                os.environ[_INDUCTOR_CACHE_ENV] = previous
 
     def finish_warmup(self) -> None:
         self.warmup_graphs = self.graphs_compiled

@@ -30,37 +30,20 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from vllm_accel.buckets import fit_bucket, make_buckets
 from vllm_accel.devices import DeviceBackend
-from vllm_accel.model.fms_causal_lm import FmsCausalLM
-from vllm_accel.model.paged_attention import (
-    PagedAttentionMetadata,
-    PrefillChunk,
-    attention_context,
-    causal_context_mask,
-)
+from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
+from vllm_accel.model.paged_attention import attention_context
+from vllm_accel.multimodal.encoder import VisionEncoder, merge_embeddings
+from vllm_accel.multimodal.inputs import item_tensors
+from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
+from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
 from vllm_accel.settings import AccelSettings, env_var_name
-from vllm_accel.worker.buckets import find_bucket, make_buckets
 from vllm_accel.worker.compile_stats import CompileStats
+from vllm_accel.worker.step_layout import Placeholder, StepLayout, pack_step, placeholder_rows
 
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
 logger = init_logger(f"vllm.{__name__}")
-
-
-@dataclass
-class StepInputs:
-    """One step's tokens packed into a sequence padded to a token bucket."""
-
-    input_ids: torch.Tensor  # [1, padded_tokens]
-    positions: torch.Tensor  # [1, padded_tokens]
-    attn_metadata: PagedAttentionMetadata
-    last_token: torch.Tensor  # [num_reqs] packed index of each request's last token
-    num_tokens: int  # before padding
-    # Per packed request (decodes first): InputBatch row, first packed token,
-    # number of tokens, and the position of its first token in its sequence.
-    rows: np.ndarray
-    firsts: np.ndarray
-    counts: np.ndarray
-    starts: np.ndarray
 
 
 @dataclass
@@ -97,8 +80,10 @@ class AccelModelRunner:
         )
 
         self.model: FmsCausalLM | None = None
+        # Vision-language models only: the architecture's util and the encoder.
+        self.mm_utils: MultiModalUtils | None = None
+        self.vision_encoder: VisionEncoder | None = None
         self.encoder_cache: dict[str, torch.Tensor] = {}  # image identifier -> embeddings
-        self.images_encoded = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.compile_stats = CompileStats()
         self.requests: dict[str, CachedRequestState] = {}
@@ -118,17 +103,20 @@ class AccelModelRunner:
     # ---- start-up -----------------------------------------------------------
 
     def load_model(self) -> None:
-        self.model = FmsCausalLM.load(
-            self.model_config.model,
-            self.model_config.hf_config,
-            self.dtype,
-            self.backend.device,
-        )
-        if self.backend.compiles:
+        hf_config = self.model_config.hf_config
+        fms_model = load_fms_model(self.model_config.model, hf_config, self.dtype,
+                                   self.backend.device)
+        mm_utils_cls = get_mm_utils_cls(hf_config)
+        if mm_utils_cls is not None:
+            self.mm_utils = mm_utils_cls(hf_config, fms_model)
+            fms_model = self.mm_utils.text_model
+        self.model = FmsCausalLM(fms_model)
+        compile_backend = self.backend.compile_backend if self.backend.compiles else None
+        if compile_backend is not None:
             self.compile_stats.configure(self.settings.cache_dir)
-            self.model.compile_layers(self.backend.compile_backend, len(self.token_buckets))
-            if self.model.mm_utils is not None:
-                self.model.mm_utils.compile_encoder(self.backend.compile_backend)
+            self.model.compile_layers(compile_backend, len(self.token_buckets))
+        if self.mm_utils is not None:
+            self.vision_encoder = VisionEncoder(self.mm_utils, compile_backend)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         assert self.model is not None
@@ -174,14 +162,17 @@ class AccelModelRunner:
             [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64
         )
         start = batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64)
-        step = self._pack_step(num_scheduled, start)
-        inputs = step.input_ids.to(self.device)
-        if self.model.mm_utils is not None:
-            self._encode_scheduled_images(scheduler_output)
-            inputs = self._merged_embeddings(step, inputs)
-
-        with attention_context(step.attn_metadata):
-            hidden = self.model(inputs, step.positions.to(self.device), self.kv_caches)
+        step = pack_step(
+            batch.token_ids_cpu, batch.block_table[0].get_numpy_array(), num_scheduled, start,
+            self.block_size, self._token_bucket, self._context_bucket,
+        )
+        with self.compile_stats.cache_scope():
+            inputs = step.input_ids.to(self.device)
+            if self.mm_utils is not None:
+                self._encode_scheduled_images(scheduler_output)
+                inputs = self._merged_embeddings(step, inputs)
+            with attention_context(step.attn_metadata):
+                hidden = self.model(inputs, step.positions.to(self.device), self.kv_caches)
         self.compile_stats.after_forward(step.input_ids.shape[1])
         logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)]).cpu()
 
@@ -238,130 +229,42 @@ class AccelModelRunner:
         each once: vLLM schedules an image again only after freeing it."""
         for image_id in scheduler_output.free_encoder_mm_hashes:
             self.encoder_cache.pop(image_id, None)
-        mm = self.model.mm_utils
         ids, items = [], []
         for req_id, indices in scheduler_output.scheduled_encoder_inputs.items():
             for index in indices:
                 feature = self.requests[req_id].mm_features[index]
                 if feature.identifier not in self.encoder_cache and feature.identifier not in ids:
                     ids.append(feature.identifier)
-                    items.append(mm.item_tensors(feature.data))
+                    items.append(item_tensors(feature.data))
         if items:
-            self.encoder_cache.update(zip(ids, mm.encode(items)))
-            self.images_encoded += len(items)
+            self.encoder_cache.update(zip(ids, self.vision_encoder.encode(items)))
 
-    def _merged_embeddings(self, step: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
-        """Text embeddings with image rows placed at the absolute positions of
-        their placeholders, also when a prefill chunk cuts through an image."""
-        is_image = torch.zeros(input_ids.shape[1], dtype=torch.bool)
-        chunks = []
-        for row, first, count, start in zip(step.rows, step.firsts, step.counts, step.starts):
-            end = start + count
-            for feature in self.requests[self.input_batch.req_ids[row]].mm_features:
-                place = feature.mm_position
-                lo, hi = max(start, place.offset), min(end, place.offset + place.length)
-                if lo >= hi:
-                    continue
-                if place.is_embed is not None:
-                    raise NotImplementedError("placeholders with non-embedding tokens")
-                is_image[first + lo - start : first + hi - start] = True
-                chunks.append(self.encoder_cache[feature.identifier][lo - place.offset :
-                                                                      hi - place.offset])
-        mm = self.model.mm_utils
-        embeds = mm.embed_tokens(input_ids)
-        if not chunks:
+    def _merged_embeddings(self, step: StepLayout, input_ids: torch.Tensor) -> torch.Tensor:
+        """Text embeddings with image rows at the placeholder positions this
+        step covers (see step_layout.placeholder_rows)."""
+        placeholders = [
+            [_placeholder(feature) for feature in self.requests[req_id].mm_features]
+            for req_id in self.input_batch.req_ids
+        ]
+        is_mm, slices = placeholder_rows(step, placeholders)
+        embeds = self.mm_utils.embed_tokens(input_ids)
+        if not slices:
             return embeds
-        return mm.merge(embeds, torch.cat(chunks), is_image)
+        rows = torch.cat([self.encoder_cache[key][lo:hi] for key, lo, hi in slices])
+        return merge_embeddings(embeds, rows, torch.from_numpy(is_mm))
 
     def reset_encoder_cache(self) -> None:
         self.encoder_cache.clear()
 
     # ---- helpers ------------------------------------------------------------
 
-    def _pack_step(self, num_scheduled: np.ndarray, start: np.ndarray) -> StepInputs:
-        """Pack decodes, then prefill chunks, into one padded token sequence."""
-        bs = self.block_size
-        is_decode = num_scheduled == 1
-        order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
-        counts = num_scheduled[order]
-        ends = np.cumsum(counts)
-        firsts = ends - counts
-        total = int(ends[-1])
-        padded = self._token_bucket(total)
-
-        row_of_token = np.repeat(order, counts)
-        pos = start[row_of_token] + np.arange(total) - np.repeat(firsts, counts)
-        block_table = self.input_batch.block_table[0].get_numpy_array()
-        input_ids = np.zeros(padded, dtype=np.int64)
-        positions = np.zeros(padded, dtype=np.int64)
-        slots = np.zeros(padded, dtype=np.int64)  # padding writes into block 0
-        input_ids[:total] = self.input_batch.token_ids_cpu[row_of_token, pos]
-        positions[:total] = pos
-        slots[:total] = block_table[row_of_token, pos // bs] * bs + pos % bs
-        last_token = np.empty(len(order), dtype=np.int64)
-        last_token[order] = ends - 1
-
-        num_decodes = int(is_decode.sum())
-        decode_rows = order[:num_decodes]
-        context_lens = start[decode_rows] + 1
-        width = self._context_bucket(cdiv(int(context_lens.max(initial=1)), bs))
-        decode_mask = np.arange(width * bs)[None, :] < context_lens[:, None]
-        prefills = []
-        for row, first, count in zip(order[num_decodes:], firsts[num_decodes:],
-                                     counts[num_decodes:]):
-            context_len = int(start[row] + count)
-            blocks = cdiv(context_len, bs)
-            prefills.append(PrefillChunk(
-                start=int(first),
-                end=int(first + count),
-                block_table=torch.from_numpy(block_table[row : row + 1, :blocks].astype(np.int64)),
-                mask=causal_context_mask(
-                    torch.from_numpy(positions[first : first + count][None]),
-                    torch.tensor([context_len]),
-                    blocks * bs,
-                ),
-            ))
-        metadata = PagedAttentionMetadata(
-            slot_mapping=torch.from_numpy(slots),
-            num_decodes=num_decodes,
-            decode_block_table=torch.from_numpy(block_table[decode_rows, :width].astype(np.int64)),
-            decode_mask=torch.from_numpy(decode_mask[:, None, None, :]),
-            prefills=prefills,
-        )
-        return StepInputs(
-            input_ids=torch.from_numpy(input_ids)[None],
-            positions=torch.from_numpy(positions)[None],
-            attn_metadata=metadata,
-            last_token=torch.from_numpy(last_token),
-            num_tokens=total,
-            rows=order,
-            firsts=firsts,
-            counts=counts,
-            starts=start[order],
-        )
-
     def _token_bucket(self, num_tokens: int) -> int:
-        bucket = find_bucket(self.token_buckets, num_tokens)
-        if bucket is None:
-            logger.warning(
-                "vllm_accel: a step of %d tokens exceeds every token bucket %s; running "
-                "it unpadded (a new compiled graph when compiling). Add a bucket >= %d "
-                "to %s.", num_tokens, self.token_buckets, num_tokens,
-                env_var_name("token_buckets"),
-            )
-            return num_tokens
-        return bucket
+        return fit_bucket(self.token_buckets, num_tokens, "step tokens",
+                          env_var_name("token_buckets"))
 
     def _context_bucket(self, blocks: int) -> int:
-        bucket = find_bucket(self.context_buckets, blocks)
-        if bucket is None:
-            logger.warning(
-                "vllm_accel: a context of %d blocks exceeds every context bucket %s; "
-                "attention runs unpadded. Add a bucket >= %d to %s.",
-                blocks, self.context_buckets, blocks, env_var_name("context_buckets"),
-            )
-            return blocks
-        return bucket
+        return fit_bucket(self.context_buckets, blocks, "context blocks",
+                          env_var_name("context_buckets"))
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Mirror the scheduler's view of the requests into the InputBatch."""
@@ -429,3 +332,10 @@ class AccelModelRunner:
             batch.add_request(state)
         batch.condense()
         batch.refresh_metadata()
+
+
+def _placeholder(feature) -> Placeholder:
+    """A vLLM ``MultiModalFeatureSpec``'s prompt span."""
+    place = feature.mm_position
+    is_embed = None if place.is_embed is None else place.is_embed.cpu().numpy().astype(bool)
+    return Placeholder(feature.identifier, place.offset, place.length, is_embed)

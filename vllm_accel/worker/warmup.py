@@ -91,12 +91,13 @@ def warm_up(runner: AccelModelRunner) -> None:
             "vllm_accel warmup: bucket %d/%d (%d tokens) in %.1f s",
             index + 1, len(buckets), bucket, time.perf_counter() - bucket_start,
         )
-    mm = runner.model.mm_utils
+    mm = runner.mm_utils
     if mm is not None:
         # Real images through the model's own processor, one per vision bucket.
         encoder_start = time.perf_counter()
         sizes = mm.warmup_image_sizes()
-        mm.encode(mm.warmup_items(runner.model_config.model, sizes))
+        with stats.cache_scope():
+            runner.vision_encoder.encode(mm.warmup_items(runner.model_config.model, sizes))
         logger.info(
             "vllm_accel warmup: vision encoder, %d image sizes %s in %.1f s",
             len(sizes), sizes, time.perf_counter() - encoder_start,

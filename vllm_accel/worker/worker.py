@@ -47,7 +47,6 @@ class AccelWorker(WorkerBase):
 
     def init_device(self) -> None:
         self.device = torch.device(self.backend.device)
-        _tolerate_missing_torch_accelerator()
         if self.settings.num_threads:
             torch.set_num_threads(self.settings.num_threads)
         logger.info(
@@ -138,11 +137,3 @@ class AccelWorker(WorkerBase):
     def shutdown(self) -> None:
         self.model_runner = None
 
-
-def _tolerate_missing_torch_accelerator() -> None:
-    """vLLM's shutdown calls ``torch.accelerator.empty_cache()`` on every
-    platform except its own CPU one, and torch raises when it has no accelerator
-    (our simulated device is the host CPU). Make those calls no-ops then."""
-    if not torch.accelerator.is_available():
-        torch.accelerator.empty_cache = lambda: None
-        torch.accelerator.empty_host_cache = lambda: None

@@ -1,26 +1,22 @@
-"""Runtime shims that let vLLM and transformers process vision inputs without
-torchvision (which has no CPU build on the registry). Installed in every vLLM
-process through our ``vllm.general_plugins`` entry point.
+"""Every patch vllm-accel makes to torch, vLLM or transformers behaviour, in
+one place, applied from one place: ``apply_patches`` (called by our
+``vllm.general_plugins`` entry point, once in every vLLM process). Each patch
+edits no file on disk, is idempotent, and acts only when it is needed.
 
-Both shims act only when torchvision is unavailable (by transformers' own
-test, so they agree with the image-processor backend transformers picks),
-edit no file on disk, and stay dormant until the module they concern is
-imported: ``install_shims`` itself only appends one finder to
-``sys.meta_path`` (microseconds; importing the modules eagerly would cost
-~1.5 s per process).
+1. transformers 5.16-5.20 / vLLM 0.33, without torchvision (no CPU build on the
+   registry): ``transformers.models.pixtral.image_processing_pixtral`` is the
+   torchvision image processor and fails to import, yet vLLM's
+   ``models/pixtral.py`` (imported by its LlavaNext, Llava and Mistral3 model
+   modules, also when vLLM's registry inspects the model in a subprocess)
+   imports ``_num_image_tokens`` from it. The name is made to resolve to the
+   PIL variant ``image_processing_pil_pixtral``, which defines the same
+   function.
 
-1. ``transformers.models.pixtral.image_processing_pixtral`` is the
-   torchvision image processor in transformers 5 and fails to import without
-   it, yet vLLM's ``models/pixtral.py`` (imported by its LlavaNext, Llava and
-   Mistral3 model modules, also when vLLM's registry inspects the model in a
-   subprocess) imports ``_num_image_tokens`` from it. The name is made to
-   resolve to the PIL variant ``image_processing_pil_pixtral``, which defines
-   the same function.
-
-2. Transformers 5 has no PIL video processors: ``AutoVideoProcessor`` maps
-   qwen2_vl/qwen2_5_vl to ``Qwen2VLVideoProcessor``, a dummy class that raises
-   ImportError without torchvision, so ``Qwen2_5_VLProcessor.from_pretrained``
-   (called by vLLM's Qwen2.5-VL processing) fails even for images. When
+2. transformers 5.16-5.20, without torchvision: there are no PIL video
+   processors: ``AutoVideoProcessor`` maps qwen2_vl/qwen2_5_vl to
+   ``Qwen2VLVideoProcessor``, a dummy class that raises ImportError, so
+   ``Qwen2_5_VLProcessor.from_pretrained`` (called by vLLM's Qwen2.5-VL
+   processing) fails even for images. When
    ``transformers.models.auto.video_processing_auto`` is imported, a stand-in
    class of the same name (Qwen2-VL video defaults: patch_size 14,
    temporal_patch_size 2, merge_size 2, ...) is registered with
@@ -31,6 +27,19 @@ imported: ``install_shims`` itself only appends one finder to
    ProcessorMixin then type-checks it against ``transformers.VideoProcessorMixin``,
    which transformers exports only with torchvision: that attribute is set to
    the (torchvision-free) class from ``transformers.video_processing_utils``.
+
+3. torch 2.13 / vLLM 0.33, on a host without a torch accelerator: vLLM's
+   shutdown and weight loading call ``torch.accelerator.empty_cache()`` on
+   every platform but its own CPU one, and torch raises when there is no
+   accelerator (our simulated device is the host CPU). Those calls become
+   no-ops, as vLLM's own CPU worker makes them; with a real accelerator
+   present nothing changes.
+
+Patches 1 and 2 act only when torchvision is unavailable (by transformers' own
+test, so they agree with the image-processor backend transformers picks) and
+stay dormant until the module they concern is imported: applying them only
+appends one finder to ``sys.meta_path`` (microseconds; importing the modules
+eagerly would cost ~1.5 s per process).
 """
 
 from __future__ import annotations
@@ -38,11 +47,8 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
-import logging
 import sys
 import threading
-
-logger = logging.getLogger(__name__)
 
 PIXTRAL_TORCHVISION_MODULE = "transformers.models.pixtral.image_processing_pixtral"
 PIXTRAL_PIL_MODULE = "transformers.models.pixtral.image_processing_pil_pixtral"
@@ -66,9 +72,10 @@ def torchvision_available() -> bool:
     return is_torchvision_available()
 
 
-def install_shims() -> None:
-    """Idempotent and cheap: install the import hook once per process."""
+def apply_patches() -> None:
+    """Idempotent and cheap: apply every patch above once per process."""
     global _finder
+    _make_accelerator_cache_calls_noops()
     with _lock:
         if _finder is None:
             _finder = _ShimFinder()
@@ -76,6 +83,18 @@ def install_shims() -> None:
     # The video module may already be loaded (e.g. shims installed late).
     if VIDEO_AUTO_MODULE in sys.modules:
         _register_video_stubs()
+
+
+def _make_accelerator_cache_calls_noops() -> None:
+    import torch
+
+    if not torch.accelerator.is_available():
+        torch.accelerator.empty_cache = _no_accelerator_cache
+        torch.accelerator.empty_host_cache = _no_accelerator_cache
+
+
+def _no_accelerator_cache(*args, **kwargs) -> None:
+    """torch.accelerator.empty_cache without an accelerator: nothing to free."""
 
 
 class _ShimFinder(importlib.abc.MetaPathFinder):
@@ -175,8 +194,12 @@ def _register_video_stubs() -> None:
                 config_class, video_processor_classes={"torchvision": stub}, exist_ok=True
             )
     except Exception:  # never break the import that triggered us
-        logger.warning("vllm-accel: could not register the stand-in video processor",
-                       exc_info=True)
+        # Imported here: this module stays importable before vLLM (benchmarks
+        # load it into another venv at interpreter start).
+        from vllm.logger import init_logger
+
+        init_logger(f"vllm.{__name__}").warning(
+            "vllm-accel: could not register the stand-in video processor", exc_info=True)
 
 
 def _make_qwen2_vl_video_processor():

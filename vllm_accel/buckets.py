@@ -1,4 +1,4 @@
-"""Static-shape buckets.
+"""Static-shape buckets (a leaf module: it imports nothing from vllm_accel).
 
 A compiled graph has fixed shapes, so work is padded up to the smallest bucket
 that fits. Two axes matter here:
@@ -7,7 +7,9 @@ that fits. Two axes matter here:
   and prefill chunks packed together), padded to a token bucket; one compiled
   graph per token bucket;
 - context length, in KV blocks: decode attention pads its block tables to a
-  context bucket.
+  context bucket;
+- vision rows per image (tiles, patches, crops): the compiled encoder pads to
+  a vision bucket.
 
 A bucket list comes from a spec string: ``"1,8,64,512"`` (explicit),
 ``"exp:min=1,max=2048,limit=8"`` (powers-of-two steps, at most ``limit``
@@ -18,7 +20,10 @@ derived from the engine configuration.
 from __future__ import annotations
 
 import bisect
+from vllm.logger import init_logger
 import math
+
+logger = init_logger(f"vllm.{__name__}")
 
 _STRATEGIES = {"exp": ("min", "max", "limit"), "lin": ("min", "step", "max")}
 DEFAULT_LIMIT = 8
@@ -89,3 +94,16 @@ def find_bucket(buckets: list[int], size: int) -> int | None:
     """The smallest bucket >= size, or None when size exceeds them all."""
     index = bisect.bisect_left(buckets, size)
     return buckets[index] if index < len(buckets) else None
+
+
+def fit_bucket(buckets: list[int], size: int, what: str, setting: str) -> int:
+    """The bucket ``size`` pads to; beyond every bucket, ``size`` itself (runs
+    unpadded, a new graph when compiling) with a warning that names ``setting``."""
+    bucket = find_bucket(buckets, size)
+    if bucket is not None:
+        return bucket
+    logger.warning(
+        "vllm_accel: %d %s exceed every bucket %s; running unpadded (a new compiled "
+        "graph when compiling). Add a bucket >= %d to %s.", size, what, buckets, size, setting,
+    )
+    return size

@@ -1,0 +1,55 @@
+"""What the side-by-side benchmarks share: where the two Pythons live, how to
+read vLLM's engine-start figure, and the alternating round loop."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+NATIVE = (REPO / ".bench-venv/bin/python", {"VLLM_CPU_KVCACHE_SPACE": "1"})
+ACCEL = (REPO / ".venv/bin/python", {"VLLM_PLUGINS": "accel", "VLLM_ACCEL_KVCACHE_SPACE": "1"})
+# vLLM logs this for every platform once the engine is ready.
+INIT_LINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
+
+
+def log(msg):
+    print(f"[bench] {msg}", flush=True)
+
+
+def ensure_native_env():
+    if not (REPO / ".bench-venv/.native-cpu-complete").exists():
+        log("native venv missing or incomplete: running benchmarks/setup_native_cpu.sh")
+        subprocess.run(["bash", str(BENCH / "setup_native_cpu.sh")], check=True)
+
+
+def parse_backends(spec, known):
+    """Backend names from "a,b,c", checked against `known`; sets up the native
+    venv if a native backend is asked for."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"unknown backend(s) {unknown}; known: {list(known)}")
+    if any(n.startswith("native") for n in names):
+        ensure_native_env()
+    return names
+
+
+def alternate_rounds(names, rounds, run_one, describe):
+    """Run each backend once per round, one at a time, reversing the order every
+    other round; a backend that fails is skipped from then on.
+    Returns ({name: [result, ...]}, {name: error})."""
+    results = {n: [] for n in names}
+    errors = {}
+    for rnd in range(1, rounds + 1):
+        for name in (names if rnd % 2 else names[::-1]):
+            if name in errors:
+                continue
+            res, err = run_one(name, rnd)
+            if err:
+                errors[name] = err
+                log(f"{name} FAILED: {err}")
+            else:
+                results[name].append(res)
+                log(f"{name}: {describe(res)}")
+    return results, errors

@@ -1,0 +1,62 @@
+"""The paged-attention op's contract: it declares that it writes both KV
+caches, so a compiled graph that reads a cache after the op sees the write
+(and inductor updates the caches in place instead of copying them)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_accel.model.paged_attention import (
+    PagedAttentionMetadata,
+    attention_context,
+    paged_attention,
+)
+
+BLOCKS, BLOCK, KV_HEADS, HEADS, DIM = 4, 4, 2, 4, 16
+
+
+def test_schema_declares_both_caches_mutated():
+    schema = torch.ops.vllm_accel.paged_attention.default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == {"key_cache", "value_cache"}
+
+
+def _step():
+    """Two decodes writing slots 5 and 9, each attending over its block."""
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 2, HEADS, DIM, generator=g)
+    key = torch.randn(1, 2, KV_HEADS, DIM, generator=g)
+    value = torch.randn(1, 2, KV_HEADS, DIM, generator=g)
+    metadata = PagedAttentionMetadata(
+        slot_mapping=torch.tensor([5, 9]),
+        num_decodes=2,
+        decode_block_table=torch.tensor([[1], [2]]),
+        decode_mask=torch.tensor([[True, True, False, False], [True, True, False, False]])
+        [:, None, None, :],
+    )
+    return query, key, value, metadata
+
+
+def _attend_then_read_caches(query, key, value, key_cache, value_cache):
+    out = paged_attention(query, key, value, key_cache, value_cache, 0.25)
+    # Reads after the op: they must see the keys/values it wrote.
+    return out, key_cache.sum(dim=(1, 2, 3)), value_cache[2, 1].clone()
+
+
+def test_compiled_reads_after_the_op_see_its_writes():
+    query, key, value, metadata = _step()
+    compiled = torch.compile(_attend_then_read_caches, backend="inductor", fullgraph=True,
+                             dynamic=False)
+    results = {}
+    for name, fn in (("eager", _attend_then_read_caches), ("inductor", compiled)):
+        caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
+        with attention_context(metadata):
+            results[name] = fn(query, key, value, *caches)
+        # The caches passed in hold the new entries (written in place).
+        torch.testing.assert_close(caches[0].view(-1, KV_HEADS, DIM)[[5, 9]], key[0])
+        torch.testing.assert_close(caches[1].view(-1, KV_HEADS, DIM)[[5, 9]], value[0])
+    (out_e, ksum_e, v_e), (out_c, ksum_c, v_c) = results["eager"], results["inductor"]
+    assert ksum_e[1] != 0 and ksum_e[2] != 0 and torch.equal(v_e, value[0, 1])
+    torch.testing.assert_close(out_c, out_e)
+    torch.testing.assert_close(ksum_c, ksum_e)
+    torch.testing.assert_close(v_c, v_e)

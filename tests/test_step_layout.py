@@ -1,0 +1,129 @@
+"""The step layout on its own: no engine, no model. pack_step places decodes
+first, then prefill chunks, then padding; slots follow the block tables;
+placeholder_rows finds the image positions a step covers, also when a chunk
+cuts through an image or only some positions take embeddings."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_accel.worker.step_layout import Placeholder, pack_step, placeholder_rows
+
+BLOCK = 4
+
+
+def _batch():
+    """Three requests: row 0 prefills 6 tokens from 0, row 1 decodes at
+    position 9, row 2 prefills a 3-token chunk from position 4."""
+    token_ids = np.arange(3 * 16).reshape(3, 16) + 100  # token = 100 + 16*row + position
+    block_table = np.array([[5, 6, 0, 0], [7, 8, 9, 0], [10, 11, 0, 0]])
+    num_scheduled = np.array([6, 1, 3])
+    start = np.array([0, 9, 4])
+    return token_ids, block_table, num_scheduled, start
+
+
+def _pack(token_bucket=lambda n: 16, context_bucket=lambda b: b):
+    return pack_step(*_batch(), BLOCK, token_bucket, context_bucket)
+
+
+def test_decodes_first_then_prefill_chunks_then_padding():
+    layout = _pack()
+    assert layout.rows.tolist() == [1, 0, 2]
+    assert layout.firsts.tolist() == [0, 1, 7] and layout.counts.tolist() == [1, 6, 3]
+    assert layout.starts.tolist() == [9, 0, 4]
+    ids, pos = layout.input_ids[0].tolist(), layout.positions[0].tolist()
+    assert len(ids) == 16  # the token bucket
+    assert ids[:10] == [116 + 9] + [100 + p for p in range(6)] + [132 + p for p in (4, 5, 6)]
+    assert pos[:10] == [9, 0, 1, 2, 3, 4, 5, 4, 5, 6]
+    assert ids[10:] == [0] * 6 and pos[10:] == [0] * 6
+    # Each request's last packed token, indexed by batch row.
+    assert layout.last_token.tolist() == [6, 0, 9]
+
+
+def test_slot_mapping_follows_block_tables_and_padding_writes_block_zero():
+    slots = _pack().attn_metadata.slot_mapping.tolist()
+    assert slots[0] == 9 * BLOCK + 1  # row 1, position 9: its third block (9), offset 1
+    assert slots[1:7] == [20, 21, 22, 23, 24, 25]  # row 0: blocks 5, 6
+    assert slots[7:10] == [44, 45, 46]  # row 2, positions 4-6: block 11
+    assert slots[10:] == [0] * 6
+
+
+def test_attention_metadata_masks():
+    md = _pack(context_bucket=lambda blocks: 4).attn_metadata
+    assert md.num_decodes == 1
+    assert md.decode_block_table.tolist() == [[7, 8, 9, 0]]  # padded to 4 blocks
+    assert md.decode_mask.shape == (1, 1, 1, 16)
+    assert md.decode_mask[0, 0, 0].tolist() == [True] * 10 + [False] * 6
+    first, second = md.prefills
+    assert (first.start, first.end, second.start, second.end) == (1, 7, 7, 10)
+    assert first.block_table.tolist() == [[5, 6]] and second.block_table.tolist() == [[10, 11]]
+    # Row 2's chunk at positions 4-6 sees the cached positions 0-3 and itself causally.
+    assert second.mask.shape == (1, 1, 3, 8)
+    assert second.mask[0, 0].int().tolist() == [
+        [1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]]
+
+
+def test_token_bucket_is_asked_for_the_real_token_count():
+    asked = []
+    layout = _pack(token_bucket=lambda n: asked.append(n) or n)
+    assert asked == [10] and layout.input_ids.shape == (1, 10)
+
+
+def test_placeholder_rows_whole_image_and_chunk_cut():
+    layout = _pack()
+    # Row 0 (prefill 0..5, packed 1..6) has an image at 2..9: this step covers 2..5.
+    # Row 2 (chunk 4..6, packed 7..9) has an image at 1..4: covered at position 4 only.
+    placeholders = [[Placeholder("a", 2, 8)], [], [Placeholder("b", 1, 4)]]
+    is_mm, slices = placeholder_rows(layout, placeholders)
+    assert np.flatnonzero(is_mm).tolist() == [3, 4, 5, 6, 7]
+    assert slices == [("a", 0, 4), ("b", 3, 4)]
+
+
+def test_placeholder_rows_with_non_embedding_positions():
+    layout = _pack()
+    # Row 0's span 1..6 takes embeddings at 1, 3, 4, 6 (others stay text); the
+    # step covers positions 1..5 of it. Row 2's span 5..8 of which 5 and 8 embed:
+    # the chunk covers 5..6.
+    embed0 = np.array([True, False, True, True, False, True])
+    embed2 = np.array([True, False, False, True])
+    placeholders = [[Placeholder("a", 1, 6, embed0)], [], [Placeholder("b", 5, 4, embed2)]]
+    is_mm, slices = placeholder_rows(layout, placeholders)
+    # Packed index = first + position - start: row 0 first=1, start=0; row 2 first=7, start=4.
+    assert np.flatnonzero(is_mm).tolist() == [2, 4, 5, 8]
+    assert slices == [("a", 0, 3), ("b", 0, 1)]
+    # A later chunk of row 2 starting at position 7 takes encoder row 1 only.
+    token_ids, block_table, _, _ = _batch()
+    later = pack_step(token_ids, block_table, np.array([1, 1, 2]), np.array([6, 9, 7]),
+                      BLOCK, lambda n: n, lambda b: b)
+    is_mm, slices = placeholder_rows(later, [[], [], [Placeholder("b", 5, 4, embed2)]])
+    assert np.flatnonzero(is_mm).tolist() == [3] and slices == [("b", 1, 2)]
+
+
+def test_placeholder_rows_never_in_decode():
+    layout = _pack()
+    # Row 1 decodes at position 9; its image at 0..7 lies in the past.
+    is_mm, slices = placeholder_rows(layout, [[], [Placeholder("c", 0, 8)], []])
+    assert not is_mm.any() and slices == []
+    assert isinstance(layout.positions, torch.Tensor)
+
+
+def test_3d_rope_positions_from_the_prompt_then_by_delta():
+    from vllm_accel.worker.step_layout import RopePositions
+
+    # Row 0's prompt (6 tokens) has an image giving positions 1..2 on its axes;
+    # rows 1 and 2 continue past their prompts with deltas -3 and 2.
+    prompt0 = np.array([[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]])
+    rope = [RopePositions(prompt0, -2),
+            RopePositions(np.tile(np.arange(4), (3, 1)), -3),
+            RopePositions(np.tile(np.arange(5), (3, 1)), 2)]
+    layout = pack_step(*_batch(), BLOCK, lambda n: 12, lambda b: b, rope_positions=rope)
+    assert layout.positions.shape == (3, 1, 12)
+    pos = layout.positions[:, 0].numpy()
+    assert pos[:, 0].tolist() == [6, 6, 6]  # row 1 decodes at 9: 9 - 3
+    np.testing.assert_array_equal(pos[:, 1:7], prompt0)
+    # Row 2's chunk 4..6: position 4 from its prompt, then 5 + 2 and 6 + 2.
+    assert pos[:, 7:10].tolist() == [[4, 7, 8]] * 3
+    assert not pos[:, 10:].any()
+    # Attention still follows sequence order.
+    assert layout.attn_metadata.prefills[1].mask.shape == (1, 1, 3, 8)

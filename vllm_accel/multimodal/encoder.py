@@ -1,0 +1,70 @@
+"""The vision machinery every architecture shares: static-shape padding and
+compilation of the encoder, encoding with a count, and merging image rows
+into the text embeddings. What differs per architecture comes from its
+``MultiModalUtils`` (mm_mappings)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from vllm_accel.buckets import fit_bucket
+from vllm_accel.model.compile import compile_shared_forward
+from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+
+
+class VisionEncoder:
+    """Encodes images with an architecture's util.
+
+    Compiled, the util's ``vision_module`` sees its first input's leading axis
+    zero-padded to the smallest vision bucket that fits (one graph per bucket,
+    outputs sliced back to the real rows), through forward hooks on the module.
+    """
+
+    def __init__(self, utils: MultiModalUtils, compile_backend: str | None = None,
+                 buckets: list[int] | None = None):
+        self.utils = utils
+        self.buckets = sorted(set(buckets or utils.vision_buckets()))
+        self.images_encoded = 0
+        self._real_rows: int | None = None
+        if compile_backend is not None:
+            compile_shared_forward(utils.vision_compile_units(), compile_backend,
+                                   len(self.buckets))
+            module = utils.vision_module
+            module.register_forward_pre_hook(self._pad_to_bucket, with_kwargs=True)
+            module.register_forward_hook(self._slice_to_real_rows)
+
+    @torch.inference_mode()
+    def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per image: its embeddings [num_embeds, hidden], in item order."""
+        outputs = []
+        for item in items:
+            outputs.append(self.utils.encode_item(item))
+            self.images_encoded += 1
+        return outputs
+
+    def _pad_to_bucket(self, module, args, kwargs):
+        x, *rest = args
+        rows = x.shape[0]
+        bucket = fit_bucket(self.buckets, rows, "vision rows", "the vision buckets")
+        self._real_rows = rows
+        if bucket > rows:
+            x = torch.cat([x, x.new_zeros(bucket - rows, *x.shape[1:])])
+        return (x, *rest), kwargs
+
+    def _slice_to_real_rows(self, module, args, output):
+        rows, self._real_rows = self._real_rows, None
+        return pytree.tree_map_only(torch.Tensor, lambda t: t[:rows], output)
+
+
+def merge_embeddings(inputs_embeds: torch.Tensor, mm_embeds: torch.Tensor,
+                     is_mm: torch.Tensor) -> torch.Tensor:
+    """Text embeddings [1, T, hidden] with mm_embeds [N, hidden] at the N
+    positions where is_mm [T] is set."""
+    count = int(is_mm.sum())
+    if count != mm_embeds.shape[0]:
+        raise ValueError(f"{count} placeholder positions but {mm_embeds.shape[0]} "
+                         "multimodal embeddings")
+    merged = inputs_embeds.clone()
+    merged[0, is_mm.to(merged.device)] = mm_embeds.to(merged.device, merged.dtype)
+    return merged
