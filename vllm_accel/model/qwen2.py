@@ -155,7 +155,9 @@ class Qwen2Block(nn.Module):
         )
         assert self.ff_sub_layer.hidden_dim == c.hidden_dim
 
-    def forward(self, x, *, position_ids=None, past_key_value_state=None, use_cache=False,
+    # No keyword-only parameters: compile.py's per-engine copy of this
+    # function keeps __defaults__ but not __kwdefaults__.
+    def forward(self, x, position_ids=None, past_key_value_state=None, use_cache=False,
                 **attn_kwargs):
         residual = x
         out = self.attn(
