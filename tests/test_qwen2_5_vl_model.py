@@ -12,6 +12,7 @@ default SDPA attention.
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -241,3 +242,89 @@ def test_blocks_compile_fullgraph_like_eager(hf, fms):
     assert counters["stats"]["unique_graphs"] - graphs_before == 2
     torch.testing.assert_close(compiled_text, eager_text, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(compiled_vision, eager_vision, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_attention_plugs_in(hf, fms):
+    """The interface the runner uses: base_model(..., use_cache=True,
+    attn_name=paged) with [3, 1, T] positions gives the SDPA result."""
+    from vllm_accel.model.paged_attention import (
+        ATTN_NAME, PagedAttentionMetadata, PrefillChunk, attention_context,
+        causal_context_mask, register_paged_attention,
+    )
+
+    register_paged_attention()
+    processor, _ = hf
+    inputs = processed(processor, [image(300, 200)])
+    ids = inputs.input_ids[0].tolist()
+    positions, _ = prompt_positions(fms, ids, inputs.image_grid_thw.tolist())
+    base = fms.language_model.base_model
+    with torch.no_grad():
+        embeds = fms.merge_image_features(inputs.input_ids, fms.visual(inputs.pixel_values,
+                                                                       inputs.image_grid_thw))
+        reference, _ = base(embeds, position_ids=positions[:, None], use_cache=True)
+
+        block_size, tokens = 16, len(ids)
+        blocks = torch.arange(1, 1 + -(-tokens // block_size))  # block 0 is never handed out
+        c = fms.config.text_config
+        caches = [(torch.zeros(8, block_size, c.kvheads, c.head_dim),
+                   torch.zeros(8, block_size, c.kvheads, c.head_dim)) for _ in range(c.nlayers)]
+        metadata = PagedAttentionMetadata(
+            slot_mapping=blocks.repeat_interleave(block_size)[:tokens] * block_size
+            + torch.arange(tokens) % block_size,
+            num_decodes=0,
+            decode_block_table=torch.zeros(0, 1, dtype=torch.long),
+            decode_mask=torch.zeros(0, 1, 1, block_size, dtype=torch.bool),
+            prefills=[PrefillChunk(0, tokens, blocks[None], causal_context_mask(
+                torch.arange(tokens)[None], torch.tensor([tokens]), len(blocks) * block_size))],
+        )
+        with attention_context(metadata):
+            paged, _ = base(embeds, position_ids=positions[:, None],
+                            past_key_value_states=caches, use_cache=True, attn_name=ATTN_NAME)
+    torch.testing.assert_close(paged, reference, atol=1e-5, rtol=0)
+
+
+def test_loads_module_key_layout(ckpt, fms, tmp_path):
+    """Checkpoints keyed like transformers 5's modules (model.language_model.*,
+    model.visual.*; some re-uploads use it) load like the hub layout."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def module_key(hub_key):
+        if hub_key.startswith("visual."):
+            return "model." + hub_key
+        return re.sub(r"^model\.", "model.language_model.", hub_key)
+
+    renamed = {module_key(k): t for k, t in load_file(ckpt / "model.safetensors").items()}
+    assert any(k.startswith("model.visual.") for k in renamed)
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(ckpt / "config.json", tmp_path / "config.json")
+    reloaded = load_fms(tmp_path)
+    expected = fms.state_dict()
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_qwen2_text_model_matches_hf(tmp_path):
+    """The decoder alone, as Qwen2ForCausalLM (1-D RoPE, untied head)."""
+    from transformers import Qwen2Config as HFQwen2Config, Qwen2ForCausalLM
+
+    from vllm_accel.model.qwen2 import register_qwen2
+
+    torch.manual_seed(0)
+    config = HFQwen2Config(vocab_size=320, hidden_size=256, intermediate_size=320,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, tie_word_embeddings=False)
+    config.architectures = ["Qwen2ForCausalLM"]
+    hf_model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.normal_(0, 0.1)
+    hf_model.save_pretrained(tmp_path)
+    register_qwen2()
+    model = _load_fms_model(str(tmp_path), torch.float32, "cpu")
+    _check_all_weights_loaded(model, str(tmp_path))
+    ids = torch.randint(0, 320, (1, 21))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, position_ids=torch.arange(21)[None]),
+                                   hf_model(ids).logits, atol=LOGITS_ATOL, rtol=0)

@@ -310,10 +310,10 @@ def mrope_positions(
     """M-RoPE positions of a prompt, as HF's ``get_rope_index`` (images only).
 
     Text tokens advance all three axes together. The t*(h/m)*(w/m) tokens of
-    an image (one run of image_token_id, right after vision_start_token_id)
-    share the start position on the time axis... plus their frame, their
-    merged row on the height axis and merged column on the width axis; text
-    after the image resumes at start + max(h/m, w/m).
+    an image (one run of image_token_id right after vision_start_token_id; m =
+    spatial_merge_size) start from the next text position p: their positions
+    are (p + frame, p + merged row, p + merged column). Text after the image
+    resumes at p + max(h/m, w/m).
 
     Returns (positions [3, L] int64, delta): the token at index i >= L (decode)
     has position i + delta on all three axes.
