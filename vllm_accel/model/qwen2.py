@@ -206,7 +206,8 @@ class Qwen2(nn.Module):
         super().__init__()
         self.config = (config or Qwen2Config()).updated(**kwargs)
         self.base_model = Qwen2Headless(self.config)
-        self.head = LinearClassificationHead(self.config.emb_dim, self.config.src_vocab_size, bias=False)
+        self.head = LinearClassificationHead(
+            self.config.emb_dim, self.config.src_vocab_size, bias=False)
 
     def get_config(self) -> Qwen2Config:
         return self.config
@@ -233,7 +234,9 @@ class Qwen2(nn.Module):
 
 def qwen2_config_from_hf(text_config) -> Qwen2Config:
     """A Qwen2Config from an HF Qwen2 / Qwen2-VL / Qwen2.5-VL text config."""
-    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
+    rope = (getattr(text_config, "rope_parameters", None)
+            or getattr(text_config, "rope_scaling", None) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise ValueError(f"Qwen2: rope type {rope_type!r} is not supported")

@@ -83,7 +83,10 @@ class Qwen2_5_VisionConfig(ModelConfig):
 
 @dataclass
 class Qwen2_5_VLConfig(ModelConfig):
-    text_config: Qwen2Config = field(default_factory=lambda: Qwen2Config(mrope_section=[16, 24, 24]))
+    # Defaults: Qwen2.5-VL-3B's shapes.
+    text_config: Qwen2Config = field(default_factory=lambda: Qwen2Config(
+        emb_dim=2048, nheads=16, kvheads=2, nlayers=36, hidden_dim=11008,
+        mrope_section=[16, 24, 24], tie_heads=True))
     vision_config: Qwen2_5_VisionConfig = field(default_factory=Qwen2_5_VisionConfig)
     image_token_id: int = 151_655
     video_token_id: int = 151_656
@@ -222,8 +225,8 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
 
     # 2-D rotary: the first half of the frequencies turn with the row, the
     # second half with the column (HF's axial rope); padding gets angle 0.
-    quarter = config.head_dim // 4
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, 2 * quarter, 2, dtype=torch.float) / (2 * quarter)))
+    half = config.head_dim // 2  # HF: the frequencies of a head_dim/2 rope, per axis
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
     pos = torch.stack([torch.cat(rows), torch.cat(cols)], dim=-1).float()  # [N_real, 2]
     freqs = (pos[..., None] * inv_freq).flatten(1)  # [N_real, head_dim / 2]: rows then columns
     freqs = torch.cat([freqs, freqs.new_zeros(num_pad, freqs.shape[1])])
