@@ -1,0 +1,335 @@
+"""A Qwen2 decoder in IBM foundation-model-stack (FMS) style.
+
+FMS 1.13 has no Qwen2. Its LLaMA is close but cannot express Qwen2's
+attention: q/k/v projections *with* bias and an output projection *without*.
+This module builds the decoder from FMS's own parts (MultiHeadAttention,
+GatedLinearUnit, LayerNormParameterized as RMSNorm, LinearClassificationHead)
+with the same layout as FMS's LLaMA/Granite/Qwen3:
+
+    Qwen2
+      base_model: Qwen2Headless
+        embedding   nn.Embedding
+        layers      nn.ModuleList[Qwen2Block]   (identical blocks)
+        dec_norm    RMSNorm
+      head          LinearClassificationHead
+
+so the generic FMS wrapper (vllm_accel/model/fms_causal_lm.py) can drive it:
+``base_model(x, position_ids=..., past_key_value_states=..., use_cache=True,
+attn_name=...)`` with ``x`` token ids [1, T] or embeddings [1, T, emb_dim].
+
+Rotary embedding follows HF's "rotate half" convention, so checkpoint q/k
+weights load unpermuted (FMS's RotaryEmbedding pairs adjacent dims and needs a
+weight permutation; it also cannot take multi-axis positions). With
+``mrope_section`` set (Qwen2-VL / Qwen2.5-VL), positions are [3, B, T]
+(temporal, height, width) and each rotary frequency takes its angle from one
+axis: the first mrope_section[0] frequencies from t, the next
+mrope_section[1] from h, the rest from w. Without it, positions are [B, T].
+
+Nothing here registers anything at import time; see ``register_qwen2``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+
+from fms.modules.attention import FusedQKV, MultiHeadAttention, UnfusedQKV
+from fms.modules.feedforward import GatedLinearUnit
+from fms.modules.head import LinearClassificationHead
+from fms.modules.layernorm import LayerNormParameterized
+from fms.modules.positions import PositionEncoder
+from fms.utils import serialization
+from fms.utils.activation import str_to_activation
+from fms.utils.config import ModelConfig
+
+ARCHITECTURE = "qwen2"
+
+
+@dataclass
+class Qwen2Config(ModelConfig):
+    src_vocab_size: int = 151_936
+    emb_dim: int = 896
+    nheads: int = 14
+    kvheads: int = 2
+    nlayers: int = 24
+    hidden_dim: int = 4864  # MLP inner size (HF intermediate_size), exact
+    norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    # M-RoPE: rotary frequencies per position axis (t, h, w), summing to
+    # head_dim // 2. None: plain 1-D RoPE.
+    mrope_section: Optional[list[int]] = None
+    activation_fn: str = "silu"
+    tie_heads: bool = False
+    max_expected_seq_len: int = 32_768
+    fused_weights: bool = True  # one qkv matmul and one gate/up matmul
+    pad_id: int = -1
+
+    @property
+    def head_dim(self) -> int:
+        return self.emb_dim // self.nheads
+
+
+def rms_norm(dim: int, eps: float) -> LayerNormParameterized:
+    """FMS's RMSNorm: same math and float32 upcast as HF's Qwen2RMSNorm."""
+    return LayerNormParameterized(
+        dim, eps=eps, elementwise_scale=True, elementwise_shift=False,
+        use_mean=False, use_high_precision_pow=True,
+    )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Qwen2Rotary(PositionEncoder):
+    """RoPE in HF's rotate-half layout, 1-D or M-RoPE (see module docstring).
+
+    Holds no tensors: the inverse frequencies are recomputed from two Python
+    numbers in each call (constant-folded by torch.compile), so nothing is left
+    on the meta device when FMS builds the model there.
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: Optional[list[int]] = None):
+        if mrope_section is not None and sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+        self.head_dim = head_dim
+        self.theta = float(theta)
+        self.mrope_section = list(mrope_section) if mrope_section is not None else None
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """position_ids [B, T] (or [3, B, T] with M-RoPE) -> cos, sin [B, T, head_dim]."""
+        dim = self.head_dim
+        # Same expression and dtype as HF's compute_default_rope_parameters.
+        inv_freq = 1.0 / (
+            self.theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=position_ids.device) / dim)
+        )
+        if self.mrope_section is not None and position_ids.dim() == 2:
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)  # text only: t = h = w
+        freqs = position_ids.float()[..., None] * inv_freq  # [(3,) B, T, dim/2]
+        if self.mrope_section is not None:
+            chunks = freqs.split(self.mrope_section, dim=-1)
+            freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def adjusted_qk(self, q, k, position_ids, past_kv_state=None, use_cache=False):
+        """q [B, T, H, D], k [B, T, KVH, D] (MultiHeadAttention's layout)."""
+        if position_ids is None:
+            position_ids = torch.arange(q.shape[1], device=q.device).unsqueeze(0)
+        cos, sin = self.cos_sin(position_ids, q.dtype)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class Qwen2Block(nn.Module):
+    """Pre-norm decoder layer: x + attn(ln(x)), then x + mlp(ff_ln(x))."""
+
+    def __init__(self, config: Qwen2Config, rotary: Qwen2Rotary):
+        super().__init__()
+        c = config
+        kvheads = c.kvheads or c.nheads
+        self.ln = rms_norm(c.emb_dim, c.norm_eps)
+        self.ff_ln = rms_norm(c.emb_dim, c.norm_eps)
+        # MultiHeadAttention's use_bias covers q/k/v *and* the output
+        # projection; Qwen2 has bias on q/k/v only. Build it bias-free, then
+        # swap in a q/k/v projection with bias: every parameter is then one
+        # checkpoint tensor, nothing is invented.
+        self.attn = MultiHeadAttention(
+            c.emb_dim, c.head_dim, c.head_dim, c.nheads, kvheads,
+            use_bias=False, position_encoder=rotary, fused=c.fused_weights,
+        )
+        self.attn.in_proj = (FusedQKV if c.fused_weights else UnfusedQKV)(
+            c.emb_dim, c.nheads, kvheads, c.head_dim, c.head_dim, use_bias=True
+        )
+        # int() in GatedLinearUnit truncates emb_dim * factor: +0.5 makes the
+        # float round-trip land on hidden_dim exactly.
+        self.ff_sub_layer = GatedLinearUnit(
+            c.emb_dim, hidden_grow_factor=(c.hidden_dim + 0.5) / c.emb_dim,
+            activation_fn=str_to_activation(c.activation_fn), p_dropout=0.0,
+            use_bias=False, fused=c.fused_weights,
+        )
+        assert self.ff_sub_layer.hidden_dim == c.hidden_dim
+
+    # No keyword-only parameters: compile.py's per-engine copy of this
+    # function keeps __defaults__ but not __kwdefaults__.
+    def forward(self, x, position_ids=None, past_key_value_state=None, use_cache=False,
+                **attn_kwargs):
+        residual = x
+        out = self.attn(
+            q=self.ln(x), position_ids=position_ids, past_key_value_state=past_key_value_state,
+            use_cache=use_cache, **attn_kwargs,
+        )
+        cache = None
+        if use_cache:
+            out, cache = out
+        x = residual + out
+        x = x + self.ff_sub_layer(self.ff_ln(x))
+        return (x, cache) if use_cache else x
+
+
+class Qwen2Headless(nn.Module):
+    def __init__(self, config: Qwen2Config):
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.src_vocab_size, config.emb_dim)
+        self.rotary = Qwen2Rotary(config.head_dim, config.rope_theta, config.mrope_section)
+        self.layers = nn.ModuleList(Qwen2Block(config, self.rotary) for _ in range(config.nlayers))
+        self.dec_norm = rms_norm(config.emb_dim, config.norm_eps)
+
+    def forward(self, x, position_ids=None, past_key_value_states=None, use_cache=False,
+                **attn_kwargs):
+        """x: token ids [B, T] or embeddings [B, T, emb_dim]. Returns
+        (hidden [B, T, emb_dim], per-layer caches (when use_cache))."""
+        if not x.is_floating_point():
+            x = self.embedding(x)
+        if not past_key_value_states:
+            past_key_value_states = [None] * len(self.layers)
+        caches = []
+        for layer, past in zip(self.layers, past_key_value_states):
+            out = layer(x, position_ids=position_ids, past_key_value_state=past,
+                        use_cache=use_cache, **attn_kwargs)
+            if use_cache:
+                x, cache = out
+                caches.append(cache)
+            else:
+                x = out
+        return self.dec_norm(x), caches
+
+
+class Qwen2(nn.Module):
+    def __init__(self, config: Optional[Qwen2Config] = None, **kwargs):
+        super().__init__()
+        self.config = (config or Qwen2Config()).updated(**kwargs)
+        self.base_model = Qwen2Headless(self.config)
+        self.head = LinearClassificationHead(
+            self.config.emb_dim, self.config.src_vocab_size, bias=False)
+
+    def get_config(self) -> Qwen2Config:
+        return self.config
+
+    def post_init(self):
+        """Called by fms.models.get_model after loading: tie the lm_head to
+        the embedding when the config says so (tied checkpoints carry no
+        lm_head tensor)."""
+        if self.config.tie_heads:
+            self.head.weight = self.base_model.embedding.weight
+
+    def forward(self, x, position_ids=None, past_key_value_states=None, use_cache=False,
+                **attn_kwargs):
+        hidden, cache = self.base_model(x, position_ids, past_key_value_states, use_cache,
+                                        **attn_kwargs)
+        logits = self.head(hidden)
+        return (logits, cache) if use_cache else logits
+
+
+# ---------------------------------------------------------------------------
+# HF config and checkpoint -> FMS
+# ---------------------------------------------------------------------------
+
+
+def qwen2_config_from_hf(text_config) -> Qwen2Config:
+    """A Qwen2Config from an HF Qwen2 / Qwen2-VL / Qwen2.5-VL text config."""
+    # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
+    rope = (getattr(text_config, "rope_parameters", None)
+            or getattr(text_config, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ValueError(f"Qwen2: rope type {rope_type!r} is not supported")
+    theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 10_000.0))
+    if getattr(text_config, "use_sliding_window", False):
+        raise ValueError("Qwen2: sliding-window attention is not supported")
+    return Qwen2Config(
+        src_vocab_size=text_config.vocab_size,
+        emb_dim=text_config.hidden_size,
+        nheads=text_config.num_attention_heads,
+        kvheads=text_config.num_key_value_heads or text_config.num_attention_heads,
+        nlayers=text_config.num_hidden_layers,
+        hidden_dim=text_config.intermediate_size,
+        norm_eps=text_config.rms_norm_eps,
+        rope_theta=float(theta),
+        mrope_section=list(rope["mrope_section"]) if rope.get("mrope_section") else None,
+        activation_fn=text_config.hidden_act,
+        tie_heads=bool(getattr(text_config, "tie_word_embeddings", False)),
+        max_expected_seq_len=text_config.max_position_embeddings,
+    )
+
+
+# HF decoder-layer names -> ours; applied to keys already relative to a layer.
+_LAYER_RENAMES = [
+    (r"self_attn\.q_proj\.", "attn.in_proj.query."),
+    (r"self_attn\.k_proj\.", "attn.in_proj.key."),
+    (r"self_attn\.v_proj\.", "attn.in_proj.value."),
+    (r"self_attn\.o_proj\.", "attn.dense."),
+    (r"mlp\.gate_proj\.", "ff_sub_layer.wg."),
+    (r"mlp\.up_proj\.", "ff_sub_layer.w1."),
+    (r"mlp\.down_proj\.", "ff_sub_layer.w2."),
+    (r"input_layernorm\.", "ln."),
+    (r"post_attention_layernorm\.", "ff_ln."),
+]
+
+
+def rename_hf_text_key(name: str, hf_prefix: str = "model.", fms_prefix: str = "") -> str | None:
+    """Map one HF Qwen2 key (``{hf_prefix}layers.N...``, ``{hf_prefix}embed_tokens``,
+    ``{hf_prefix}norm``, ``lm_head``) to our name under ``fms_prefix``, or None
+    if it is not a text-model key."""
+    if name == "lm_head.weight":
+        return fms_prefix + "head.weight"
+    if not name.startswith(hf_prefix):
+        return None
+    rest = name[len(hf_prefix):]
+    if rest.startswith("embed_tokens."):
+        return fms_prefix + "base_model.embedding." + rest[len("embed_tokens."):]
+    if rest.startswith("norm."):
+        return fms_prefix + "base_model.dec_norm." + rest[len("norm."):]
+    if rest.startswith("layers."):
+        for pattern, repl in _LAYER_RENAMES:
+            rest = re.sub(pattern, repl, rest)
+        return fms_prefix + "base_model." + rest
+    return None
+
+
+def fuse_text_weights(sd: Mapping[str, Any], fused: bool) -> Mapping[str, Any]:
+    """Concatenate q/k/v (weights and biases) and gate/up like FMS's LLaMA does."""
+    if not fused:
+        return sd
+    return serialization._mlp_glu_unfused_to_fused_adapter_step(
+        serialization._attn_unfused_to_fused_step(sd)
+    )
+
+
+def _hf_to_fms_names(sd: Mapping[str, Any], **_) -> dict:
+    out = {}
+    for name, tensor in sd.items():
+        out[rename_hf_text_key(name) or name] = tensor
+    return out
+
+
+def _weight_fusion(sd: Mapping[str, Any], model_config: Optional[Qwen2Config] = None, **_):
+    return fuse_text_weights(sd, model_config is None or model_config.fused_weights)
+
+
+_registered = False
+
+
+def register_qwen2() -> None:
+    """Make ``get_model("hf_pretrained", ...)`` load Qwen2ForCausalLM
+    checkpoints as :class:`Qwen2`. Idempotent; FMS refuses re-registration."""
+    global _registered
+    if _registered:
+        return
+    from fms import models
+    from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY
+
+    models.register_model(ARCHITECTURE, "hf", lambda **kw: Qwen2(**kw))
+    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_names", _hf_to_fms_names)
+    serialization.register_adapter_step(ARCHITECTURE, "weight_fusion", _weight_fusion)
+    serialization.register_adapter(ARCHITECTURE, "hf", ["hf_to_fms_names", "weight_fusion"])
+    _FMS_MODEL_CONFIG_REGISTRY.register_model_arch_info(
+        "Qwen2ForCausalLM", ARCHITECTURE, lambda hf_config: {"config": qwen2_config_from_hf(hf_config)}
+    )
+    _registered = True

@@ -1,0 +1,445 @@
+"""Qwen2.5-VL in IBM foundation-model-stack (FMS) style: vision tower,
+composite model, M-RoPE prompt positions and FMS registration.
+
+    Qwen2_5_VL
+      language_model  Qwen2 (vllm_accel/model/qwen2.py) with M-RoPE
+      visual          Qwen2_5_VisionTransformer
+
+Vision tower (math as HF's Qwen2_5_VisionTransformerPretrainedModel):
+patches (3 channels x 2 frames x 14 x 14 pixels, flattened by the image
+processor) -> linear patch embedding -> reorder so each attention window is
+contiguous -> blocks (RMSNorm, attention with 2-D rotary over patch (row,
+column), gated SiLU MLP) -> merger (RMSNorm, 2x2 neighbouring patches
+concatenated, MLP) -> undo the window order. Most blocks attend within
+windows of window_size pixels; blocks in fullatt_block_indexes attend over
+the whole frame.
+
+Static shapes for torch.compile: the caller may pad the patches with extra
+rows up to a bucket size. Everything that depends on the image grid (window
+order, rotary angles, attention masks) is computed eagerly outside the
+blocks, in ``VisionLayout``; a block only sees tensors of the padded size, so
+one compiled graph per bucket serves every block. Window and full-attention
+blocks differ only in the mask they get. Padding rows form their own
+attention segment (real patches never see them) and their own merged rows
+(pad counts are multiples of 4), which are dropped before returning.
+
+Registration with FMS happens only when ``register_qwen2_5_vl()`` is called.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fms.modules.feedforward import GatedLinearUnit
+from fms.utils import serialization
+from fms.utils.activation import str_to_activation
+from fms.utils.config import ModelConfig
+
+from vllm_accel.model.qwen2 import (
+    Qwen2,
+    Qwen2Config,
+    fuse_text_weights,
+    qwen2_config_from_hf,
+    rename_hf_text_key,
+    rms_norm,
+    rotate_half,
+)
+
+ARCHITECTURE = "qwen2_5_vl"
+HF_ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+
+
+@dataclass
+class Qwen2_5_VisionConfig(ModelConfig):
+    depth: int = 32
+    emb_dim: int = 1280
+    nheads: int = 16
+    hidden_dim: int = 3420  # MLP inner size (HF intermediate_size)
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112  # pixels
+    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    out_dim: int = 2048  # = the text model's emb_dim
+    norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    activation_fn: str = "silu"
+
+    @property
+    def head_dim(self) -> int:
+        return self.emb_dim // self.nheads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+@dataclass
+class Qwen2_5_VLConfig(ModelConfig):
+    # Defaults: Qwen2.5-VL-3B's shapes.
+    text_config: Qwen2Config = field(default_factory=lambda: Qwen2Config(
+        emb_dim=2048, nheads=16, kvheads=2, nlayers=36, hidden_dim=11008,
+        mrope_section=[16, 24, 24], tie_heads=True))
+    vision_config: Qwen2_5_VisionConfig = field(default_factory=Qwen2_5_VisionConfig)
+    image_token_id: int = 151_655
+    video_token_id: int = 151_656
+    vision_start_token_id: int = 151_652
+    vision_end_token_id: int = 151_653
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return self.vision_config.spatial_merge_size
+
+
+# ---------------------------------------------------------------------------
+# Vision tower
+# ---------------------------------------------------------------------------
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional multi-head attention with rotary q/k and an explicit
+    boolean mask. (FMS's MultiHeadAttention takes positions, not the
+    precomputed 2-D rotary angles this tower needs.)"""
+
+    def __init__(self, emb_dim: int, nheads: int):
+        super().__init__()
+        self.nheads = nheads
+        self.qkv = nn.Linear(emb_dim, 3 * emb_dim)  # rows: all q heads, all k, all v
+        self.dense = nn.Linear(emb_dim, emb_dim)
+
+    def forward(self, x, cos, sin, mask):
+        """x [N, D], cos/sin [N, head_dim], mask [N, N] bool (True = may attend)."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.nheads, -1).unbind(1)  # [N, H, hd] each
+        # Rotary in float32, as HF does for the vision tower.
+        cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+        )  # [H, N, hd]
+        return self.dense(out.transpose(0, 1).reshape(n, -1))
+
+
+class Qwen2_5_VisionBlock(nn.Module):
+    def __init__(self, config: Qwen2_5_VisionConfig):
+        super().__init__()
+        c = config
+        self.ln = rms_norm(c.emb_dim, c.norm_eps)
+        self.attn = VisionAttention(c.emb_dim, c.nheads)
+        self.ff_ln = rms_norm(c.emb_dim, c.norm_eps)
+        # Unfused: FMS's fused GLU splits a 3-D [B, T, 2*hidden] tensor.
+        self.mlp = GatedLinearUnit(
+            c.emb_dim, hidden_grow_factor=(c.hidden_dim + 0.5) / c.emb_dim,
+            activation_fn=str_to_activation(c.activation_fn), p_dropout=0.0,
+            use_bias=True, fused=False,
+        )
+        assert self.mlp.hidden_dim == c.hidden_dim
+
+    def forward(self, x, cos, sin, mask):
+        """All inputs have the padded size: x [N, D], cos/sin [N, head_dim],
+        mask [N, N]. Dynamo-clean (no data-dependent Python)."""
+        x = x + self.attn(self.ln(x), cos, sin, mask)
+        return x + self.mlp(self.ff_ln(x))
+
+
+class PatchMerger(nn.Module):
+    """RMSNorm, then each run of merge_size**2 consecutive rows (one 2x2
+    block of neighbouring patches, by the processor's patch order) becomes one
+    row, then a GELU MLP to the text model's width."""
+
+    def __init__(self, config: Qwen2_5_VisionConfig):
+        super().__init__()
+        merged = config.emb_dim * config.spatial_merge_size**2
+        self.ln_q = rms_norm(config.emb_dim, config.norm_eps)
+        self.fc1 = nn.Linear(merged, merged)
+        self.fc2 = nn.Linear(merged, config.out_dim)
+
+    def forward(self, x):
+        x = self.ln_q(x).reshape(-1, self.fc1.in_features)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+@dataclass
+class VisionLayout:
+    """Everything the tower needs that depends on the image grid, for one
+    padded size. Built eagerly (Python loops, argsort) outside compiled code."""
+
+    order: torch.Tensor  # [N_padded] patch rows in window order, then the padding rows
+    restore: torch.Tensor  # [N_real / merge**2] merged rows back to the processor's order
+    cos: torch.Tensor  # [N_padded, head_dim] rotary angles in `order`
+    sin: torch.Tensor
+    full_mask: torch.Tensor  # [N_padded, N_padded] bool: same frame
+    window_mask: torch.Tensor  # [N_padded, N_padded] bool: same window
+
+
+def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]],
+                  num_padded: int, dtype: torch.dtype = torch.float32) -> VisionLayout:
+    """grid_thw: per image (frames t, patch rows h, patch columns w), as the
+    image processor returns. num_padded: total patch rows including padding."""
+    m = config.spatial_merge_size
+    unit = m * m
+    win = config.window_size // m // config.patch_size  # window side in merged tokens
+    unit_ids, frame_seg, window_seg, rows, cols = [], [], [], [], []
+    units_done = frames_done = windows_done = 0
+    for t, h, w in (tuple(int(v) for v in g) for g in grid_thw):
+        hm, wm = h // m, w // m
+        tt, r, c = torch.meshgrid(torch.arange(t), torch.arange(hm), torch.arange(wm), indexing="ij")
+        tt, r, c = tt.flatten(), r.flatten(), c.flatten()
+        wins_h, wins_w = -(-hm // win), -(-wm // win)
+        window = (tt * wins_h + r // win) * wins_w + c // win
+        # Window order: windows row-major, merged tokens row-major inside a window.
+        key = window * win * win + (r % win) * win + (c % win)
+        perm = torch.argsort(key)
+        unit_ids.append(perm + units_done)
+        frame_seg.append(tt[perm] + frames_done)
+        window_seg.append(window[perm] + windows_done)
+        # Patch (row, column) of each patch of each merged token, in window order.
+        dr, dc = torch.meshgrid(torch.arange(m), torch.arange(m), indexing="ij")
+        rows.append((r[perm, None] * m + dr.flatten()).flatten())
+        cols.append((c[perm, None] * m + dc.flatten()).flatten())
+        units_done += t * hm * wm
+        frames_done += t
+        windows_done += t * wins_h * wins_w
+    window_index = torch.cat(unit_ids)
+    num_real = units_done * unit
+    num_pad = num_padded - num_real
+    if num_pad < 0 or num_pad % unit:
+        raise ValueError(f"{num_padded} patch rows for {num_real} real patches: padding must be "
+                         f"a non-negative multiple of {unit}")
+
+    patch_order = (window_index[:, None] * unit + torch.arange(unit)).flatten()
+    order = torch.cat([patch_order, torch.arange(num_real, num_padded)])
+    pad_seg = torch.full((num_pad,), -1)  # padding: one segment of its own
+
+    def same(seg_per_unit):
+        seg = torch.cat([seg_per_unit.repeat_interleave(unit), pad_seg])
+        return seg[:, None] == seg[None, :]
+
+    # 2-D rotary: the first half of the frequencies turn with the row, the
+    # second half with the column (HF's axial rope); padding gets angle 0.
+    half = config.head_dim // 2  # HF: the frequencies of a head_dim/2 rope, per axis
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+    pos = torch.stack([torch.cat(rows), torch.cat(cols)], dim=-1).float()  # [N_real, 2]
+    freqs = (pos[..., None] * inv_freq).flatten(1)  # [N_real, head_dim / 2]: rows then columns
+    freqs = torch.cat([freqs, freqs.new_zeros(num_pad, freqs.shape[1])])
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return VisionLayout(
+        order=order,
+        restore=torch.argsort(window_index),
+        cos=angles.cos().to(dtype),
+        sin=angles.sin().to(dtype),
+        full_mask=same(torch.cat(frame_seg)),
+        window_mask=same(torch.cat(window_seg)),
+    )
+
+
+class Qwen2_5_VisionTransformer(nn.Module):
+    def __init__(self, config: Qwen2_5_VisionConfig):
+        super().__init__()
+        self.config = config
+        # A Conv3d whose kernel equals its stride, on patches the processor
+        # already flattened, is a linear layer over the flattened patch.
+        self.patch_embed = nn.Linear(config.patch_dim, config.emb_dim, bias=False)
+        self.layers = nn.ModuleList(Qwen2_5_VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw, layout: Optional[VisionLayout] = None):
+        """pixel_values [N_padded, C*T*P*P] (real patches first, in the image
+        processor's order, then any padding rows; the pad count must be a
+        multiple of spatial_merge_size**2). grid_thw [images, 3].
+        Returns [N_real / merge**2, out_dim]: the image tokens, in prompt order."""
+        if layout is None:
+            layout = vision_layout(self.config, torch.as_tensor(grid_thw).tolist(),
+                                   pixel_values.shape[0], pixel_values.dtype)
+        full = set(self.config.fullatt_block_indexes)
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))[layout.order]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, layout.cos, layout.sin, layout.full_mask if i in full else layout.window_mask)
+        merged = self.merger(x)
+        return merged[layout.restore]  # padding rows come after the real ones: dropped
+
+
+# ---------------------------------------------------------------------------
+# Composite model
+# ---------------------------------------------------------------------------
+
+
+class Qwen2_5_VL(nn.Module):
+    """The text model our generic wrapper drives is ``language_model``; the
+    caller runs ``visual`` on each image and writes its rows into the prompt
+    embeddings at the image-token positions (``merge_image_features``)."""
+
+    def __init__(self, config: Optional[Qwen2_5_VLConfig] = None, vision_only: bool = False,
+                 **kwargs):
+        super().__init__()
+        if vision_only:
+            raise NotImplementedError("Qwen2_5_VL has no vision-only mode")
+        self.config = (config or Qwen2_5_VLConfig()).updated(**kwargs)
+        self.language_model = Qwen2(self.config.text_config)
+        self.visual = Qwen2_5_VisionTransformer(self.config.vision_config)
+
+    def get_config(self) -> Qwen2_5_VLConfig:
+        return self.config
+
+    def post_init(self):
+        self.language_model.post_init()
+
+    def merge_image_features(self, input_ids: torch.Tensor,
+                             image_features: Optional[torch.Tensor]) -> torch.Tensor:
+        """input_ids [B, T] -> embeddings [B, T, emb_dim], image-token rows
+        replaced in order by image_features [num_image_tokens, emb_dim]."""
+        embeds = self.language_model.base_model.embedding(input_ids)
+        if image_features is not None:
+            is_image = input_ids == self.config.image_token_id
+            if int(is_image.sum()) != image_features.shape[0]:
+                raise ValueError(f"{int(is_image.sum())} image tokens but "
+                                 f"{image_features.shape[0]} image feature rows")
+            embeds = embeds.masked_scatter(is_image[..., None], image_features.to(embeds.dtype))
+        return embeds
+
+
+def mrope_positions(
+    token_ids: Sequence[int], image_grid_thw: Sequence[Sequence[int]], *,
+    image_token_id: int, vision_start_token_id: int, spatial_merge_size: int,
+) -> tuple[torch.Tensor, int]:
+    """M-RoPE positions of a prompt, as HF's ``get_rope_index`` (images only).
+
+    Text tokens advance all three axes together. The t*(h/m)*(w/m) tokens of
+    an image (one run of image_token_id right after vision_start_token_id; m =
+    spatial_merge_size) start from the next text position p: their positions
+    are (p + frame, p + merged row, p + merged column). Text after the image
+    resumes at p + max(h/m, w/m).
+
+    Returns (positions [3, L] int64, delta): the token at index i >= L (decode)
+    has position i + delta on all three axes.
+    """
+    tokens = list(token_ids)
+    grids = iter(image_grid_thw)
+    columns: list[torch.Tensor] = []
+    pos = i = 0
+    while i < len(tokens):
+        if tokens[i] != image_token_id:
+            columns.append(torch.full((3, 1), pos, dtype=torch.long))
+            pos += 1
+            i += 1
+            continue
+        if i == 0 or tokens[i - 1] != vision_start_token_id:
+            raise ValueError(f"image token at {i} does not follow the vision start token")
+        try:
+            t, h, w = (int(v) for v in next(grids))
+        except StopIteration:
+            raise ValueError("more images in the prompt than image_grid_thw entries") from None
+        hm, wm = h // spatial_merge_size, w // spatial_merge_size
+        n = t * hm * wm
+        if tokens[i:i + n] != [image_token_id] * n:
+            raise ValueError(f"image at {i} needs {n} consecutive image tokens")
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(hm), torch.arange(wm),
+                                          indexing="ij"))
+        columns.append(grid.reshape(3, -1) + pos)
+        pos += max(hm, wm)
+        i += n
+    if next(grids, None) is not None:
+        raise ValueError("fewer images in the prompt than image_grid_thw entries")
+    positions = torch.cat(columns, dim=1) if columns else torch.zeros(3, 0, dtype=torch.long)
+    delta = (int(positions.max()) + 1 - len(tokens)) if tokens else 0
+    return positions, delta
+
+
+# ---------------------------------------------------------------------------
+# HF config and checkpoint -> FMS
+# ---------------------------------------------------------------------------
+
+
+def qwen2_5_vl_config_from_hf(hf_config) -> Qwen2_5_VLConfig:
+    text = qwen2_config_from_hf(hf_config.text_config)
+    text.tie_heads = bool(hf_config.tie_word_embeddings)
+    if text.mrope_section is None:
+        raise ValueError("Qwen2.5-VL text config has no mrope_section")
+    v = hf_config.vision_config
+    vision_rope = getattr(v, "rope_parameters", None) or {}
+    vision = Qwen2_5_VisionConfig(
+        depth=v.depth, emb_dim=v.hidden_size, nheads=v.num_heads, hidden_dim=v.intermediate_size,
+        in_channels=v.in_channels, patch_size=v.patch_size,
+        temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
+        window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_block_indexes),
+        out_dim=v.out_hidden_size, rope_theta=float(vision_rope.get("rope_theta", 10_000.0)),
+        activation_fn=v.hidden_act,
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision,
+        image_token_id=hf_config.image_token_id, video_token_id=hf_config.video_token_id,
+        vision_start_token_id=hf_config.vision_start_token_id,
+        vision_end_token_id=hf_config.vision_end_token_id,
+    )
+
+
+_VISION_RENAMES = [
+    (r"^visual\.blocks\.", "visual.layers."),
+    (r"\.norm1\.", ".ln."),
+    (r"\.norm2\.", ".ff_ln."),
+    (r"\.attn\.proj\.", ".attn.dense."),
+    (r"\.mlp\.gate_proj\.", ".mlp.wg."),
+    (r"\.mlp\.up_proj\.", ".mlp.w1."),
+    (r"\.mlp\.down_proj\.", ".mlp.w2."),
+    (r"^visual\.patch_embed\.proj\.", "visual.patch_embed."),
+    (r"^visual\.merger\.mlp\.0\.", "visual.merger.fc1."),
+    (r"^visual\.merger\.mlp\.2\.", "visual.merger.fc2."),
+]
+
+
+def _hf_to_fms_names(sd: Mapping[str, Any], **_) -> dict:
+    """Hub layout (model.layers.*, model.embed_tokens, model.norm, visual.*,
+    lm_head) and transformers-5 layout (model.language_model.*,
+    model.visual.*) -> our names."""
+    out = {}
+    for name, tensor in sd.items():
+        name = re.sub(r"^model\.language_model\.", "model.", name)
+        name = re.sub(r"^model\.visual\.", "visual.", name)
+        if name.startswith("visual."):
+            for pattern, repl in _VISION_RENAMES:
+                name = re.sub(pattern, repl, name)
+            if name == "visual.patch_embed.weight":
+                tensor = tensor.flatten(1)  # Conv3d [D, C, T, P, P] -> linear [D, C*T*P*P]
+        else:
+            name = rename_hf_text_key(name, "model.", "language_model.") or name
+        out[name] = tensor
+    return out
+
+
+def _weight_fusion(sd: Mapping[str, Any], model_config: Optional[Qwen2_5_VLConfig] = None, **_):
+    fused = model_config is None or model_config.text_config.fused_weights
+    text = {k: v for k, v in sd.items() if k.startswith("language_model.")}
+    rest = {k: v for k, v in sd.items() if not k.startswith("language_model.")}
+    return {**fuse_text_weights(text, fused), **rest}
+
+
+_registered = False
+
+
+def register_qwen2_5_vl() -> None:
+    """Make ``fms.models.get_model("hf_pretrained", model_path=...)`` load
+    Qwen2_5_VLForConditionalGeneration checkpoints as :class:`Qwen2_5_VL`.
+    Idempotent (FMS refuses duplicate registrations)."""
+    global _registered
+    if _registered:
+        return
+    from fms import models
+    from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY
+
+    models.register_model(ARCHITECTURE, "hf", lambda **kw: Qwen2_5_VL(**kw))
+    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_names", _hf_to_fms_names)
+    serialization.register_adapter_step(ARCHITECTURE, "weight_fusion", _weight_fusion)
+    serialization.register_adapter(ARCHITECTURE, "hf", ["hf_to_fms_names", "weight_fusion"])
+    _FMS_MODEL_CONFIG_REGISTRY.register_model_arch_info(
+        HF_ARCHITECTURE, ARCHITECTURE,
+        lambda hf_config: {"config": qwen2_5_vl_config_from_hf(hf_config)},
+    )
+    _registered = True
