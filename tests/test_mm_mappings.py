@@ -48,7 +48,7 @@ def _fms_model(ckpt):
 
 @pytest.fixture(scope="module")
 def utils(ckpt, hf_config):
-    return get_mm_utils_cls(hf_config)(hf_config, _fms_model(ckpt))
+    return get_mm_utils_cls(hf_config)(hf_config, _fms_model(ckpt), str(ckpt))
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,8 @@ def test_utils_basics(utils, hf_config):
     assert hasattr(text, "base_model") and hasattr(text, "head")
     # 1 base tile + 1, 2, 2, 4, 3, 3 grid tiles.
     assert utils.vision_buckets() == [2, 3, 4, 5]
-    assert utils.warmup_image_sizes() == [(64, 64), (128, 64), (192, 64), (128, 128)]
+    assert utils.warmup_image_sizes(utils.vision_buckets()) == [
+        (64, 64), (128, 64), (192, 64), (128, 128)]
 
 
 def test_encode_vllm_items_equals_hf(utils, hf_model, vllm_process, ckpt):
@@ -150,7 +151,7 @@ def test_encode_vllm_items_equals_hf(utils, hf_model, vllm_process, ckpt):
     the HF processor (warmup_items) yields the same items as vLLM's."""
     from vllm.multimodal.inputs import MultiModalFeatureSpec
 
-    warm = utils.warmup_items(str(ckpt), SIZES)
+    warm = utils.warmup_items(SIZES)
     for size, image, warm_item in zip(SIZES, _images(SIZES), warm):
         ids, items, placeholders = vllm_process([image])
         # What the runner finds in CachedRequestState.mm_features.
@@ -218,7 +219,7 @@ def test_merged_embeddings_equal_hf(utils, hf_model, vllm_process, sizes):
 def test_padding_tiles_changes_nothing(utils, ckpt):
     """SigLIP encodes tiles independently: zero tiles appended to a batch leave
     the real tiles' outputs (every hidden state) unchanged."""
-    (item,) = utils.warmup_items(str(ckpt), [(80, 50)])
+    (item,) = utils.warmup_items([(80, 50)])
     pixels = item["pixel_values"]
     padded = torch.cat([pixels, torch.zeros(2, *pixels.shape[1:])])
     tower = utils.fms_model.vision_tower
@@ -234,11 +235,11 @@ def test_compiled_encode(ckpt, hf_config, utils):
     and 5 tiles in bucket 5 (padded). One graph per bucket, none after."""
     from torch._dynamo.utils import counters
 
-    compiled_utils = get_mm_utils_cls(hf_config)(hf_config, _fms_model(ckpt))
-    compiled = VisionEncoder(compiled_utils, "inductor", buckets=[3, 5])
+    compiled_utils = get_mm_utils_cls(hf_config)(hf_config, _fms_model(ckpt), str(ckpt))
+    compiled = VisionEncoder(compiled_utils, "inductor", "3,5")
     assert compiled.buckets == [3, 5]
     sizes = [(80, 50), (64, 64), (60, 150), (128, 128)]  # 3, 2, 4, 5 tiles
-    items = compiled_utils.warmup_items(str(ckpt), sizes)
+    items = compiled_utils.warmup_items(sizes)
     assert [it["pixel_values"].shape[0] for it in items] == [3, 2, 4, 5]
 
     graphs = counters["stats"]["unique_graphs"]

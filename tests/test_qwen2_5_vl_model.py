@@ -19,9 +19,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vllm_accel.model.fms_causal_lm import _check_all_weights_loaded, _load_fms_model
+from vllm_accel.model.fms_causal_lm import _check_all_weights_loaded, _load_with_nan_fill
 from vllm_accel.model.qwen2_5_vl import mrope_positions, register_qwen2_5_vl, vision_layout
-from vllm_accel.multimodal.compat import install_shims
+from vllm_accel.patches import apply_patches
 from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
 
 # Observed max |diff| ~5e-5 on logits of magnitude ~10 (different reduction
@@ -39,7 +39,7 @@ def image(width, height, seed=0):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    install_shims()  # stand-in video processor: AutoProcessor works without torchvision
+    apply_patches()  # stand-in video processor: AutoProcessor works without torchvision
     return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "tiny", seed=0)
 
 
@@ -54,7 +54,7 @@ def hf(ckpt):
 
 def load_fms(path):
     register_qwen2_5_vl()
-    model = _load_fms_model(str(path), torch.float32, "cpu")  # unloaded weights -> NaN
+    model = _load_with_nan_fill(str(path), torch.float32, "cpu")  # unloaded weights -> NaN
     _check_all_weights_loaded(model, str(path))
     return model.eval()
 
@@ -322,7 +322,7 @@ def test_qwen2_text_model_matches_hf(tmp_path):
             p.normal_(0, 0.1)
     hf_model.save_pretrained(tmp_path)
     register_qwen2()
-    model = _load_fms_model(str(tmp_path), torch.float32, "cpu")
+    model = _load_with_nan_fill(str(tmp_path), torch.float32, "cpu")
     _check_all_weights_loaded(model, str(tmp_path))
     ids = torch.randint(0, 320, (1, 21))
     with torch.no_grad():

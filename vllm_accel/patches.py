@@ -4,13 +4,16 @@ one place, applied from one place: ``apply_patches`` (called by our
 edits no file on disk, is idempotent, and acts only when it is needed.
 
 1. transformers 5.16-5.20 / vLLM 0.33, without torchvision (no CPU build on the
-   registry): ``transformers.models.pixtral.image_processing_pixtral`` is the
-   torchvision image processor and fails to import, yet vLLM's
-   ``models/pixtral.py`` (imported by its LlavaNext, Llava and Mistral3 model
-   modules, also when vLLM's registry inspects the model in a subprocess)
-   imports ``_num_image_tokens`` from it. The name is made to resolve to the
-   PIL variant ``image_processing_pil_pixtral``, which defines the same
-   function.
+   registry): two torchvision image-processor modules fail to import, yet vLLM
+   imports a helper from each, also when its registry inspects the model in a
+   subprocess: ``_num_image_tokens`` from
+   ``transformers.models.pixtral.image_processing_pixtral`` (vLLM's
+   ``models/pixtral.py``, imported by its LlavaNext, Llava and Mistral3
+   modules) and ``smart_resize`` from
+   ``transformers.models.qwen2_vl.image_processing_qwen2_vl`` (vLLM's
+   ``models/qwen2_vl.py``, imported by its Qwen2.5-VL module). Each name is
+   made to resolve to its PIL variant (``image_processing_pil_*``), which
+   defines the same function.
 
 2. transformers 5.16-5.20, without torchvision: there are no PIL video
    processors: ``AutoVideoProcessor`` maps qwen2_vl/qwen2_5_vl to
@@ -50,8 +53,13 @@ import importlib.util
 import sys
 import threading
 
-PIXTRAL_TORCHVISION_MODULE = "transformers.models.pixtral.image_processing_pixtral"
-PIXTRAL_PIL_MODULE = "transformers.models.pixtral.image_processing_pil_pixtral"
+# torchvision image-processor module -> its PIL variant (patch 1).
+TORCHVISION_TO_PIL_MODULES = {
+    "transformers.models.pixtral.image_processing_pixtral":
+        "transformers.models.pixtral.image_processing_pil_pixtral",
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl":
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+}
 VIDEO_AUTO_MODULE = "transformers.models.auto.video_processing_auto"
 # (config module, config class) whose video processor is Qwen2VLVideoProcessor.
 _QWEN_VIDEO_CONFIGS = (
@@ -98,13 +106,14 @@ def _no_accelerator_cache(*args, **kwargs) -> None:
 
 
 class _ShimFinder(importlib.abc.MetaPathFinder):
-    """Meta-path finder that only answers for the two module names above."""
+    """Meta-path finder that only answers for the module names above."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == PIXTRAL_TORCHVISION_MODULE:
+        if fullname in TORCHVISION_TO_PIL_MODULES:
             if torchvision_available():
                 return None
-            return importlib.util.spec_from_loader(fullname, _AliasLoader(PIXTRAL_PIL_MODULE))
+            pil_module = TORCHVISION_TO_PIL_MODULES[fullname]
+            return importlib.util.spec_from_loader(fullname, _AliasLoader(pil_module))
         if fullname == VIDEO_AUTO_MODULE:
             if torchvision_available():
                 return None
@@ -253,7 +262,7 @@ def _make_qwen2_vl_video_processor():
                 "installed): video inputs are not supported; images are."
             )
 
-    # Importable as vllm_accel.multimodal.compat.<name>, so instances pickle.
+    # Importable as vllm_accel.patches.<name>, so instances pickle.
     for cls in (Qwen2VLVideoProcessor, Qwen2VLVideoProcessorInitKwargs):
         cls.__module__ = __name__
         cls.__qualname__ = cls.__name__

@@ -149,6 +149,12 @@ class AccelPlatform(Platform):
             cls.image_token_id = (
                 mm_utils_cls.image_token_id(model_config.hf_config) if mm_utils_cls else None
             )
+            if mm_utils_cls is not None and model_config.multimodal_config is not None:
+                _disable_modalities(model_config, mm_utils_cls.unsupported_modalities)
+                # vLLM 0.33 may leave pixel normalisation to its own model
+                # classes (raw pixels from the processor); our ports take
+                # pixels as HF's processors normalise them.
+                model_config.multimodal_config.mm_device_do_normalize = False
 
     # The image token of the model last configured in this process (the front
     # end's validate_request gets no model config); None for text models.
@@ -195,3 +201,18 @@ class AccelPlatform(Platform):
                 if hard_fail:
                     raise ValueError(f"Unknown vLLM environment variable detected: {name}")
                 logger.warning("Unknown vLLM environment variable detected: %s", name)
+
+
+def _disable_modalities(model_config, modalities: tuple[str, ...]) -> None:
+    """Limit these inputs to 0 per prompt: vLLM then answers a request with one
+    with a 400, and does not size its multimodal budget with a dummy of it."""
+    mm_config = model_config.multimodal_config
+    for modality in modalities:
+        if mm_config.get_limit_per_prompt(modality) not in (0, 999):  # 999: not set
+            raise ValueError(
+                f"vllm-accel does not support {modality} inputs for "
+                f"{model_config.architectures[0]}: set --limit-mm-per-prompt "
+                f"'{{\"{modality}\": 0}}' or leave it out (images are supported)."
+            )
+        # vLLM's own parsing of {"video": 0} gives the options object it keeps.
+        mm_config.limit_per_prompt.update(type(mm_config)._validate_limit_per_prompt({modality: 0}))

@@ -23,7 +23,10 @@ from vllm_accel.buckets import parse_bucket_spec
 ENV_PREFIX = "VLLM_ACCEL_"
 ADDITIONAL_CONFIG_KEY = "accel"
 # Settings whose environment variable keeps vllm-gaudi's name.
-GAUDI_ENV_NAMES = {"skip_warmup": "VLLM_SKIP_WARMUP"}
+GAUDI_ENV_NAMES = {
+    "skip_warmup": "VLLM_SKIP_WARMUP",
+    "multimodal_buckets": "VLLM_MULTIMODAL_BUCKETS",
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,10 @@ class AccelSettings:
     token_buckets: str = ""
     # Context-length buckets, in KV blocks, that decode attention pads to.
     context_buckets: str = ""
+    # Vision buckets: the rows one image gives the vision encoder (patches for
+    # Qwen2.5-VL, as vllm-gaudi's VLLM_MULTIMODAL_BUCKETS; tiles for LlavaNext).
+    # "" derives them from the model and its processor.
+    multimodal_buckets: str = ""
     # Where compiled graphs persist between starts ("" = the user's cache dir).
     compile_cache_dir: str = ""
     # Threads the worker's torch ops may use; 0 leaves torch's default.
@@ -101,7 +108,7 @@ def _parse(key: str, raw: Any, source: str) -> Any:
             ok = allowed is None or value in allowed
     except (TypeError, ValueError):
         ok = False
-    if key in ("token_buckets", "context_buckets") and ok and value:
+    if key in ("token_buckets", "context_buckets", "multimodal_buckets") and ok and value:
         try:
             parse_bucket_spec(value)
         except ValueError as error:

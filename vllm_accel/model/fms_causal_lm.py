@@ -11,6 +11,8 @@ and positions -> hidden states; the paged-KV layout comes from
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 from vllm.logger import init_logger
@@ -28,7 +30,13 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "GraniteForCausalLM",
     "LlavaNextForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
 )
+# Architectures FMS does not have: our own FMS-style ports, registered with
+# FMS's registries (by the named function) before loading.
+_FMS_PORTS = {
+    "Qwen2_5_VLForConditionalGeneration": "vllm_accel.model.qwen2_5_vl:register_qwen2_5_vl",
+}
 
 
 def check_architecture(architectures: list[str] | None) -> str:
@@ -45,7 +53,10 @@ def check_architecture(architectures: list[str] | None) -> str:
 def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
                    device: str = "cpu") -> nn.Module:
     """The FMS model of a supported HF checkpoint directory, every weight loaded."""
-    check_architecture(hf_config.architectures)
+    arch = check_architecture(hf_config.architectures)
+    if arch in _FMS_PORTS:
+        module, _, register = _FMS_PORTS[arch].partition(":")
+        getattr(importlib.import_module(module), register)()
     register_paged_attention()
     model = _load_with_nan_fill(model_path, dtype, device)
     _check_all_weights_loaded(model, model_path)

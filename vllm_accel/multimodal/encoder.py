@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from vllm_accel.buckets import fit_bucket
+from vllm_accel.buckets import fit_bucket, make_buckets
 from vllm_accel.model.compile import compile_shared_forward
 from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+from vllm_accel.settings import env_var_name
 
 
 class VisionEncoder:
@@ -22,9 +23,14 @@ class VisionEncoder:
     """
 
     def __init__(self, utils: MultiModalUtils, compile_backend: str | None = None,
-                 buckets: list[int] | None = None):
+                 bucket_spec: str = ""):
+        """``bucket_spec``: the multimodal_buckets setting ("" = the util's own
+        buckets, whose smallest and largest also fill in a range spec)."""
         self.utils = utils
-        self.buckets = sorted(set(buckets or utils.vision_buckets()))
+        derived = utils.vision_buckets()
+        buckets = make_buckets(bucket_spec, derived[0], derived[-1]) if bucket_spec else derived
+        multiple = utils.vision_bucket_multiple
+        self.buckets = sorted({-(-b // multiple) * multiple for b in buckets})
         self.images_encoded = 0
         self._real_rows: int | None = None
         if compile_backend is not None:
@@ -46,7 +52,8 @@ class VisionEncoder:
     def _pad_to_bucket(self, module, args, kwargs):
         x, *rest = args
         rows = x.shape[0]
-        bucket = fit_bucket(self.buckets, rows, "vision rows", "the vision buckets")
+        bucket = fit_bucket(self.buckets, rows, "vision rows of one image",
+                            env_var_name("multimodal_buckets"))
         self._real_rows = rows
         if bucket > rows:
             x = torch.cat([x, x.new_zeros(bucket - rows, *x.shape[1:])])

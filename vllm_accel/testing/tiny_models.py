@@ -5,6 +5,7 @@ fast tokenizer, chat template, generation config) without network access.
 Everything here is built from scratch: a byte-level BPE tokenizer trained on
 a small built-in corpus, and random weights drawn from a seeded generator.
 
+"qwen2_5_vl" (written by tiny_qwen2_5_vl.py) is a Qwen2_5_VLForConditionalGeneration.
 "llava_next" is a Granite-Vision-like LlavaNextForConditionalGeneration
 (SigLIP vision tower + Granite text model, multi-layer vision features, anyres
 tiling) with its image processor, processor config and a chat template that
@@ -31,7 +32,7 @@ from safetensors.torch import save_file
 # checkpoints; tests are parametrised over it). VISION_ARCHS: vision-language
 # models. ALL_ARCHS: everything make_tiny_model and the CLI accept.
 SUPPORTED_ARCHS = ("llama", "granite")
-VISION_ARCHS = ("llava_next",)
+VISION_ARCHS = ("llava_next", "qwen2_5_vl")
 ALL_ARCHS = SUPPORTED_ARCHS + VISION_ARCHS
 
 # Shapes: small enough to build/run in well under a second, but with GQA
@@ -463,6 +464,10 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     if arch == "llava_next":
         return _make_llava_next(out, seed=seed, printable_only=printable_only)
+    if arch == "qwen2_5_vl":  # its own module: a different tokenizer and layout
+        from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
+
+        return make_tiny_qwen2_5_vl(out, seed=seed, printable_only=printable_only)
 
     tokenizer = build_tokenizer()
     _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)

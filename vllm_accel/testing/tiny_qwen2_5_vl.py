@@ -10,7 +10,7 @@ template that renders OpenAI-style content lists, and a generation config.
 
 Loads with transformers' ``Qwen2_5_VLForConditionalGeneration`` and
 ``AutoProcessor`` without torchvision once
-``vllm_accel.multimodal.compat.install_shims()`` has run (it stands in for the
+``vllm_accel.patches.apply_patches()`` has run (it stands in for the
 torchvision-only video processor).
 
 Usage:

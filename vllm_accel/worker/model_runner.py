@@ -40,7 +40,13 @@ from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
 from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
 from vllm_accel.settings import AccelSettings, env_var_name
 from vllm_accel.worker.compile_stats import CompileStats
-from vllm_accel.worker.step_layout import Placeholder, StepLayout, pack_step, placeholder_rows
+from vllm_accel.worker.step_layout import (
+    Placeholder,
+    RopePositions,
+    StepLayout,
+    pack_step,
+    placeholder_rows,
+)
 
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
 logger = init_logger(f"vllm.{__name__}")
@@ -84,6 +90,8 @@ class AccelModelRunner:
         self.mm_utils: MultiModalUtils | None = None
         self.vision_encoder: VisionEncoder | None = None
         self.encoder_cache: dict[str, torch.Tensor] = {}  # image identifier -> embeddings
+        # Per request, for models with 3-D positions (M-RoPE) only.
+        self.rope_positions: dict[str, RopePositions] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.compile_stats = CompileStats()
         self.requests: dict[str, CachedRequestState] = {}
@@ -108,7 +116,7 @@ class AccelModelRunner:
                                    self.backend.device)
         mm_utils_cls = get_mm_utils_cls(hf_config)
         if mm_utils_cls is not None:
-            self.mm_utils = mm_utils_cls(hf_config, fms_model)
+            self.mm_utils = mm_utils_cls(hf_config, fms_model, self.model_config.model)
             fms_model = self.mm_utils.text_model
         self.model = FmsCausalLM(fms_model)
         compile_backend = self.backend.compile_backend if self.backend.compiles else None
@@ -116,7 +124,8 @@ class AccelModelRunner:
             self.compile_stats.configure(self.settings.cache_dir)
             self.model.compile_layers(compile_backend, len(self.token_buckets))
         if self.mm_utils is not None:
-            self.vision_encoder = VisionEncoder(self.mm_utils, compile_backend)
+            self.vision_encoder = VisionEncoder(self.mm_utils, compile_backend,
+                                                self.settings.multimodal_buckets)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         assert self.model is not None
@@ -165,6 +174,7 @@ class AccelModelRunner:
         step = pack_step(
             batch.token_ids_cpu, batch.block_table[0].get_numpy_array(), num_scheduled, start,
             self.block_size, self._token_bucket, self._context_bucket,
+            [self.rope_positions[r] for r in batch.req_ids] if self.rope_positions else None,
         )
         with self.compile_stats.cache_scope():
             inputs = step.input_ids.to(self.device)
@@ -271,6 +281,7 @@ class AccelModelRunner:
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.rope_positions.pop(req_id, None)
             batch.remove_request(req_id)
 
         if scheduler_output.new_block_ids_to_zero:
@@ -308,6 +319,9 @@ class AccelModelRunner:
                 lora_request=new.lora_request,
             )
             self.requests[new.req_id] = state
+            if self.mm_utils is not None and self.mm_utils.uses_3d_positions:
+                self.rope_positions[new.req_id] = RopePositions(*self.mm_utils.rope_positions(
+                    new.prompt_token_ids, [item_tensors(f.data) for f in new.mm_features]))
             to_add.append(state)
 
         for i, req_id in enumerate(cached.req_ids):

@@ -95,9 +95,9 @@ def warm_up(runner: AccelModelRunner) -> None:
     if mm is not None:
         # Real images through the model's own processor, one per vision bucket.
         encoder_start = time.perf_counter()
-        sizes = mm.warmup_image_sizes()
+        sizes = mm.warmup_image_sizes(runner.vision_encoder.buckets)
         with stats.cache_scope():
-            runner.vision_encoder.encode(mm.warmup_items(runner.model_config.model, sizes))
+            runner.vision_encoder.encode(mm.warmup_items(sizes))
         logger.info(
             "vllm_accel warmup: vision encoder, %d image sizes %s in %.1f s",
             len(sizes), sizes, time.perf_counter() - encoder_start,

@@ -13,7 +13,11 @@ with embeddings, plus the architecture's vision side:
   shared machinery in ``multimodal/encoder.py`` pads to static shapes and
   compiles;
 - ``warmup_image_sizes`` / ``warmup_items``: real images that hit every
-  vision bucket.
+  vision bucket;
+- ``rope_positions``, for models with 3-D rotary positions (M-RoPE): each
+  prompt's positions, computed from its images;
+- ``unsupported_modalities``: inputs the model's processor accepts but the
+  architecture's port does not (their per-prompt limit is forced to 0).
 
 Everything every architecture shares (compile, padding, counting, merging)
 lives in ``multimodal/encoder.py``, not here.
@@ -24,6 +28,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -31,9 +36,17 @@ from vllm_accel.multimodal.inputs import processor_items
 
 
 class MultiModalUtils(ABC):
-    def __init__(self, hf_config: Any, fms_model: nn.Module):
+    # Vision buckets are rounded up to a multiple of this (rows that must stay
+    # together, e.g. the 2x2 patches Qwen2.5-VL merges into one token).
+    vision_bucket_multiple: int = 1
+    # Whether the text model takes 3-D positions [3, 1, tokens] (see rope_positions).
+    uses_3d_positions: bool = False
+    unsupported_modalities: tuple[str, ...] = ()
+
+    def __init__(self, hf_config: Any, fms_model: nn.Module, model_dir: str):
         self.hf_config = hf_config
         self.fms_model = fms_model
+        self.model_dir = model_dir  # the checkpoint, with the model's own processor files
 
     # ---- text side ------------------------------------------------------
 
@@ -54,6 +67,13 @@ class MultiModalUtils(ABC):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[1, T] ids -> [1, T, hidden] raw embeddings (FMS multiplies later)."""
         return self.text_model.base_model.embedding(input_ids)
+
+    def rope_positions(self, prompt_token_ids: list[int],
+                       items: list[dict[str, torch.Tensor]]) -> tuple[np.ndarray, int]:
+        """Only when ``uses_3d_positions``: a prompt's positions [3, prompt_len]
+        given its images (in prompt order), and the offset ``delta`` that places
+        every later token t at t + delta on all three axes."""
+        raise NotImplementedError(f"{type(self).__name__} uses 1-D positions")
 
     # ---- vision side ----------------------------------------------------
 
@@ -80,15 +100,14 @@ class MultiModalUtils(ABC):
         """Sizes of that leading axis one image can need (sorted)."""
 
     @abstractmethod
-    def warmup_image_sizes(self) -> list[tuple[int, int]]:
-        """(width, height) of images that together hit every vision bucket."""
+    def warmup_image_sizes(self, buckets: list[int]) -> list[tuple[int, int]]:
+        """(width, height) of images that together hit every one of ``buckets``."""
 
-    def warmup_items(self, processor_dir: str,
-                     image_sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
-        """Images of those sizes in the form ``encode_item`` takes. The default
-        suits processors whose outputs are batched per image; flat layouts
-        override this."""
-        return processor_items(processor_dir, image_sizes)
+    def warmup_items(self, image_sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
+        """Images of those sizes through the model's own processor, in the form
+        ``encode_item`` takes. The default suits processors whose outputs are
+        batched per image; flat layouts override this."""
+        return processor_items(self.model_dir, image_sizes)
 
     @property
     def device(self) -> torch.device:

@@ -55,8 +55,9 @@ class LlavaNextUtils(MultiModalUtils):
         return sorted({1 + math.ceil(h / tile) * math.ceil(w / tile)
                        for h, w in self.fms_model.config.image_grid_pinpoints})
 
-    def warmup_image_sizes(self) -> list[tuple[int, int]]:
-        # An image exactly the size of a pinpoint picks that pinpoint.
+    def warmup_image_sizes(self, buckets: list[int]) -> list[tuple[int, int]]:
+        # An image exactly the size of a pinpoint picks that pinpoint: together
+        # they need every tile count, so they hit every bucket.
         by_bucket: dict[int, tuple[int, int]] = {}
         for h, w in self.fms_model.config.image_grid_pinpoints:
             by_bucket.setdefault(self.num_patches(torch.tensor([h, w])), (w, h))

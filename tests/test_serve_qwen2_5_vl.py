@@ -1,0 +1,138 @@
+"""`vllm serve` of the tiny Qwen2.5-VL on our platform (no torchvision in this
+environment): image chat over the OpenAI API equal to HF transformers, bad
+images and video parts answered with a 400 while the server keeps serving,
+and both vision examples pointed at a Qwen2.5-VL checkpoint."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import subprocess
+import sys
+
+import openai
+import pytest
+import torch
+
+from helpers import wait_until_serving
+from test_serve import VLLM, free_port, server_env
+from test_serve_vision import (
+    EXAMPLES,
+    FAST,
+    GOOD_URL,
+    QUESTION,
+    answer_line,
+    ask,
+    image_part,
+    stop_group,
+    text,
+    user,
+)
+from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "m")
+
+
+@pytest.fixture(scope="module")
+def server(qwen, tmp_path_factory):
+    import time
+
+    log = tmp_path_factory.mktemp("serve-qwen") / "server.log"
+    port = free_port()
+    cmd = [VLLM, "serve", str(qwen), "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "2048",
+           "--limit-mm-per-prompt", json.dumps({"image": 2})]
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=server_env(**FAST), stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(proc, base, log)
+        yield base, str(qwen), log
+    finally:
+        import os
+        import signal
+
+        os.killpg(proc.pid, signal.SIGTERM)
+        stop_group(proc, time.time() + 30)
+
+
+@pytest.fixture()
+def client(server):
+    base, _, _ = server
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def test_image_chat_matches_hf(server, client, qwen):
+    from PIL import Image
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from vllm_accel.patches import apply_patches
+
+    _, model, _ = server
+    reply = ask(client, model, user(image_part(GOOD_URL), text(QUESTION)),
+                extra_body={"return_token_ids": True})
+    assert reply.choices[0].message.content and reply.choices[0].finish_reason == "length"
+
+    apply_patches()
+    processor = AutoProcessor.from_pretrained(qwen)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen, dtype=torch.float32).eval()
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, text(QUESTION)]}],
+        add_generation_prompt=True)
+    image = Image.open(io.BytesIO(base64.b64decode(GOOD_URL.split(",", 1)[1])))
+    inputs = processor(images=image.convert("RGB"), text=prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert reply.prompt_token_ids == inputs.input_ids[0].tolist()
+    assert reply.choices[0].token_ids == out[0, inputs.input_ids.shape[1]:].tolist()
+
+
+def assert_still_serving(client, model):
+    reply = ask(client, model, user(image_part(GOOD_URL), text(QUESTION)))
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+
+
+def test_video_part_is_a_400_saying_video_is_not_supported(server, client):
+    _, model, _ = server
+    video = {"type": "video_url",
+             "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"x").decode()}}
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, model, user(video, text(QUESTION)))
+    assert error.value.status_code == 400
+    assert "video" in error.value.message.lower()
+    assert_still_serving(client, model)
+
+
+def test_corrupt_image_is_a_400_and_server_keeps_serving(server, client):
+    _, model, _ = server
+    bad = "data:image/png;base64," + base64.b64encode(b"no png here").decode()
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, model, user(image_part(bad), text(QUESTION)))
+    assert "cannot identify image file" in error.value.message
+    assert_still_serving(client, model)
+
+
+def test_serve_example_asks_a_qwen_server(server):
+    base, model, _ = server
+    run = subprocess.run([sys.executable, str(EXAMPLES / "serve_vision.py"), "--base-url", base,
+                          "--model", model], env=server_env(**FAST), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert answer_line(run.stdout)
+
+
+def test_batch_example_runs_a_qwen_checkpoint(qwen, tmp_path):
+    out = tmp_path / "results.jsonl"
+    run = subprocess.run([sys.executable, str(EXAMPLES / "batch_eval_vision.py"), "--model",
+                          str(qwen), "--output", str(out)],
+                         env=server_env(**FAST, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in results] == list(range(len(results))) and results
+    assert all(r["answer"] for r in results)

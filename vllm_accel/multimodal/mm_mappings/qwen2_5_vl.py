@@ -1,0 +1,110 @@
+"""Qwen2.5-VL on our FMS port (vllm_accel/model/qwen2_5_vl.py).
+
+An image arrives from vLLM as its flat patches (``pixel_values`` [patches,
+3 * 2 * 14 * 14], any image size the processor accepts: no 112-pixel rule)
+and its grid (``image_grid_thw`` [3]: frames, patch rows, patch columns). The
+vision tower turns every 2x2 patches into one token; the prompt holds that
+many ``<|image_pad|>`` tokens.
+
+Vision buckets count patches (vllm-gaudi's ``VLLM_MULTIMODAL_BUCKETS``
+meaning). The tower masks padding patches out of attention and the merger,
+so padding an image up to its bucket changes none of its tokens. Defaults:
+powers of two from the processor's smallest image (min_pixels) to its largest
+(max_pixels). The text model takes 3-D (M-RoPE) positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from vllm_accel.buckets import exponential_buckets
+from vllm_accel.model.qwen2_5_vl import mrope_positions
+from vllm_accel.multimodal.inputs import warmup_image
+from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+
+
+class Qwen2_5_VLUtils(MultiModalUtils):
+    uses_3d_positions = True
+    unsupported_modalities = ("video",)
+
+    def __init__(self, hf_config, fms_model: nn.Module, model_dir: str):
+        super().__init__(hf_config, fms_model, model_dir)
+        merge = hf_config.vision_config.spatial_merge_size
+        self.vision_bucket_multiple = merge * merge  # patches merged into one token
+        self._image_processor = None
+
+    @property
+    def text_model(self) -> nn.Module:
+        return self.fms_model.language_model
+
+    @property
+    def vision_module(self) -> nn.Module:
+        return self.fms_model.visual
+
+    def vision_compile_units(self) -> list[nn.Module]:
+        return list(self.fms_model.visual.layers)
+
+    def encode_item(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
+        grid = item["image_grid_thw"].reshape(1, 3)
+        patches = item["pixel_values"]
+        if patches.shape[0] != int(grid.prod()):
+            raise ValueError(f"image grid {grid[0].tolist()} needs {int(grid.prod())} patches, "
+                             f"got pixel_values of shape {tuple(patches.shape)}")
+        return self.vision_module(patches.to(self.device), grid)
+
+    def rope_positions(self, prompt_token_ids, items):
+        config = self.hf_config
+        positions, delta = mrope_positions(
+            prompt_token_ids, [item["image_grid_thw"].tolist() for item in items],
+            image_token_id=config.image_token_id,
+            vision_start_token_id=config.vision_start_token_id,
+            spatial_merge_size=config.vision_config.spatial_merge_size,
+        )
+        return positions.numpy().astype(np.int64), delta
+
+    # ---- buckets and warmup ----------------------------------------------
+
+    @property
+    def image_processor(self):
+        if self._image_processor is None:
+            from transformers import AutoImageProcessor
+
+            self._image_processor = AutoImageProcessor.from_pretrained(
+                self.model_dir, local_files_only=True)
+        return self._image_processor
+
+    def _patch_limits(self) -> tuple[int, int]:
+        """Patches of the smallest and the largest image the processor makes."""
+        processor = self.image_processor
+        size, patch = processor.size, processor.patch_size
+        unit = self.vision_bucket_multiple
+        smallest = max(unit, size["shortest_edge"] // (patch * patch) // unit * unit)
+        return smallest, size["longest_edge"] // (patch * patch) // unit * unit
+
+    def vision_buckets(self) -> list[int]:
+        return exponential_buckets(*self._patch_limits())
+
+    def warmup_image_sizes(self, buckets: list[int]) -> list[tuple[int, int]]:
+        """Per bucket an image the processor keeps as it is (sides multiples of
+        28 pixels) whose patches fill most of it."""
+        side = self.image_processor.patch_size * int(math.sqrt(self.vision_bucket_multiple))
+        smallest, largest = self._patch_limits()
+        sizes = []
+        for bucket in buckets:
+            tokens = max(smallest, min(bucket, largest)) // self.vision_bucket_multiple
+            rows = max(1, math.isqrt(tokens))
+            sizes.append((side * (tokens // rows), side * rows))
+        return sizes
+
+    def warmup_items(self, image_sizes):
+        items = []
+        for seed, (width, height) in enumerate(image_sizes):
+            out = self.image_processor(images=[warmup_image(width, height, seed)],
+                                       return_tensors="pt")
+            items.append({"pixel_values": out["pixel_values"],
+                          "image_grid_thw": out["image_grid_thw"][0]})
+        return items
