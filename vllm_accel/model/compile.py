@@ -19,10 +19,12 @@ def _own_copy(function):
     """A copy of ``function`` with its own code object. Dynamo keeps compiled
     graphs per code object, process-wide; a copy makes each engine own (and
     count) its graphs instead of silently reusing another engine's."""
-    return types.FunctionType(
+    copy = types.FunctionType(
         function.__code__.replace(), function.__globals__, function.__name__,
         function.__defaults__, function.__closure__,
     )
+    copy.__kwdefaults__ = function.__kwdefaults__  # keyword-only defaults (FMS blocks have some)
+    return copy
 
 
 def compile_shared_forward(layers: list[nn.Module], backend: str, num_shapes: int) -> None:
