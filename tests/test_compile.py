@@ -93,6 +93,16 @@ def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
     n_params = SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=6)
     assert len(llm.generate([TokensPrompt(prompt_token_ids=batch[4])], n_params,
                             use_tqdm=False)[0].outputs) == 3
+    # Logprobs (vLLM ranks them with a torch.compile'd helper), penalties, top-k/p,
+    # seeds, at batch sizes 1 and 3.
+    for prompts, params in (
+        (batch[:1], SamplingParams(temperature=0, max_tokens=4, logprobs=3)),
+        (batch[:3], SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=3, max_tokens=4,
+                                   logprobs=2, presence_penalty=0.5, repetition_penalty=1.2)),
+    ):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+        assert all(len(o.outputs[0].logprobs) == 4 for o in outs)
 
     engine = llm.llm_engine
     late = random_prompts([30, 2, 70], seed=14)

@@ -106,12 +106,15 @@ def test_too_long_prompt_is_a_400_and_server_keeps_serving(server, client):
     assert out.usage.completion_tokens == 4
 
 
-def test_unsupported_option_is_a_400_naming_it(server, client):
+def test_prompt_logprobs_over_the_api(server, client):
+    """What lm-evaluation-harness asks for log-likelihood scoring: one entry
+    per prompt token, None for the first (nothing predicts it)."""
     _, model, _ = server
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
-        client.completions.create(model=model, prompt="hi", max_tokens=2,
-                                  extra_body={"prompt_logprobs": 1})
-    assert client.completions.create(model=model, prompt="hi", max_tokens=2).choices
+    out = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=1,
+                                    extra_body={"prompt_logprobs": 2})
+    entries = out.model_extra["prompt_logprobs"]
+    assert len(entries) == out.usage.prompt_tokens and entries[0] is None
+    assert all(2 <= len(entry) <= 3 for entry in entries[1:])
 
 
 def test_unrelated_plugin_list_leaves_our_platform_off(tiny_models):

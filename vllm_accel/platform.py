@@ -166,11 +166,11 @@ class AccelPlatform(Platform):
         # as an HTTP 400 with this message.
         from vllm.exceptions import VLLMValidationError
 
-        if getattr(params, "prompt_logprobs", None) is not None:
+        if getattr(params, "prompt_logprob_token_ids", None) is not None:
             raise VLLMValidationError(
-                "vllm-accel does not support prompt_logprobs yet; omit it "
-                "(output logprobs via 'logprobs' are supported).",
-                parameter="prompt_logprobs", value=params.prompt_logprobs,
+                "vllm-accel does not support prompt_logprob_token_ids yet; use "
+                "prompt_logprobs (the top-k per prompt position) instead.",
+                parameter="prompt_logprob_token_ids",
             )
         if cls.image_token_id is not None and isinstance(processed_inputs, dict):
             cls._check_image_tokens(processed_inputs, VLLMValidationError)

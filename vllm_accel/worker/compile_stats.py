@@ -12,7 +12,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import counters, get_compilation_metrics
 from vllm.logger import init_logger
 
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
@@ -76,7 +76,9 @@ class CompileStats:
         self._seen = _graphs()
         self.warmed_up = True
 
-    def after_forward(self, num_tokens: int) -> None:
+    def after_step(self, what: str) -> None:
+        """Count graphs compiled since the last call; after warmup each one is
+        a recompile, logged with the function dynamo compiled and ``what`` ran."""
         now = _graphs()
         if now == self._seen:
             return
@@ -84,6 +86,14 @@ class CompileStats:
         if self.warmed_up:
             self.runtime_compiles += new
             logger.warning(
-                "vllm_accel recompile at run time: %d new graph(s) for %d tokens "
-                "(runtime recompiles: %d)", new, num_tokens, self.runtime_compiles,
+                "vllm_accel recompile at run time: %d new graph(s) during %s, compiling %s "
+                "(runtime recompiles: %d)", new, what, _compiled_functions(new),
+                self.runtime_compiles,
             )
+
+
+def _compiled_functions(count: int) -> str:
+    """Name and place of the functions behind dynamo's last ``count`` compiles."""
+    metrics = list(get_compilation_metrics())[-count:]
+    return ", ".join(f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})" for m in metrics) \
+        or "unknown functions"

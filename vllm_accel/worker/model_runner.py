@@ -24,7 +24,7 @@ from vllm.sampling_params import SamplingType
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -40,6 +40,7 @@ from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
 from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
 from vllm_accel.settings import AccelSettings, env_var_name
 from vllm_accel.worker.compile_stats import CompileStats
+from vllm_accel.worker.warmup import compile_sampler_helpers
 from vllm_accel.worker.step_layout import (
     Placeholder,
     RopePositions,
@@ -59,6 +60,7 @@ class PendingSample:
     scheduler_output: SchedulerOutput
     logits: torch.Tensor  # [num_reqs, vocab], InputBatch order
     discard: np.ndarray  # [num_reqs] bool: partial prefill, token not kept
+    prompt_logprobs: dict[str, LogprobsTensors]  # requests whose prompt is done
 
 
 class AccelModelRunner:
@@ -92,7 +94,10 @@ class AccelModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}  # image identifier -> embeddings
         # Per request, for models with 3-D positions (M-RoPE) only.
         self.rope_positions: dict[str, RopePositions] = {}
+        # Requests that asked for prompt logprobs and whose prompt is not done.
+        self.num_prompt_logprobs: dict[str, int] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        compile_sampler_helpers(self.model_config.get_vocab_size())  # before counting ours
         self.compile_stats = CompileStats()
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(
@@ -183,7 +188,7 @@ class AccelModelRunner:
                 inputs = self._merged_embeddings(step, inputs)
             with attention_context(step.attn_metadata):
                 hidden = self.model(inputs, step.positions.to(self.device), self.kv_caches)
-        self.compile_stats.after_forward(step.input_ids.shape[1])
+        self.compile_stats.after_step(f"a forward of {step.input_ids.shape[1]} tokens")
         logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)]).cpu()
 
         num_tokens = np.array([self.requests[r].num_tokens for r in batch.req_ids])
@@ -191,8 +196,48 @@ class AccelModelRunner:
             scheduler_output=scheduler_output,
             logits=logits,
             discard=start + num_scheduled < num_tokens,
+            prompt_logprobs=self._prompt_logprobs(step, hidden, scheduler_output),
         )
         return None
+
+    def _prompt_logprobs(self, step: StepLayout, hidden: torch.Tensor,
+                         scheduler_output: SchedulerOutput) -> dict[str, LogprobsTensors]:
+        """Logprobs of each prompt token given the ones before it, filled in
+        chunk by chunk; returned for a request once its whole prompt is done
+        (vLLM's semantics; such requests never read the prefix cache)."""
+        finished = {}
+        for req_id, num_logprobs in list(self.num_prompt_logprobs.items()):
+            count = scheduler_output.num_scheduled_tokens.get(req_id)
+            if count is None:  # not scheduled this step
+                continue
+            state = self.requests[req_id]
+            prompt = state.prompt_token_ids
+            if state.in_progress_prompt_logprobs_cpu is None:
+                state.in_progress_prompt_logprobs_cpu = LogprobsTensors.empty_cpu(
+                    len(prompt) - 1, num_logprobs + 1)
+            tensors = state.in_progress_prompt_logprobs_cpu
+            start = state.num_computed_tokens
+            # Position i predicts prompt token i + 1: the last prompt token predicts none.
+            num_logits = min(count, len(prompt) - 1 - start)
+            if count > len(prompt) - 1 - start:
+                finished[req_id] = tensors
+                del self.num_prompt_logprobs[req_id]
+                state.in_progress_prompt_logprobs_cpu = None
+            if num_logits <= 0:
+                continue
+            row = self.input_batch.req_id_to_index[req_id]
+            first = int(step.firsts[np.flatnonzero(step.rows == row)[0]])
+            logits = self.model.compute_logits(hidden[0, first : first + num_logits])
+            if self.model_config.logprobs_mode not in ("raw_logits", "processed_logits"):
+                logits = self.sampler.compute_logprobs(logits)
+            targets = torch.tensor(prompt[start + 1 : start + 1 + num_logits], device=logits.device)
+            token_ids, logprobs, ranks, *_ = self.sampler.gather_logprobs(
+                logits, num_logprobs, targets)
+            chunk = slice(start, start + num_logits)
+            tensors.logprob_token_ids[chunk] = token_ids.cpu()
+            tensors.logprobs[chunk] = logprobs.cpu()
+            tensors.selected_token_ranks[chunk] = ranks.cpu()
+        return finished
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
@@ -223,13 +268,14 @@ class AccelModelRunner:
                 batch.num_tokens_no_spec[i] = end + 1
                 self.requests[batch.req_ids[i]].output_token_ids.append(token_ids[0])
 
+        self.compile_stats.after_step("sampling")  # vLLM's sampler compiles helpers too
         logprobs = output.logprobs_tensors
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=sampled,
             logprobs=logprobs.tolists() if logprobs is not None else None,
-            prompt_logprobs_dict={},
+            prompt_logprobs_dict=pending.prompt_logprobs,
         )
 
     # ---- multimodal ---------------------------------------------------------
@@ -282,6 +328,7 @@ class AccelModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self.rope_positions.pop(req_id, None)
+            self.num_prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
 
         if scheduler_output.new_block_ids_to_zero:
@@ -319,6 +366,11 @@ class AccelModelRunner:
                 lora_request=new.lora_request,
             )
             self.requests[new.req_id] = state
+            if params is not None and params.prompt_logprobs is not None:
+                # -1: the whole vocabulary.
+                self.num_prompt_logprobs[new.req_id] = (
+                    self.input_batch.vocab_size if params.prompt_logprobs == -1
+                    else params.prompt_logprobs)
             if self.mm_utils is not None and self.mm_utils.uses_3d_positions:
                 self.rope_positions[new.req_id] = RopePositions(*self.mm_utils.rope_positions(
                     new.prompt_token_ids, [item_tensors(f.data) for f in new.mm_features]))

@@ -22,11 +22,28 @@ if TYPE_CHECKING:
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
 logger = init_logger(f"vllm.{__name__}")
 
-# Greedy, then random sampling with top-k/top-p: the sampler's two main paths.
+# Greedy, then random sampling with top-k/top-p: the sampler's two main paths,
+# with logprobs (see compile_sampler_helpers).
 _SAMPLING = [
-    SamplingParams(temperature=0.0, max_tokens=2),
-    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0, max_tokens=2),
+    SamplingParams(temperature=0.0, max_tokens=2, logprobs=1),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0, max_tokens=2, logprobs=1),
 ]
+
+
+def compile_sampler_helpers(vocab_size: int) -> None:
+    """vLLM's sampler ranks logprobs with a torch.compile'd helper
+    (``batched_count_greater_than``, vLLM 0.33; one graph per process, its batch
+    size marked unbacked). Compile it now, called as the sampler calls it, so
+    that no request does - whether or not warmup asked for logprobs."""
+    import torch
+    from torch._dynamo.decorators import mark_unbacked
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    with torch.inference_mode():  # as sampling runs (dynamo guards on it)
+        logprobs, values = torch.zeros(2, vocab_size), torch.zeros(2, 1)
+        mark_unbacked(logprobs, 0)
+        mark_unbacked(values, 0)
+        batched_count_greater_than(logprobs, values)
 
 
 def _prompt_lengths(num_tokens: int, max_prompt: int, max_reqs: int) -> list[int]:
