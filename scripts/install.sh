@@ -66,7 +66,7 @@ if ! vllm_built_here; then
       "'certifi >= 2026.10.19' line; update scripts/install.sh" >&2
     exit 1
   fi
-  "${vllm_env[@]}" "${pip[@]}" --no-build-isolation --no-deps "$src/vllm-0.33.0"
+  "${vllm_env[@]}" "${pip[@]}" --no-build-isolation --no-deps --force-reinstall "$src/vllm-0.33.0"
   rm -rf "$src"
   if ! vllm_built_here; then
     echo "install: the built vLLM is not 0.33.0 with a relaxed certifi requirement" >&2
