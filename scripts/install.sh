@@ -31,17 +31,50 @@ step "build tools for vLLM"
 "${pip[@]}" "setuptools>=77.0.3,<81" "setuptools-scm>=8" "setuptools-rust>=1.9" \
   wheel jinja2 "packaging>=24.2" ninja cmake
 
-if [[ "$("$py" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null)" != "0.33.0" ]]; then
+# vLLM 0.33.0's requirements/common.txt asks for certifi>=2026.10.19, a release
+# the registry does not have (newest: 2026.10.18). We relax that one line in
+# the unpacked source before building, so the installed vLLM's metadata says
+# what is really installed and pip's dependency check agrees with it.
+vllm_built_here() {
+  "$py" - <<'EOF'
+import importlib.metadata as md
+import sys
+
+try:
+    ok = md.version("vllm") == "0.33.0" and "certifi" in (md.requires("vllm") or [])
+except md.PackageNotFoundError:
+    ok = False
+sys.exit(0 if ok else 1)
+EOF
+}
+
+if ! vllm_built_here; then
   # Hardware plugins build vLLM from source with no device code. Its optional
   # Rust part needs crates.io, which is unreachable: keep cargo off PATH.
-  step "vLLM 0.33.0 from source (VLLM_TARGET_DEVICE=empty, ~1-2 min)"
+  # (pip download runs setup.py for the metadata too: same environment.)
+  step "vLLM 0.33.0 from source (VLLM_TARGET_DEVICE=empty, certifi relaxed, ~1-2 min)"
   no_cargo_path=$(tr ':' '\n' <<<"$PATH" | grep -v -e cargo -e rustup | paste -sd: -)
-  PATH="$no_cargo_path" VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 \
-    "${pip[@]}" --no-build-isolation --no-deps --no-binary vllm vllm==0.33.0
+  vllm_env=(env PATH="$no_cargo_path" VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1)
+  src=$(mktemp -d)
+  "${vllm_env[@]}" "$py" -m pip download --disable-pip-version-check -q \
+    --no-deps --no-binary :all: --no-build-isolation -d "$src" vllm==0.33.0
+  tar -xzf "$src/vllm-0.33.0.tar.gz" -C "$src"
+  common="$src/vllm-0.33.0/requirements/common.txt"
+  sed -i -E 's/^certifi *>= *2026\.10\.19 *$/certifi/' "$common"
+  if ! grep -qx certifi "$common"; then
+    echo "install: vLLM's requirements/common.txt no longer has the expected" \
+      "'certifi >= 2026.10.19' line; update scripts/install.sh" >&2
+    exit 1
+  fi
+  "${vllm_env[@]}" "${pip[@]}" --no-build-isolation --no-deps --force-reinstall "$src/vllm-0.33.0"
+  rm -rf "$src"
+  if ! vllm_built_here; then
+    echo "install: the built vLLM is not 0.33.0 with a relaxed certifi requirement" >&2
+    exit 1
+  fi
 fi
 
-# vLLM's own requirements, read from its metadata: extras dropped, and certifi
-# relaxed (it asks for a release newer than the registry has).
+# vLLM's own requirements, read from its metadata (extras dropped).
 step "vLLM's requirements and vllm-accel's"
 reqs=$(mktemp)
 "$py" - "$repo/pyproject.toml" >"$reqs" <<'EOF'
@@ -56,7 +89,7 @@ for line in md.requires("vllm"):
     if req.marker is not None and not req.marker.evaluate({"extra": ""}):
         continue
     req.marker = None
-    print("certifi" if req.name == "certifi" else req)
+    print(req)
 
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
 for line in project["dependencies"] + project["optional-dependencies"]["test"]:

@@ -293,16 +293,17 @@ def test_batch_example_in_input_order_and_equal_to_one_by_one(launched, server, 
                for line in (launched["tmp"] / "results.jsonl").read_text().splitlines()]
     samples = batch_eval_vision.default_samples()
     assert [r["index"] for r in results] == list(range(len(samples)))
-    assert [r["question"] for r in results] == [question for _, question, _ in samples]
-    assert [r["images"] for r in results] == [labels for _, _, labels in samples]
-    assert {len(images) for images, _, _ in samples} == {0, 1, 2}
+    assert [r["question"] for r in results] == [s.question for s in samples]
+    assert [r["images"] for r in results] == [s.labels for s in samples]
+    assert {len(s.images) for s in samples} == {0, 1, 2}
     assert f"wrote {len(samples)} results" in output
 
     _, model, _ = server
     alone = [ask(client, model,
-                 user(*[image_part(serve_vision.data_url(im)) for im in images], text(question)),
+                 user(*[image_part(serve_vision.data_url(im)) for im in s.images],
+                      text(s.question)),
                  max_tokens=16).choices[0].message.content
-             for images, question, _ in samples]
+             for s in samples]
     assert [r["answer"] for r in results] == alone
     assert len(set(alone)) == len(alone)  # all different: the order check means something
 
@@ -317,7 +318,7 @@ def test_batch_example_reads_jsonl_with_relative_image_paths(tmp_path):
         json.dumps({"images": ["imgs/red.png", "imgs/gray.png"], "question": "Two?"}) + "\n\n"
         + json.dumps({"question": "None?"}) + "\n")
     samples = batch_eval_vision.read_samples(str(tmp_path / "samples.jsonl"))
-    assert [(len(images), q, paths) for images, q, paths in samples] == [
-        (2, "Two?", ["imgs/red.png", "imgs/gray.png"]), (0, "None?", [])]
-    assert [im.size for im in samples[0][0]] == [(30, 20), (10, 40)]
-    assert {im.mode for im in samples[0][0]} == {"RGB"}
+    assert [(len(s.images), s.question, s.labels, s.error) for s in samples] == [
+        (2, "Two?", ["imgs/red.png", "imgs/gray.png"], None), (0, "None?", [], None)]
+    assert [im.size for im in samples[0].images] == [(30, 20), (10, 40)]
+    assert {im.mode for im in samples[0].images} == {"RGB"}
