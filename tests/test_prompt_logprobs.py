@@ -21,9 +21,7 @@ def hf_prompt_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    if getattr(model.config, "logits_scaling", None):  # Granite: vLLM divides
-        logits = logits / model.config.logits_scaling
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()  # Granite: scaled
     return torch.log_softmax(logits, dim=-1)
 
 

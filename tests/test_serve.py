@@ -112,7 +112,7 @@ def test_prompt_logprobs_over_the_api(server, client):
     _, model, _ = server
     out = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=1,
                                     extra_body={"prompt_logprobs": 2})
-    entries = out.model_extra["prompt_logprobs"]
+    entries = out.choices[0].model_extra["prompt_logprobs"]
     assert len(entries) == out.usage.prompt_tokens and entries[0] is None
     assert all(2 <= len(entry) <= 3 for entry in entries[1:])
 
