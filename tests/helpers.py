@@ -79,3 +79,41 @@ def wait_until_serving(proc, base_url: str, log, timeout: float = 240) -> None:
         if time.time() > deadline:
             pytest.fail(f"vllm serve not ready in {timeout:.0f} s:\n{log.read_text()[-4000:]}")
         time.sleep(0.5)
+
+
+# ---- vision-language models ------------------------------------------------
+
+def noise_image(width, height, seed=0):
+    """A deterministic RGB noise image (PIL)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed + width * 1000 + height)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def chat_prompt(processor, num_images: int, question: str) -> str:
+    """One user message: num_images image parts, then the question."""
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}],
+                                         add_generation_prompt=True)
+
+
+def hf_vision_greedy(hf, prompt: str, images: list, max_tokens: int) -> list[int]:
+    """Greedy continuation from HF's own model class; hf = (processor, model)."""
+    processor, model = hf
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    return out[0, inputs.input_ids.shape[1]:].tolist()
+
+
+def vision_greedy(llm, cases, max_tokens: int) -> list[list[int]]:
+    """Greedy token ids for (prompt, images) cases, submitted as one batch."""
+    from vllm import SamplingParams
+
+    requests = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else {"prompt": p}
+                for p, imgs in cases]
+    outs = llm.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]

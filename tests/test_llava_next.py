@@ -4,23 +4,23 @@ processor expanding the prompts."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from vllm import SamplingParams
 
-from helpers import model_runner, running_llm
+from helpers import (
+    chat_prompt,
+    hf_vision_greedy,
+    model_runner,
+    noise_image,
+    running_llm,
+    vision_greedy,
+)
 from vllm_accel.testing.tiny_models import make_tiny_model
 
 MAX_TOKENS = 10
 SIZES = [(80, 50), (60, 150), (64, 64), (128, 128), (200, 70)]  # (width, height)
 ENGINE = dict(max_model_len=1024, limit_mm_per_prompt={"image": 2}, max_num_seqs=8)
-
-
-def image(width, height, seed=0):
-    rng = np.random.default_rng(seed + width * 1000 + height)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -37,35 +37,13 @@ def hf(llava_dir):
     return processor, model.eval()
 
 
-def prompt_for(processor, num_images: int, question: str) -> str:
-    content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
-    return processor.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True)
-
-
-def hf_greedy(hf, prompt: str, images: list) -> list[int]:
-    processor, model = hf
-    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return out[0, inputs.input_ids.shape[1]:].tolist()
-
-
-def vllm_greedy(llm, cases) -> list[list[int]]:
-    requests = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else {"prompt": p}
-                for p, imgs in cases]
-    outs = llm.generate(requests, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 @pytest.fixture(scope="module")
 def cases(hf):
     processor, _ = hf
-    single = [(prompt_for(processor, 1, f"Describe picture {i}."), [image(*size)])
+    single = [(chat_prompt(processor, 1, f"Describe picture {i}."), [noise_image(*size)])
               for i, size in enumerate(SIZES)]
-    two = [(prompt_for(processor, 2, "Compare them."), [image(80, 50), image(60, 150)])]
-    text = [(prompt_for(processor, 0, "Tell me a story about a fox."), [])]
+    two = [(chat_prompt(processor, 2, "Compare them."), [noise_image(80, 50), noise_image(60, 150)])]
+    text = [(chat_prompt(processor, 0, "Tell me a story about a fox."), [])]
     return single + two + text
 
 
@@ -90,7 +68,7 @@ def test_chunk_boundary_inside_an_image(llava_dir, hf):
     processor, _ = hf
     # The 80x50 image takes 168 placeholder tokens from offset 8: 48-token chunks
     # end inside it three times.
-    prompt, images = prompt_for(processor, 1, "What is it?"), [image(80, 50, seed=3)]
+    prompt, images = chat_prompt(processor, 1, "What is it?"), [noise_image(80, 50, seed=3)]
     with running_llm(llava_dir, max_num_batched_tokens=48, **ENGINE) as chunked:
         encoder = model_runner(chunked).vision_encoder
         before = encoder.images_encoded  # warmup images
@@ -101,16 +79,16 @@ def test_chunk_boundary_inside_an_image(llava_dir, hf):
 def test_encoder_runs_once_per_distinct_image_never_in_decode(llm, hf):
     processor, _ = hf
     encoder = model_runner(llm).vision_encoder
-    picture = image(128, 64, seed=7)
+    picture = noise_image(128, 64, seed=7)
     before = encoder.images_encoded
-    first = prompt_for(processor, 1, "What colour dominates?")
+    first = chat_prompt(processor, 1, "What colour dominates?")
     # The same image twice in one batch: one encode; 10 decode steps: none.
     assert vllm_greedy(llm, [(first, [picture]), (first, [picture])]) == \
         [hf_greedy(hf, first, [picture])] * 2
     assert encoder.images_encoded - before == 1
     # A later request with the same image and prompt prefix: vLLM reports the
     # image cached (prefix cache / encoder cache), so nothing is encoded.
-    again = prompt_for(processor, 1, "What colour dominates? Answer briefly.")
+    again = chat_prompt(processor, 1, "What colour dominates? Answer briefly.")
     assert vllm_greedy(llm, [(again, [picture])]) == [hf_greedy(hf, again, [picture])]
     assert encoder.images_encoded - before == 1
 
@@ -143,3 +121,11 @@ def test_text_engine_after_a_vision_engine_keeps_no_image_state(llava_dir, tiny_
         out = text.generate(TokensPrompt(prompt_token_ids=[0, 6, 20, 21]),
                             SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def hf_greedy(hf, prompt, images, max_tokens=MAX_TOKENS):
+    return hf_vision_greedy(hf, prompt, images, max_tokens)
+
+
+def vllm_greedy(llm, cases, max_tokens=MAX_TOKENS):
+    return vision_greedy(llm, cases, max_tokens)

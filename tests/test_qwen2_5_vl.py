@@ -7,24 +7,23 @@ counts, and compiled serving with padded vision buckets."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
-from vllm import SamplingParams
 
-from helpers import model_runner, running_llm
+from helpers import (
+    chat_prompt,
+    hf_vision_greedy,
+    model_runner,
+    noise_image,
+    running_llm,
+    vision_greedy,
+)
 from vllm_accel.patches import apply_patches
 from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
 
 MAX_TOKENS = 10
 SIZES = [(224, 224), (300, 200), (449, 97), (1000, 60)]  # (width, height)
 ENGINE = dict(max_model_len=1024, limit_mm_per_prompt={"image": 2}, max_num_seqs=8)
-
-
-def image(width, height, seed=0):
-    rng = np.random.default_rng(seed + width * 1000 + height)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -42,35 +41,13 @@ def hf(qwen_dir):
     return processor, model.eval()
 
 
-def prompt_for(processor, num_images: int, question: str) -> str:
-    content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
-    return processor.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True)
-
-
-def hf_greedy(hf, prompt: str, images: list, max_tokens: int = MAX_TOKENS) -> list[int]:
-    processor, model = hf
-    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
-    return out[0, inputs.input_ids.shape[1]:].tolist()
-
-
-def vllm_greedy(llm, cases, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    requests = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else {"prompt": p}
-                for p, imgs in cases]
-    outs = llm.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens),
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 @pytest.fixture(scope="module")
 def cases(hf):
     processor, _ = hf
-    single = [(prompt_for(processor, 1, f"Describe picture {i}."), [image(*size)])
+    single = [(chat_prompt(processor, 1, f"Describe picture {i}."), [noise_image(*size)])
               for i, size in enumerate(SIZES)]
-    two = [(prompt_for(processor, 2, "Compare them."), [image(300, 200), image(449, 97)])]
-    text = [(prompt_for(processor, 0, "Tell me a story about a fox."), [])]
+    two = [(chat_prompt(processor, 2, "Compare them."), [noise_image(300, 200), noise_image(449, 97)])]
+    text = [(chat_prompt(processor, 0, "Tell me a story about a fox."), [])]
     return single + two + text
 
 
@@ -97,7 +74,7 @@ def test_mixed_batch_equals_single_requests_and_hf(llm, cases, expected):
 def test_long_output_after_an_image(llm, hf):
     """64 tokens: decode positions continue from the image's M-RoPE delta."""
     processor, _ = hf
-    case = (prompt_for(processor, 1, "Write a long story."), [image(449, 97, seed=5)])
+    case = (chat_prompt(processor, 1, "Write a long story."), [noise_image(449, 97, seed=5)])
     assert vllm_greedy(llm, [case], 64) == [hf_greedy(hf, *case, max_tokens=64)]
 
 
@@ -105,7 +82,7 @@ def test_chunk_boundary_inside_an_image(qwen_dir, hf):
     processor, _ = hf
     # 300x200 -> 11x7 merged tokens = 77 image tokens from offset 4: 32-token
     # chunks end inside the image twice.
-    case = (prompt_for(processor, 1, "What is it?"), [image(300, 200, seed=3)])
+    case = (chat_prompt(processor, 1, "What is it?"), [noise_image(300, 200, seed=3)])
     with running_llm(qwen_dir, max_num_batched_tokens=32, **ENGINE) as chunked:
         encoder = model_runner(chunked).vision_encoder
         before = encoder.images_encoded
@@ -116,8 +93,8 @@ def test_chunk_boundary_inside_an_image(qwen_dir, hf):
 def test_encoder_once_per_image_never_in_decode(llm, hf):
     processor, _ = hf
     encoder = model_runner(llm).vision_encoder
-    picture = image(224, 224, seed=9)
-    case = (prompt_for(processor, 1, "What colour dominates?"), [picture])
+    picture = noise_image(224, 224, seed=9)
+    case = (chat_prompt(processor, 1, "What colour dominates?"), [picture])
     before = encoder.images_encoded
     assert vllm_greedy(llm, [case, case]) == [hf_greedy(hf, *case)] * 2
     assert encoder.images_encoded - before == 1
@@ -137,3 +114,11 @@ def test_compiled_serving_pads_vision_buckets_and_never_recompiles(qwen_dir, cas
         got = vllm_greedy(llm, cases)
         assert stats.runtime_compiles == 0
     assert got == expected
+
+
+def hf_greedy(hf, prompt, images, max_tokens=MAX_TOKENS):
+    return hf_vision_greedy(hf, prompt, images, max_tokens)
+
+
+def vllm_greedy(llm, cases, max_tokens=MAX_TOKENS):
+    return vision_greedy(llm, cases, max_tokens)
