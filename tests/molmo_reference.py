@@ -12,11 +12,21 @@ What it takes to build vLLM's model class outside an engine:
   fixture's small one (the fixture records it in config.json).
 
 vLLM's vision backbone then runs as is (its ViT attention picks the pure
-PyTorch TORCH_SDPA backend on CPU). Its decoder's ``Attention`` layers need a
-forward context with attention metadata and a KV cache bound by vLLM's model
-runner; ``plain_causal_attention`` stands in for that with a textbook causal
-SDPA over one sequence (everything else - qkv split, q/k norm, rotary, norm
-placement, MLP, embedding merge, head - stays vLLM's code).
+PyTorch TORCH_SDPA backend on CPU). Its decoder's ``Attention`` layers need
+what vLLM's model runner provides: a forward context with attention metadata,
+a paged KV cache bound to each layer, a slot mapping. Two ways here:
+
+* ``paged_forward``: vLLM's own FlexAttention backend (our platform's
+  attention backend) over one sequence. It runs on CPU once the one C++ op
+  it calls, ``_C_cache_ops.reshape_and_cache_flash`` (absent from the
+  pure-Python build), has a Python stand-in (``register_python_cache_op``),
+  ``cache_config.num_gpu_blocks`` is set and the cache is allocated in the
+  physical layout Flex expects ([blocks, block_size, kv_heads, 2 * head_dim]
+  seen as [blocks, kv_heads, block_size, 2 * head_dim]). First call ~8 s:
+  vLLM compiles flex_attention.
+* ``plain_causal_attention``: a textbook causal SDPA in place of the paged
+  attention (instant). Everything else - qkv split, q/k norm, rotary, norm
+  placement, MLP, embedding merge, head - stays vLLM's code either way.
 """
 
 from __future__ import annotations
@@ -161,3 +171,68 @@ def plain_causal_attention():
         yield
     finally:
         Attention.forward = original
+
+
+def register_python_cache_op() -> None:
+    """A Python ``_C_cache_ops.reshape_and_cache_flash`` (the C++ op that
+    writes new keys/values into the paged cache), if the op is missing."""
+    if hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash"):
+        return
+    global _cache_op_library
+    _cache_op_library = torch.library.Library("_C_cache_ops", "FRAGMENT")
+    _cache_op_library.define(
+        "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, "
+        "Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, "
+        "Tensor k_scale, Tensor v_scale) -> ()")
+
+    def write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
+              v_scale):
+        # caches: [blocks, block_size, kv_heads, head_dim] (strided views)
+        block, offset = slot_mapping // key_cache.shape[1], slot_mapping % key_cache.shape[1]
+        key_cache[block, offset] = key.view(-1, *key_cache.shape[2:])
+        value_cache[block, offset] = value.view(-1, *value_cache.shape[2:])
+
+    _cache_op_library.impl("reshape_and_cache_flash", write, "CompositeExplicitAutograd")
+
+
+_cache_op_library = None
+
+
+def paged_forward(model, config, input_ids, positions, inputs_embeds=None, block_size=32):
+    """vLLM's ``model(input_ids, positions, inputs_embeds=...)`` for one
+    sequence (a prefill from position 0) through vLLM's FlexAttention backend
+    with a fresh paged KV cache, as vLLM's model runner would call it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionMetadataBuilder
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    register_python_cache_op()
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
+    first = next(iter(layers.values()))
+    heads, head_dim = first.num_kv_heads, first.head_size
+    tokens = len(positions)
+    blocks = -(-tokens // block_size) + 1  # block 0 stays unused, as in vLLM
+    config.cache_config.num_gpu_blocks = blocks
+    for layer in layers.values():
+        layer.kv_cache = torch.zeros(blocks, block_size, heads, 2 * head_dim).transpose(1, 2)
+    # (our layers' caches stay bound afterwards; every call binds fresh ones)
+    slots = torch.arange(tokens) + block_size
+    start_loc = torch.tensor([0, tokens], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=start_loc, query_start_loc_cpu=start_loc,
+        seq_lens=torch.tensor([tokens], dtype=torch.int32), num_reqs=1,
+        num_actual_tokens=tokens, max_query_len=tokens, max_seq_len=tokens,
+        block_table_tensor=torch.arange(1, blocks, dtype=torch.int32)[None],
+        slot_mapping=slots, causal=True)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_dim,
+                             dtype=torch.float32)  # build_vllm_molmo's dtype
+    with set_current_vllm_config(config):
+        builder = FlexAttentionMetadataBuilder(spec, list(layers), config, torch.device("cpu"))
+        metadata = builder.build(common_prefix_len=0, common_attn_metadata=common)
+        with set_forward_context({name: metadata for name in layers}, config,
+                                 num_tokens=tokens,
+                                 slot_mapping={name: slots for name in layers}):
+            return model(input_ids, positions, inputs_embeds=inputs_embeds)

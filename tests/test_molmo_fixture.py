@@ -10,6 +10,7 @@ import torch
 from molmo_reference import (
     build_vllm_molmo,
     isolate_remote_code_cache,
+    paged_forward,
     plain_causal_attention,
     vllm_config,
     vllm_processor,
@@ -174,9 +175,9 @@ def test_vllm_model_loads_every_parameter(tmp_path, hf_home, decoder):
 
 
 def test_vllm_model_runs_on_cpu(ckpt, processing):
-    """vLLM's vision backbone runs as is; its decoder with plain causal
-    attention in place of the paged one (no engine, no KV cache) gives
-    finite, varied logits for a prompt with an image."""
+    """vLLM's whole Molmo on CPU outside an engine, for a prompt with an image:
+    its vision backbone as is; its decoder through vLLM's FlexAttention with a
+    paged KV cache (paged_forward), which plain causal attention matches."""
     model, config, _ = build_vllm_molmo(ckpt)
     processor, tokenizer = processing
     prompt = "User: Describe. Assistant:"
@@ -191,8 +192,10 @@ def test_vllm_model_runs_on_cpu(ckpt, processing):
         assert embeds.shape == (int((ids == IM_PATCH).sum()), 256)
         assert 0.03 < float(embeds.std()) < 0.3  # like token embeddings (std 0.1)
         inputs = model.embed_input_ids(ids, [embeds], is_multimodal=ids == IM_PATCH)
+        hidden = paged_forward(model, config, ids, torch.arange(len(ids)), inputs_embeds=inputs)
         with plain_causal_attention():
-            hidden = model(ids, torch.arange(len(ids)), inputs_embeds=inputs)
+            plain = model(ids, torch.arange(len(ids)), inputs_embeds=inputs)
         logits = model.compute_logits(hidden)
+    torch.testing.assert_close(plain, hidden, atol=1e-4, rtol=0)
     assert logits.shape == (len(ids), EMBEDDING_SIZE) and torch.isfinite(logits).all()
     assert len(set(logits.argmax(-1).tolist())) > 5
