@@ -262,8 +262,9 @@ def image_embed_order(image_input_idx: torch.Tensor) -> torch.Tensor:
 
 def image_embeddings(backbone: MolmoVisionBackbone, images: torch.Tensor,
                      image_masks: torch.Tensor, image_input_idx: torch.Tensor) -> torch.Tensor:
-    """One image's (or consecutive images') placeholder embeddings
-    [number of <im_patch> tokens, text_dim], eagerly."""
+    """One image's placeholder embeddings [number of its <im_patch> tokens,
+    text_dim], eagerly. One image at a time: image_input_idx is only ordered
+    within an image (the hub's processor gives every image offset 0)."""
     per_crop = backbone(images, image_masks)
     return per_crop.reshape(-1, per_crop.shape[-1])[image_embed_order(image_input_idx)]
 
