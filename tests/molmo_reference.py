@@ -112,9 +112,9 @@ def small_vision_backbone_config(vision_backbone: dict = VISION_BACKBONE):
 def vllm_config(ckpt, max_model_len: int = 2048):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_accel.multimodal.compat import install_shims
+    from vllm_accel.patches import apply_patches
 
-    install_shims()
+    apply_patches()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with _accept_molmo_architecture():
         return EngineArgs(model=str(ckpt), trust_remote_code=True, dtype="float32",
