@@ -9,6 +9,8 @@ and the logprob of every generated token (close, LOGPROB_ATOL)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -237,16 +239,52 @@ def test_encoder_once_per_image_never_in_decode(llm, expected):
         assert_matches(g, expected[-1])
 
 
-def test_compiled_serving_all_crop_buckets_never_recompiles(ckpt, cases, expected, tmp_path):
+def test_default_vision_buckets_are_crop_counts(llm):
+    assert model_runner(llm).vision_encoder.buckets == list(range(2, MAX_CROPS + 2))
+
+
+def test_compiled_serving_pads_crops_and_never_recompiles(ckpt, cases, expected, tmp_path):
+    """Coarse crop buckets: images of 2-3 crops run padded to 4, of 5-6 to 7
+    (zero crops and zero masks), the ViT blocks compiled with inductor."""
     config = {"accel": {"compile_backend": "inductor", "token_buckets": "64,256",
-                        "compile_cache_dir": str(tmp_path)}}
+                        "multimodal_buckets": "4,7", "compile_cache_dir": str(tmp_path)}}
     with running_llm(ckpt, additional_config=config, max_num_batched_tokens=256,
                      **ENGINE) as llm:
         runner = model_runner(llm)
-        assert runner.vision_encoder.buckets == list(range(2, MAX_CROPS + 2))
+        assert runner.vision_encoder.buckets == [4, 7]
         stats = runner.compile_stats
-        assert stats.warmup_graphs == 2 + MAX_CROPS  # token buckets + crop buckets
+        assert stats.warmup_graphs == 2 + 2  # token buckets + crop buckets
         got = generate(llm, cases)
         assert stats.runtime_compiles == 0
     for g, want in zip(got, expected):
         assert_matches(g, want)
+
+
+# ---- derived limits ----------------------------------------------------------
+
+def test_max_model_len_derived_and_too_long_prompt_rejected(ckpt):
+    """max_model_len defaults to the config's max_position_embeddings (4096);
+    a prompt longer than that once its image is expanded is rejected with a
+    VLLMValidationError (vLLM's own check; HTTP 400 over the API) naming its
+    length and the limit."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    options = {k: v for k, v in ENGINE.items() if k != "max_model_len"}
+    with running_llm(ckpt, max_model_len=None, **options) as llm:
+        assert llm.llm_engine.model_config.max_model_len == 4096
+        ids = [58] * 4060  # fits alone; not with the image's ~100 placeholder tokens
+        with pytest.raises(VLLMValidationError) as error:
+            llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [image(80, 80)]}},
+                         SamplingParams(max_tokens=1), use_tqdm=False)
+        message = str(error.value)
+        length = int(re.search(r"prompt \(length (\d+)\)", message).group(1))
+        assert length > len(ids) + 1 and "maximum model length of 4096" in message, message
+
+
+def test_max_model_len_beyond_the_config_fails_at_start_up(ckpt):
+    with pytest.raises(Exception, match="max_model_len") as error:
+        with running_llm(ckpt, max_model_len=8192, **{k: v for k, v in ENGINE.items()
+                                                      if k != "max_model_len"}):
+            pass
+    assert "4096" in str(error.value) and "8192" in str(error.value)
