@@ -288,3 +288,17 @@ def test_max_model_len_beyond_the_config_fails_at_start_up(ckpt):
                                                       if k != "max_model_len"}):
             pass
     assert "4096" in str(error.value) and "8192" in str(error.value)
+
+
+def test_olmo_decoder_through_the_engine(tmp_path, cases):
+    """Molmo-7B-O's layout (OLMo decoder; vocab_size below the head's rows):
+    a single image, two images and text only, against vLLM's own Molmo."""
+    path = make_tiny_molmo(tmp_path / "olmo", decoder="olmo")
+    model, config, _ = build_vllm_molmo(path)
+    processor, tokenizer = vllm_processor(config)
+    picked = [cases[5], cases[-2], cases[-1]]
+    want = [reference_greedy((model, processor, tokenizer), p, imgs) for p, imgs in picked]
+    with running_llm(path, **ENGINE) as llm:
+        got = generate(llm, picked)
+    for g, w in zip(got, want):
+        assert_matches(g, w)
