@@ -31,12 +31,16 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "LlavaNextForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+    "MolmoForCausalLM",
 )
 # Architectures FMS does not have: our own FMS-style ports, registered with
 # FMS's registries (by the named function) before loading.
 _FMS_PORTS = {
     "Qwen2_5_VLForConditionalGeneration": "vllm_accel.model.qwen2_5_vl:register_qwen2_5_vl",
+    "MolmoForCausalLM": "vllm_accel.model.molmo:register_molmo",
 }
+# Architectures whose HF config is remote code (FMS reads the config itself).
+_REMOTE_CODE_ARCHITECTURES = ("MolmoForCausalLM",)
 
 
 def check_architecture(architectures: list[str] | None) -> str:
@@ -51,14 +55,22 @@ def check_architecture(architectures: list[str] | None) -> str:
 
 
 def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
-                   device: str = "cpu") -> nn.Module:
-    """The FMS model of a supported HF checkpoint directory, every weight loaded."""
+                   device: str = "cpu", trust_remote_code: bool = False) -> nn.Module:
+    """The FMS model of a supported HF checkpoint directory, every weight loaded.
+    ``trust_remote_code``: the user's consent (vLLM's option), needed for
+    checkpoints whose config is remote code (Molmo)."""
     arch = check_architecture(hf_config.architectures)
     if arch in _FMS_PORTS:
         module, _, register = _FMS_PORTS[arch].partition(":")
         getattr(importlib.import_module(module), register)()
     register_paged_attention()
-    model = _load_with_nan_fill(model_path, dtype, device)
+    extra = {}
+    if arch in _REMOTE_CODE_ARCHITECTURES:
+        if not trust_remote_code:
+            raise ValueError(f"{arch} checkpoints ship their config as remote code: "
+                             "pass trust_remote_code=True (--trust-remote-code)")
+        extra["trust_remote_code"] = True
+    model = _load_with_nan_fill(model_path, dtype, device, **extra)
     _check_all_weights_loaded(model, model_path)
     logger.info(
         "Loaded %s with FMS (%.1fM parameters, %s)",
@@ -67,7 +79,8 @@ def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
     return model.eval()
 
 
-def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str) -> nn.Module:
+def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str,
+                        **kwargs) -> nn.Module:
     """Load with FMS, leaving any weight FMS did not load as NaN (not garbage).
 
     FMS builds the model on the meta device and materialises unloaded weights
@@ -83,7 +96,8 @@ def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str) -> nn.
     deterministic.fill_uninitialized_memory = True
     try:
         return get_model(
-            "hf_pretrained", model_path=model_path, device_type=device, data_type=dtype
+            "hf_pretrained", model_path=model_path, device_type=device, data_type=dtype,
+            **kwargs,
         )
     finally:
         torch.use_deterministic_algorithms(was_deterministic)

@@ -16,18 +16,24 @@ the ``<im_patch>`` placeholders, in prompt order.
 
 Module and parameter names follow the hub checkpoint under
 ``model.vision_backbone.`` (``load_hf_vision_weights``). The text decoder is
-not here: Molmo's text side reuses the Qwen2 / OLMo decoders.
+``Molmo`` below: the text side is our Qwen2 decoder (qwen2.py), configured
+as Molmo-7B-D's Qwen2 or 7B-O's OLMo; ``register_molmo`` lets FMS load the
+hub checkpoint into it (every weight; the embedding is the text table and the
+image-token table concatenated).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fms.utils.config import ModelConfig
+
+from vllm_accel.model.qwen2 import Qwen2, Qwen2Config, fuse_text_weights
 
 HF_VISION_PREFIX = "model.vision_backbone."
 
@@ -281,3 +287,171 @@ def load_hf_vision_weights(backbone: MolmoVisionBackbone,
     used = {k: v for k, v in own.items()
             if not k.startswith(prefix) or int(k[len(prefix):].split(".")[0]) < built}
     backbone.load_state_dict(used, strict=True)
+
+
+# ---------------------------------------------------------------------------
+# Composite model: our Qwen2 decoder (Qwen2- or OLMo-style by config flags)
+# and the vision backbone, loaded from Molmo's hub checkpoint by FMS.
+# ---------------------------------------------------------------------------
+
+ARCHITECTURE = "molmo"
+HF_ARCHITECTURE = "MolmoForCausalLM"
+# Rows of ``wte.new_embedding``: the image/special tokens after the text
+# vocabulary (Molmo's and vLLM's ADDITIONAL_VOCAB_SIZE).
+ADDITIONAL_VOCAB_SIZE = 128
+
+
+@dataclass
+class MolmoConfig(ModelConfig):
+    text_config: Qwen2Config = field(default_factory=Qwen2Config)
+    vision_config: MolmoVisionConfig = field(default_factory=MolmoVisionConfig)
+
+
+class Molmo(nn.Module):
+    """``language_model`` is what the generic wrapper drives (embeddings in);
+    ``vision`` turns an image's crops into its ``<im_patch>`` embeddings
+    (``image_embeddings``), which the caller writes at those positions."""
+
+    def __init__(self, config: MolmoConfig | None = None, **kwargs):
+        super().__init__()
+        kwargs.pop("trust_remote_code", None)  # FMS passes get_model's kwargs on
+        self.config = (config or MolmoConfig()).updated(**kwargs)
+        self.language_model = Qwen2(self.config.text_config)
+        self.vision = MolmoVisionBackbone(self.config.vision_config)
+
+    def get_config(self) -> MolmoConfig:
+        return self.config
+
+    def post_init(self):
+        self.language_model.post_init()
+
+
+def molmo_text_config_from_hf(hf_config) -> Qwen2Config:
+    """Molmo-7B-D (Qwen2: qkv bias, GQA) and 7B-O (OLMo: q/k norm, norms after
+    the sublayers) as one decoder with flags."""
+    if getattr(hf_config, "layer_norm_type", "rms") != "rms":
+        raise ValueError("Molmo: only RMSNorm decoders are supported")
+    if getattr(hf_config, "clip_qkv", None) is not None:
+        raise ValueError("Molmo: clip_qkv is not supported")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"Molmo: rope type {rope.get('rope_type')!r} is not supported")
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10_000.0))
+    text_vocab = hf_config.embedding_size or hf_config.vocab_size
+    return Qwen2Config(
+        src_vocab_size=text_vocab + ADDITIONAL_VOCAB_SIZE,
+        head_vocab_size=text_vocab,
+        emb_dim=hf_config.hidden_size,
+        nheads=hf_config.num_attention_heads,
+        kvheads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
+        nlayers=hf_config.num_hidden_layers,
+        hidden_dim=hf_config.intermediate_size // 2,  # ff_proj is (up, gate) fused
+        norm_eps=hf_config.layer_norm_eps,
+        rope_theta=float(theta),
+        activation_fn="silu",
+        tie_heads=bool(getattr(hf_config, "weight_tying", False)),
+        max_expected_seq_len=hf_config.max_position_embeddings,
+        attn_bias=bool(hf_config.qkv_bias),
+        qk_norm=bool(hf_config.attention_layer_norm),
+        norm_after=bool(hf_config.norm_after),
+    )
+
+
+def molmo_config_from_hf(hf_config) -> MolmoConfig:
+    return MolmoConfig(text_config=molmo_text_config_from_hf(hf_config),
+                       vision_config=MolmoVisionConfig.from_hf_config(hf_config))
+
+
+_HF_TEXT = "model.transformer."
+# Per-layer hub names -> ours (att_proj and ff_proj are split in _split_fused).
+_LAYER_RENAMES = {
+    "attn_out.": "attn.dense.",
+    "q_norm.": "attn.in_proj.q_norm.",
+    "k_norm.": "attn.in_proj.k_norm.",
+    "ff_out.": "ff_sub_layer.w2.",
+    "attn_norm.": "ln.",
+    "ff_norm.": "ff_ln.",
+}
+
+
+def _split_fused(prefix: str, name: str, tensor: torch.Tensor, text: Qwen2Config) -> dict:
+    """att_proj rows are (q, k, v); ff_proj rows are (up, gate): vLLM's
+    MulAndSilu computes up * silu(gate) from the first and second halves."""
+    if name.startswith("att_proj."):
+        kind = name[len("att_proj."):]
+        kv = (text.kvheads or text.nheads) * text.head_dim
+        q, k, v = tensor.split([text.nheads * text.head_dim, kv, kv])
+        return {f"{prefix}attn.in_proj.query.{kind}": q, f"{prefix}attn.in_proj.key.{kind}": k,
+                f"{prefix}attn.in_proj.value.{kind}": v}
+    if name.startswith("ff_proj."):
+        kind = name[len("ff_proj."):]
+        up, gate = tensor.chunk(2)
+        return {f"{prefix}ff_sub_layer.w1.{kind}": up, f"{prefix}ff_sub_layer.wg.{kind}": gate}
+    for old, new in _LAYER_RENAMES.items():
+        if name.startswith(old):
+            return {prefix + new + name[len(old):]: tensor}
+    raise KeyError(f"unknown Molmo decoder weight {name!r}")
+
+
+def _hf_to_fms_names(sd: Mapping[str, Any], model_config: MolmoConfig | None = None,
+                     **_) -> dict:
+    config = model_config or MolmoConfig()
+    text = config.text_config
+    out: dict[str, torch.Tensor] = {}
+    embedding = {}
+    for name, tensor in sd.items():
+        if name.startswith(HF_VISION_PREFIX):
+            rest = name[len(HF_VISION_PREFIX):]
+            block = re.match(r"image_vit\.transformer\.resblocks\.(\d+)\.", rest)
+            if block and int(block.group(1)) >= config.vision_config.layers_run:
+                continue  # after the deepest feature layer: never built, never used
+            out["vision." + rest] = tensor
+        elif name in (_HF_TEXT + "wte.embedding", _HF_TEXT + "wte.new_embedding"):
+            embedding[name.rsplit(".", 1)[1]] = tensor
+        elif name == _HF_TEXT + "ln_f.weight":
+            out["language_model.base_model.dec_norm.weight"] = tensor
+        elif name == _HF_TEXT + "ff_out.weight":
+            out["language_model.head.weight"] = tensor
+        elif (layer := re.match(r"model\.transformer\.blocks\.(\d+)\.(.*)", name)):
+            prefix = f"language_model.base_model.layers.{layer.group(1)}."
+            out.update(_split_fused(prefix, layer.group(2), tensor, text))
+        else:
+            out[name] = tensor  # unknown: left for FMS to report
+    if embedding:
+        if set(embedding) != {"embedding", "new_embedding"}:
+            raise ValueError("Molmo's wte.embedding and wte.new_embedding load together")
+        # Text vocabulary first, then the image/special tokens (as vLLM merges them).
+        out["language_model.base_model.embedding.weight"] = torch.cat(
+            [embedding["embedding"], embedding["new_embedding"]])
+    return out
+
+
+def _weight_fusion(sd: Mapping[str, Any], model_config: MolmoConfig | None = None, **_):
+    fused = model_config is None or model_config.text_config.fused_weights
+    text = {k: v for k, v in sd.items() if k.startswith("language_model.")}
+    rest = {k: v for k, v in sd.items() if not k.startswith("language_model.")}
+    return {**fuse_text_weights(text, fused), **rest}
+
+
+_registered = False
+
+
+def register_molmo() -> None:
+    """Make ``fms.models.get_model("hf_pretrained", model_path=...,
+    trust_remote_code=True)`` load MolmoForCausalLM checkpoints as
+    :class:`Molmo`. Idempotent (FMS refuses duplicate registrations)."""
+    global _registered
+    if _registered:
+        return
+    from fms import models
+    from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY
+    from fms.utils import serialization
+
+    models.register_model(ARCHITECTURE, "hf", lambda **kw: Molmo(**kw))
+    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_names", _hf_to_fms_names)
+    serialization.register_adapter_step(ARCHITECTURE, "weight_fusion", _weight_fusion)
+    serialization.register_adapter(ARCHITECTURE, "hf", ["hf_to_fms_names", "weight_fusion"])
+    _FMS_MODEL_CONFIG_REGISTRY.register_model_arch_info(
+        HF_ARCHITECTURE, ARCHITECTURE, lambda hf_config: {"config": molmo_config_from_hf(hf_config)},
+    )
+    _registered = True

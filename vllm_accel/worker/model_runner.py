@@ -118,7 +118,8 @@ class AccelModelRunner:
     def load_model(self) -> None:
         hf_config = self.model_config.hf_config
         fms_model = load_fms_model(self.model_config.model, hf_config, self.dtype,
-                                   self.backend.device)
+                                   self.backend.device,
+                                   trust_remote_code=self.model_config.trust_remote_code)
         mm_utils_cls = get_mm_utils_cls(hf_config)
         if mm_utils_cls is not None:
             self.mm_utils = mm_utils_cls(hf_config, fms_model, self.model_config.model)
