@@ -38,8 +38,10 @@ def parse_sizes(text):
 
 def chat_prompt(processor, question):
     content = [{"type": "image"}, {"type": "text", "text": question}]
-    return processor.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True)
+    # Molmo's processor keeps its chat template in its tokenizer.
+    templater = processor if getattr(processor, "chat_template", None) else processor.tokenizer
+    return templater.apply_chat_template([{"role": "user", "content": content}],
+                                         add_generation_prompt=True, tokenize=False)
 
 
 def throughput_cases(processor, a):
@@ -91,11 +93,13 @@ def main():
         pass
     from transformers import AutoConfig, AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(a.model)
+    model_type = AutoConfig.from_pretrained(a.model, trust_remote_code=True).model_type
+    remote_code = model_type == "molmo"  # its processor ships with the checkpoint
+    processor = AutoProcessor.from_pretrained(a.model, trust_remote_code=remote_code)
     # Qwen2.5-VL also takes videos; without torchvision none can be processed, and
     # vLLM would size its budget with a dummy video unless the limit is 0.
     limits = {"image": 1}
-    if AutoConfig.from_pretrained(a.model).model_type == "qwen2_5_vl":
+    if model_type == "qwen2_5_vl":
         limits["video"] = 0
     if a.reference == "hf":
         return run_hf(a, processor)
@@ -106,7 +110,8 @@ def main():
 
     t0 = time.perf_counter()
     kwargs = dict(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
-                  enforce_eager=a.enforce_eager, seed=a.seed, limit_mm_per_prompt=limits)
+                  enforce_eager=a.enforce_eager, seed=a.seed, limit_mm_per_prompt=limits,
+                  trust_remote_code=remote_code)
     if a.max_num_seqs:
         kwargs["max_num_seqs"] = a.max_num_seqs
     llm = LLM(**kwargs)

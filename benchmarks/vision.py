@@ -4,9 +4,11 @@ or Qwen2.5-VL (--arch).
 
 Same structure as benchmarks/throughput.py: each backend runs benchmarks/_vision_worker.py in its
 own Python and subprocess, one at a time, alternating over --rounds (order reversed every other
-round). Model: the tiny LlavaNext (SigLIP + Granite, 64-px tiles, anyres) or, with --arch
-qwen2_5_vl, the tiny Qwen2.5-VL, from vllm_accel.testing.tiny_models (or --model DIR), float32,
-greedy. Per engine:
+round). Model: the tiny LlavaNext (SigLIP + Granite, 64-px tiles, anyres) or, with --arch,
+the tiny Qwen2.5-VL or Molmo from vllm_accel.testing (or --model DIR), float32, greedy. Molmo
+has no HF transformers class (use --check-hf 0) and its tiny fixture's small vision tower is one
+vLLM's own Molmo class cannot build (it hard-codes the full-size tower): compare accel with
+accel-eager there. Per engine:
 
   (a) TTFT: latency of llm.generate for one 336x336 image + a short question with max_tokens=1,
       after one untimed warm-up request with another image of the same size; --ttft-requests
@@ -62,7 +64,8 @@ def log(msg):
 
 def make_model(arch, out_dir):
     log(f"generating the tiny {arch} in {out_dir}")
-    cmd = [str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_models", arch, out_dir]
+    cmd = ([str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_molmo", out_dir] if arch == "molmo"
+           else [str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_models", arch, out_dir])
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"could not generate the tiny {arch} ({' '.join(cmd)}):\n{r.stderr[-2000:]}\n"
@@ -146,7 +149,7 @@ def same(a, b):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--arch", default="llava_next", choices=["llava_next", "qwen2_5_vl"],
+    p.add_argument("--arch", default="llava_next", choices=["llava_next", "qwen2_5_vl", "molmo"],
                    help="which tiny model to generate when --model is not given")
     p.add_argument("--model", help="vision model directory (default: generate the tiny --arch)")
     p.add_argument("--backends", default="accel,native",
