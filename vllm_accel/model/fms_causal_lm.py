@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 
 import torch
+from fms.modules.attention import MultiHeadAttention
+from fms.modules.tp import TPModule
 from torch import nn
 from vllm.logger import init_logger
 
@@ -31,6 +33,15 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "LlavaNextForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+)
+# Architectures whose FMS model FMS itself shards for tensor parallelism
+# (FMS's TensorParallelStrategy: attention heads and MLP columns/rows split,
+# the output all-reduced; embeddings, head and a vision tower replicated).
+# Our own ports (below) are not written for it yet.
+TP_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "GraniteForCausalLM",
+    "LlavaNextForConditionalGeneration",
 )
 # Architectures FMS does not have: our own FMS-style ports, registered with
 # FMS's registries (by the named function) before loading.
@@ -51,23 +62,34 @@ def check_architecture(architectures: list[str] | None) -> str:
 
 
 def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
-                   device: str = "cpu") -> nn.Module:
-    """The FMS model of a supported HF checkpoint directory, every weight loaded."""
+                   device: str = "cpu", tp_group=None) -> nn.Module:
+    """The FMS model of a supported HF checkpoint directory, every weight loaded.
+
+    With ``tp_group`` (a torch.distributed process group of more than one
+    rank), FMS loads this rank's shard: ``get_model(distributed_strategy="tp",
+    group=tp_group)`` builds the model with FMS's ``TensorParallelStrategy``,
+    whose layers hold a slice of the heads and MLP and all-reduce their output
+    over the group."""
     arch = check_architecture(hf_config.architectures)
+    tp_size = tp_group.size() if tp_group is not None else 1
+    if tp_size > 1 and arch not in TP_ARCHITECTURES:
+        raise ValueError(f"vllm-accel cannot shard {arch} for tensor parallelism.")
     if arch in _FMS_PORTS:
         module, _, register = _FMS_PORTS[arch].partition(":")
         getattr(importlib.import_module(module), register)()
     register_paged_attention()
-    model = _load_with_nan_fill(model_path, dtype, device)
+    model = _load_with_nan_fill(model_path, dtype, device, tp_group if tp_size > 1 else None)
     _check_all_weights_loaded(model, model_path)
     logger.info(
-        "Loaded %s with FMS (%.1fM parameters, %s)",
-        type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6, dtype,
+        "Loaded %s with FMS (%.1fM parameters%s, %s)",
+        type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6,
+        f" on this rank of {tp_size}" if tp_size > 1 else "", dtype,
     )
     return model.eval()
 
 
-def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str) -> nn.Module:
+def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str,
+                        tp_group=None) -> nn.Module:
     """Load with FMS, leaving any weight FMS did not load as NaN (not garbage).
 
     FMS builds the model on the meta device and materialises unloaded weights
@@ -82,8 +104,10 @@ def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str) -> nn.
     torch.use_deterministic_algorithms(True, warn_only=True)
     deterministic.fill_uninitialized_memory = True
     try:
+        parallel = dict(distributed_strategy="tp", group=tp_group) if tp_group is not None else {}
         return get_model(
-            "hf_pretrained", model_path=model_path, device_type=device, data_type=dtype
+            "hf_pretrained", model_path=model_path, device_type=device, data_type=dtype,
+            **parallel,
         )
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
@@ -112,8 +136,14 @@ class FmsCausalLM(nn.Module):
         self.fms_model = fms_model
         config = fms_model.config
         self.num_layers: int = config.nlayers
-        self.num_kv_heads: int = config.kvheads or config.nheads
+        # This rank's KV heads: all of them, or its shard under tensor
+        # parallelism (FMS gives each rank kvheads / tp, at least one).
+        attn = next(m for m in fms_model.base_model.layers[0].modules()
+                    if isinstance(m, MultiHeadAttention))
+        self.num_kv_heads: int = attn.kvheads
         self.head_dim: int = config.emb_dim // config.nheads
+        # FMS shards the head for some architectures (a TP module), not for these.
+        self.head_replicated: bool = not isinstance(fms_model.head, TPModule)
         # Granite divides its logits by this; other models have no such field.
         self.logits_scaling: float = float(getattr(config, "logits_scaling", 1.0))
 
