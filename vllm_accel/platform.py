@@ -209,7 +209,10 @@ class AccelPlatform(Platform):
         """vLLM's check of VLLM_* variables, knowing ours too."""
         from vllm import envs
 
-        known = set(envs.environment_variables) | known_env_vars()
+        from vllm.utils.torch_utils import OMP_NUM_THREADS_SET_BY_VLLM
+
+        # vLLM's multiprocessing executor sets a marker variable of its own.
+        known = set(envs.environment_variables) | known_env_vars() | {OMP_NUM_THREADS_SET_BY_VLLM}
         for name in os.environ:
             if name.startswith("VLLM_") and name not in known:
                 if hard_fail:

@@ -1,0 +1,128 @@
+"""Tensor parallelism: two workers (vLLM's multiprocessing executor, gloo),
+each holding its FMS tensor-parallel shard of the model. Greedy output must
+equal one worker's and HF transformers' token for token (float32), through a
+batch, chunked prefill and a prefix-cache hit; other parallelisms are refused
+naming the setting; a dead worker fails the engine instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from helpers import hf_greedy, running_llm
+
+MAX_TOKENS = 12
+# Small step budget: the longer prompts prefill in several chunks.
+ENGINE_OPTIONS = dict(max_num_batched_tokens=64, max_num_seqs=8, disable_log_stats=False)
+# Lengths 90 and 150 exceed the 64-token step budget (chunked prefill).
+LENGTHS = [5, 90, 17, 1, 150, 33]
+
+
+def _prompts(lengths, seed):
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 384) for _ in range(n)] for n in lengths]
+
+
+def generate(llm, prompts, max_tokens=MAX_TOKENS):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                           use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _prefix_cache_hits(llm) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
+
+@pytest.fixture(scope="module", params=["llama", "granite"])
+def tp_llm(request, tiny_models):
+    """A TP=2 engine. The engine core stays in this process (conftest), its two
+    workers are processes of vLLM's multiprocessing executor."""
+    model_dir = tiny_models[request.param]
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        # The platform would choose spawn itself (and keep it for the process).
+        mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        started = time.perf_counter()
+        with running_llm(model_dir, tensor_parallel_size=2, **ENGINE_OPTIONS) as llm:
+            print(f"TP=2 {request.param} engine ready in {time.perf_counter() - started:.1f} s")
+            yield request.param, model_dir, llm
+    # vLLM's executor drops the engine's own process to one torch thread.
+    torch.set_num_threads(threads)
+
+
+def test_tp2_matches_tp1_and_hf_batch_chunked_prefix_cache(tp_llm):
+    arch, model_dir, llm = tp_llm
+    assert llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend == "mp"
+    # Each rank caches its own KV heads: the tiny models' 2 split over 2 ranks.
+    specs = llm.collective_rpc("get_kv_cache_spec")
+    assert len(specs) == 2
+    assert {spec.num_kv_heads for rank in specs for spec in rank.values()} == {1}
+
+    prompts = _prompts(LENGTHS, seed=7)
+    got = generate(llm, prompts)  # one batch, long prompts in chunks
+    assert got == hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+    # A prefix-cache hit: the shared 96-token prefix (3 blocks) comes from the cache.
+    shared = _prompts([96], seed=8)[0]
+    first, second = [shared + tail for tail in _prompts([9, 11], seed=9)]
+    prefix_outputs = generate(llm, [first])
+    hits = _prefix_cache_hits(llm)
+    prefix_outputs += generate(llm, [second])
+    assert _prefix_cache_hits(llm) - hits >= 96
+    assert prefix_outputs == hf_greedy(model_dir, [first, second], MAX_TOKENS)
+
+    # One worker, same engine options: the same tokens.
+    with running_llm(model_dir, **ENGINE_OPTIONS) as single:
+        assert generate(single, prompts + [first, second]) == got + prefix_outputs
+
+
+def test_tp2_seeded_sampling_matches_tp1(tp_llm):
+    """Random sampling happens once, on the driver; the others take its tokens."""
+    arch, model_dir, llm = tp_llm
+    if arch != "llama":
+        pytest.skip("one architecture suffices")
+    params = SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=MAX_TOKENS)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts([4, 40], seed=10)]
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    with running_llm(model_dir, **ENGINE_OPTIONS) as single:
+        want = [list(o.outputs[0].token_ids)
+                for o in single.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_killed_worker_fails_the_engine_not_hangs(tp_llm):
+    """vLLM's executor watches its workers: when one dies, requests fail with
+    an error at once (and a server exits) instead of waiting forever."""
+    arch, _, llm = tp_llm
+    if arch != "granite":
+        pytest.skip("one architecture suffices")
+    pids = llm.collective_rpc(_worker_pid)
+    os.kill(pids[1], signal.SIGKILL)
+    started = time.perf_counter()
+    with pytest.raises(Exception) as failure:
+        for _ in range(50):  # the monitor notices within moments
+            generate(llm, _prompts([8], seed=11), max_tokens=4)
+            time.sleep(0.2)
+    assert time.perf_counter() - started < 60
+    print(f"after the kill: {type(failure.value).__name__}: {failure.value}")
+
+
+def _worker_pid(worker) -> int:
+    return os.getpid()
+
+
+def test_pipeline_parallel_rejected_naming_the_setting(tiny_models):
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 .*--tensor-parallel-size"):
+        LLM(model=str(tiny_models["llama"]), dtype="float32", max_model_len=512,
+            pipeline_parallel_size=2)
