@@ -177,3 +177,26 @@ def test_serve_tp2_answers_then_exits_when_a_worker_dies(tiny_models, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_llava_next_tp2_matches_tp1(tmp_path_factory):
+    """LlavaNext: FMS shards the Granite text model and keeps the SigLIP vision
+    tower whole on each rank (every rank encodes the images it needs)."""
+    from transformers import AutoProcessor
+
+    from helpers import chat_prompt, noise_image, vision_greedy
+    from vllm_accel.testing.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model("llava_next", tmp_path_factory.mktemp("llava") / "llava_next")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    cases = [(chat_prompt(processor, 1, "What is this?"), [noise_image(64, 48)]),
+             (chat_prompt(processor, 0, "Hi"), [])]
+    options = dict(max_model_len=2048, limit_mm_per_prompt={"image": 1})
+    got, threads = {}, torch.get_num_threads()
+    for tp in (2, 1):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+            with running_llm(model_dir, tensor_parallel_size=tp, **options) as llm:
+                got[tp] = vision_greedy(llm, cases, MAX_TOKENS)
+        torch.set_num_threads(threads)  # see tp_llm
+    assert got[2] == got[1]
