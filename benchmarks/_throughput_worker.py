@@ -31,6 +31,8 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--warmup", type=int, default=1, help="untimed full runs before the timed one")
+    p.add_argument("--min-seconds", type=float, default=10.0,
+                   help="repeat the timed run until it lasts at least this long")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
 
@@ -57,16 +59,21 @@ def main():
         llm.generate(prompts, params, use_tqdm=False)
     warmup_s = time.perf_counter() - t0
 
+    # Whole batches, repeated until the timed run lasts --min-seconds: a short
+    # run's figure moves too much between rounds to compare.
+    output_tokens = timed_batches = 0
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    while timed_batches == 0 or time.perf_counter() - t0 < a.min_seconds:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+        timed_batches += 1
     elapsed_s = time.perf_counter() - t0
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
 
     from vllm.platforms import current_platform
     info = dict(vllm=vllm.__version__, torch=torch.__version__, python=sys.executable,
                 platform=type(current_platform).__name__, dtype=a.dtype,
                 enforce_eager=a.enforce_eager, num_prompts=a.num_prompts, input_len=a.input_len,
-                output_len=a.output_len)
+                output_len=a.output_len, timed_batches=timed_batches)
     del llm, outputs  # shut the engine down first, so its log lines come before ours
     gc.collect()
     print(json.dumps(dict(info, load_s=round(load_s, 3), warmup_s=round(warmup_s, 3),

@@ -66,11 +66,12 @@ def demo_image(width: int, height: int, seed: int):
     return image
 
 
-def default_max_model_len(model: str) -> int:
+def default_max_model_len(model: str, trust_remote_code: bool = False) -> int:
     """8192 tokens (room for a few images), or the model's context if shorter."""
     from transformers import AutoConfig
 
-    text_config = AutoConfig.from_pretrained(model).get_text_config()
+    text_config = AutoConfig.from_pretrained(
+        model, trust_remote_code=trust_remote_code).get_text_config()
     return min(8192, getattr(text_config, "max_position_embeddings", 8192))
 
 
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--limit-mm-per-prompt", type=image_limit, default=None, metavar="N",
                         help='images per prompt, N or {"image": N} (default: the most '
                              "any sample has); samples with more fail")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="for checkpoints whose config/processor is remote code (Molmo)")
     parser.add_argument("--dtype", default="float32", help="e.g. bfloat16 for a large model")
     args = parser.parse_args(argv)
 
@@ -236,8 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
     llm = LLM(
         model=model,
         dtype=args.dtype,
-        max_model_len=args.max_model_len or default_max_model_len(model),
+        max_model_len=args.max_model_len or default_max_model_len(model, args.trust_remote_code),
         limit_mm_per_prompt={"image": limit},
+        trust_remote_code=args.trust_remote_code,
     )
     answer_all(llm, samples, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
 

@@ -42,11 +42,12 @@ def demo_image(width: int = 160, height: int = 96):
     return image
 
 
-def default_max_model_len(model: str) -> int:
+def default_max_model_len(model: str, trust_remote_code: bool = False) -> int:
     """8192 tokens (room for a few images), or the model's context if shorter."""
     from transformers import AutoConfig
 
-    text_config = AutoConfig.from_pretrained(model).get_text_config()
+    text_config = AutoConfig.from_pretrained(
+        model, trust_remote_code=trust_remote_code).get_text_config()
     return min(8192, getattr(text_config, "max_position_embeddings", 8192))
 
 
@@ -67,7 +68,7 @@ def ask(client, model: str, image_url: str, question: str, max_tokens: int) -> s
 
 
 @contextlib.contextmanager
-def local_server(model: str, max_model_len: int, dtype: str):
+def local_server(model: str, max_model_len: int, dtype: str, trust_remote_code: bool = False):
     """`vllm serve MODEL` on a free port of 127.0.0.1; yields the /v1 base URL."""
     import requests
 
@@ -78,6 +79,8 @@ def local_server(model: str, max_model_len: int, dtype: str):
     cmd = [str(Path(sys.executable).with_name("vllm")), "serve", model,
            "--host", "127.0.0.1", "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_model_len)]
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
     print(f"starting vllm serve on 127.0.0.1:{port} ...", flush=True)
     log = tempfile.TemporaryFile("w+")  # the server's output, shown if it fails
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -113,6 +116,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="for a local server (default: 8192 or the model's context)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="for checkpoints whose config/processor is remote code (Molmo)")
     parser.add_argument("--dtype", default="float32", help="for a local server, e.g. bfloat16")
     args = parser.parse_args()
 
@@ -132,8 +137,9 @@ def main() -> None:
                 print(f"tiny llava_next checkpoint: {model}")
                 # A small KV budget is plenty for a tiny model (the default is 4 GiB).
                 os.environ.setdefault("VLLM_ACCEL_KVCACHE_SPACE", "1")
-            max_len = args.max_model_len or default_max_model_len(model)
-            base_url = stack.enter_context(local_server(model, max_len, args.dtype))
+            max_len = args.max_model_len or default_max_model_len(model, args.trust_remote_code)
+            base_url = stack.enter_context(local_server(model, max_len, args.dtype,
+                                                        args.trust_remote_code))
         elif not base_url.rstrip("/").endswith("/v1"):
             base_url = base_url.rstrip("/") + "/v1"
         client = openai.OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"))

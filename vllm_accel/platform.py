@@ -192,9 +192,12 @@ class AccelPlatform(Platform):
     @classmethod
     def _check_image_tokens(cls, inputs: dict, error) -> None:
         """Every image token must belong to an image's placeholder: vLLM passes
-        a literal image token typed in the text on to the model otherwise."""
+        a literal image token typed in the text on to the model otherwise. An
+        image fills its placeholder's embedding positions with the image token
+        (all of them, or, e.g. for Molmo, those marked ``is_embed``; the rest
+        hold other tokens)."""
         images = (inputs.get("mm_placeholders") or {}).get("image", [])
-        expected = sum(place.length for place in images)
+        expected = sum(int(place.get_num_embeds()) for place in images)
         found = list(inputs.get("prompt_token_ids") or []).count(cls.image_token_id)
         if found != expected:
             raise error(

@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "LlavaNextForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+    "MolmoForCausalLM",
 )
 # Architectures whose FMS model FMS itself shards for tensor parallelism
 # (FMS's TensorParallelStrategy: attention heads and MLP columns/rows split,
@@ -47,7 +48,10 @@ TP_ARCHITECTURES = (
 # FMS's registries (by the named function) before loading.
 _FMS_PORTS = {
     "Qwen2_5_VLForConditionalGeneration": "vllm_accel.model.qwen2_5_vl:register_qwen2_5_vl",
+    "MolmoForCausalLM": "vllm_accel.model.molmo:register_molmo",
 }
+# Architectures whose HF config is remote code (FMS reads the config itself).
+_REMOTE_CODE_ARCHITECTURES = ("MolmoForCausalLM",)
 
 
 def check_architecture(architectures: list[str] | None) -> str:
@@ -62,8 +66,11 @@ def check_architecture(architectures: list[str] | None) -> str:
 
 
 def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
-                   device: str = "cpu", tp_group=None) -> nn.Module:
+                   device: str = "cpu", trust_remote_code: bool = False,
+                   tp_group=None) -> nn.Module:
     """The FMS model of a supported HF checkpoint directory, every weight loaded.
+    ``trust_remote_code``: the user's consent (vLLM's option), needed for
+    checkpoints whose config is remote code (Molmo).
 
     With ``tp_group`` (a torch.distributed process group of more than one
     rank), FMS loads this rank's shard: ``get_model(distributed_strategy="tp",
@@ -78,7 +85,15 @@ def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
         module, _, register = _FMS_PORTS[arch].partition(":")
         getattr(importlib.import_module(module), register)()
     register_paged_attention()
-    model = _load_with_nan_fill(model_path, dtype, device, tp_group if tp_size > 1 else None)
+    extra = {}
+    if arch in _REMOTE_CODE_ARCHITECTURES:
+        if not trust_remote_code:
+            raise ValueError(f"{arch} checkpoints ship their config as remote code: "
+                             "pass trust_remote_code=True (--trust-remote-code)")
+        extra["trust_remote_code"] = True
+    if tp_size > 1:
+        extra.update(distributed_strategy="tp", group=tp_group)
+    model = _load_with_nan_fill(model_path, dtype, device, **extra)
     _check_all_weights_loaded(model, model_path)
     logger.info(
         "Loaded %s with FMS (%.1fM parameters%s, %s)",
@@ -89,7 +104,7 @@ def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
 
 
 def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str,
-                        tp_group=None) -> nn.Module:
+                        **kwargs) -> nn.Module:
     """Load with FMS, leaving any weight FMS did not load as NaN (not garbage).
 
     FMS builds the model on the meta device and materialises unloaded weights
@@ -104,10 +119,9 @@ def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str,
     torch.use_deterministic_algorithms(True, warn_only=True)
     deterministic.fill_uninitialized_memory = True
     try:
-        parallel = dict(distributed_strategy="tp", group=tp_group) if tp_group is not None else {}
         return get_model(
             "hf_pretrained", model_path=model_path, device_type=device, data_type=dtype,
-            **parallel,
+            **kwargs,
         )
     finally:
         torch.use_deterministic_algorithms(was_deterministic)

@@ -13,6 +13,12 @@ with the same layout as FMS's LLaMA/Granite/Qwen3:
         dec_norm    RMSNorm
       head          LinearClassificationHead
 
+Config flags cover the OLMo-style decoder of Molmo-7B-O with the same block
+(``attn_bias`` off, ``qk_norm``: RMSNorm over the whole q and k widths before
+rotary, ``norm_after``: x + norm(attn(x)) instead of x + attn(norm(x))), and a
+head narrower than the embedding (``head_vocab_size``: Molmo's extra image-token
+rows the head never emits).
+
 so the generic FMS wrapper (vllm_accel/model/fms_causal_lm.py) can drive it:
 ``base_model(x, position_ids=..., past_key_value_states=..., use_cache=True,
 attn_name=...)`` with ``x`` token ids [1, T] or embeddings [1, T, emb_dim].
@@ -67,6 +73,14 @@ class Qwen2Config(ModelConfig):
     max_expected_seq_len: int = 32_768
     fused_weights: bool = True  # one qkv matmul and one gate/up matmul
     pad_id: int = -1
+    attn_bias: bool = True  # bias on the q/k/v projections (never on the output)
+    # RMSNorm over all query heads together (and all key heads), after the
+    # projection and before rotary, as OLMo (Molmo-7B-O).
+    qk_norm: bool = False
+    # Norms on the sublayer outputs: x + ln(attn(x)), x + ff_ln(mlp(x)) (OLMo).
+    norm_after: bool = False
+    # Rows of the LM head when fewer than the embedding's (None: src_vocab_size).
+    head_vocab_size: Optional[int] = None
 
     @property
     def head_dim(self) -> int:
@@ -126,8 +140,40 @@ class Qwen2Rotary(PositionEncoder):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+class _WholeWidthQKNorm:
+    """Mixin for FMS's QKV projections: RMSNorm over the full query width and
+    the full key width (not per head, unlike FMS's apply_norm_per_head)."""
+
+    def _add_qk_norm(self, eps: float) -> None:
+        self.q_norm = rms_norm(self.nheads * self.emb_kq_per_head, eps)
+        self.k_norm = rms_norm(self.kvheads * self.emb_kq_per_head, eps)
+
+    def forward(self, q, k, v):
+        queries, keys, values = super().forward(q, k, v)
+        return self.q_norm(queries), self.k_norm(keys), values
+
+
+class QKNormFusedQKV(_WholeWidthQKNorm, FusedQKV):
+    pass
+
+
+class QKNormUnfusedQKV(_WholeWidthQKNorm, UnfusedQKV):
+    pass
+
+
+def qkv_projection(c: Qwen2Config, kvheads: int) -> nn.Module:
+    if c.qk_norm:
+        proj = (QKNormFusedQKV if c.fused_weights else QKNormUnfusedQKV)(
+            c.emb_dim, c.nheads, kvheads, c.head_dim, c.head_dim, use_bias=c.attn_bias)
+        proj._add_qk_norm(c.norm_eps)
+        return proj
+    return (FusedQKV if c.fused_weights else UnfusedQKV)(
+        c.emb_dim, c.nheads, kvheads, c.head_dim, c.head_dim, use_bias=c.attn_bias)
+
+
 class Qwen2Block(nn.Module):
-    """Pre-norm decoder layer: x + attn(ln(x)), then x + mlp(ff_ln(x))."""
+    """Pre-norm decoder layer: x + attn(ln(x)), then x + mlp(ff_ln(x)); with
+    ``norm_after``: x + ln(attn(x)), then x + ff_ln(mlp(x))."""
 
     def __init__(self, config: Qwen2Config, rotary: Qwen2Rotary):
         super().__init__()
@@ -143,9 +189,8 @@ class Qwen2Block(nn.Module):
             c.emb_dim, c.head_dim, c.head_dim, c.nheads, kvheads,
             use_bias=False, position_encoder=rotary, fused=c.fused_weights,
         )
-        self.attn.in_proj = (FusedQKV if c.fused_weights else UnfusedQKV)(
-            c.emb_dim, c.nheads, kvheads, c.head_dim, c.head_dim, use_bias=True
-        )
+        self.attn.in_proj = qkv_projection(c, kvheads)
+        self.norm_after = c.norm_after
         # int() in GatedLinearUnit truncates emb_dim * factor: +0.5 makes the
         # float round-trip land on hidden_dim exactly.
         self.ff_sub_layer = GatedLinearUnit(
@@ -161,14 +206,18 @@ class Qwen2Block(nn.Module):
                 **attn_kwargs):
         residual = x
         out = self.attn(
-            q=self.ln(x), position_ids=position_ids, past_key_value_state=past_key_value_state,
-            use_cache=use_cache, **attn_kwargs,
+            q=x if self.norm_after else self.ln(x), position_ids=position_ids,
+            past_key_value_state=past_key_value_state, use_cache=use_cache, **attn_kwargs,
         )
         cache = None
         if use_cache:
             out, cache = out
-        x = residual + out
-        x = x + self.ff_sub_layer(self.ff_ln(x))
+        if self.norm_after:
+            x = residual + self.ln(out)
+            x = x + self.ff_ln(self.ff_sub_layer(x))
+        else:
+            x = residual + out
+            x = x + self.ff_sub_layer(self.ff_ln(x))
         return (x, cache) if use_cache else x
 
 
@@ -207,7 +256,8 @@ class Qwen2(nn.Module):
         self.config = (config or Qwen2Config()).updated(**kwargs)
         self.base_model = Qwen2Headless(self.config)
         self.head = LinearClassificationHead(
-            self.config.emb_dim, self.config.src_vocab_size, bias=False)
+            self.config.emb_dim, self.config.head_vocab_size or self.config.src_vocab_size,
+            bias=False)
 
     def get_config(self) -> Qwen2Config:
         return self.config
@@ -217,6 +267,8 @@ class Qwen2(nn.Module):
         the embedding when the config says so (tied checkpoints carry no
         lm_head tensor)."""
         if self.config.tie_heads:
+            if self.head.weight.shape != self.base_model.embedding.weight.shape:
+                raise ValueError("tied LM head and embedding must have the same rows")
             self.head.weight = self.base_model.embedding.weight
 
     def forward(self, x, position_ids=None, past_key_value_states=None, use_cache=False,

@@ -50,14 +50,18 @@ class VisionEncoder:
         return outputs
 
     def _pad_to_bucket(self, module, args, kwargs):
-        x, *rest = args
-        rows = x.shape[0]
+        count = self.utils.vision_padded_args
+        padded, rest = list(args[:count]), args[count:]
+        rows = padded[0].shape[0]
+        if len(padded) != count or any(t.shape[0] != rows for t in padded):
+            raise ValueError(f"the vision module's first {count} inputs must share their "
+                             f"leading axis, got {[tuple(t.shape) for t in padded]}")
         bucket = fit_bucket(self.buckets, rows, "vision rows of one image",
                             env_var_name("multimodal_buckets"))
         self._real_rows = rows
         if bucket > rows:
-            x = torch.cat([x, x.new_zeros(bucket - rows, *x.shape[1:])])
-        return (x, *rest), kwargs
+            padded = [torch.cat([t, t.new_zeros(bucket - rows, *t.shape[1:])]) for t in padded]
+        return (*padded, *rest), kwargs
 
     def _slice_to_real_rows(self, module, args, output):
         rows, self._real_rows = self._real_rows, None

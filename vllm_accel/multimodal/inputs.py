@@ -24,6 +24,10 @@ def item_tensors(feature_data: Any) -> dict[str, torch.Tensor]:
                          "or covered by the prefix cache): nothing to encode")
     tensors = {}
     for key, elem in feature_data.items():
+        if isinstance(elem.data, (bool, int, float)):
+            # A shared scalar field (e.g. Molmo's img_patch_id): a 0-d tensor.
+            tensors[key] = torch.tensor(elem.data)
+            continue
         if not isinstance(elem.data, torch.Tensor):
             raise TypeError(f"multimodal field {key!r} holds {type(elem.data).__name__}, "
                             "not a tensor")

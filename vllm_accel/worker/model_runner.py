@@ -130,7 +130,9 @@ class AccelModelRunner:
 
             tp_group = get_tp_group().device_group
         fms_model = load_fms_model(self.model_config.model, hf_config, self.dtype,
-                                   self.backend.device, tp_group)
+                                   self.backend.device,
+                                   trust_remote_code=self.model_config.trust_remote_code,
+                                   tp_group=tp_group)
         mm_utils_cls = get_mm_utils_cls(hf_config)
         if mm_utils_cls is not None:
             self.mm_utils = mm_utils_cls(hf_config, fms_model, self.model_config.model)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 _REGISTRY: dict[str, str] = {
     "llava_next": "vllm_accel.multimodal.mm_mappings.llava_next:LlavaNextUtils",
     "qwen2_5_vl": "vllm_accel.multimodal.mm_mappings.qwen2_5_vl:Qwen2_5_VLUtils",
+    "molmo": "vllm_accel.multimodal.mm_mappings.molmo:MolmoUtils",
 }
 
 

@@ -39,6 +39,10 @@ class MultiModalUtils(ABC):
     # Vision buckets are rounded up to a multiple of this (rows that must stay
     # together, e.g. the 2x2 patches Qwen2.5-VL merges into one token).
     vision_bucket_multiple: int = 1
+    # How many leading positional arguments of ``vision_module`` share the
+    # padded leading axis (e.g. Molmo's crops and their masks): all are padded
+    # with zero rows alike.
+    vision_padded_args: int = 1
     # Whether the text model takes 3-D positions [3, 1, tokens] (see rope_positions).
     uses_3d_positions: bool = False
     unsupported_modalities: tuple[str, ...] = ()
@@ -86,8 +90,9 @@ class MultiModalUtils(ABC):
     @abstractmethod
     def vision_module(self) -> nn.Module:
         """The module whose first input's leading axis is padded to a vision
-        bucket (zero rows appended; every tensor it returns is sliced back to
-        the real rows). Padding rows must not change the real rows' outputs."""
+        bucket (zero rows appended, also to the next ``vision_padded_args - 1``
+        positional inputs; every tensor it returns is sliced back to the real
+        rows). Padding rows must not change the real rows' outputs."""
 
     def vision_compile_units(self) -> list[nn.Module]:
         """Modules of one class that run under torch.compile (default: the whole

@@ -1,0 +1,83 @@
+"""`vllm serve` of the tiny Molmo (remote-code processor, loaded with
+--trust-remote-code from the checkpoint directory) on our platform: image chat
+over the OpenAI API answered with the same tokens as the offline engine (which
+tests/test_molmo.py checks against vLLM's own Molmo), more images than
+--limit-mm-per-prompt answered with a 400 while the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import openai
+import pytest
+
+from helpers import wait_until_serving
+from test_serve import VLLM, free_port, server_env
+from test_serve_vision import FAST, GOOD_URL, QUESTION, ask, image_part, stop_group, text, user
+from vllm_accel.testing.tiny_molmo import make_tiny_molmo
+
+LIMIT = 2
+
+
+@pytest.fixture(scope="module")
+def molmo(tmp_path_factory):
+    return make_tiny_molmo(tmp_path_factory.mktemp("molmo") / "m")
+
+
+@pytest.fixture(scope="module")
+def server(molmo, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-molmo")
+    log, port = tmp / "server.log", free_port()
+    cmd = [VLLM, "serve", str(molmo), "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--trust-remote-code",
+           "--limit-mm-per-prompt", json.dumps({"image": LIMIT})]
+    # trust_remote_code copies the fixture's code into HF_HOME: keep it in tmp.
+    env = server_env(**FAST, HF_HOME=str(tmp / "hf"))
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(proc, base, log)
+        yield base, str(molmo), log
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        stop_group(proc, time.time() + 30)
+
+
+@pytest.fixture()
+def client(server):
+    base, _, _ = server
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def test_image_chat_equals_the_offline_engine(server, client, molmo, tmp_path, monkeypatch):
+    from vllm import SamplingParams
+
+    from helpers import running_llm
+
+    _, model, _ = server
+    messages = user(image_part(GOOD_URL), text(QUESTION))
+    reply = ask(client, model, messages, extra_body={"return_token_ids": True})
+    assert reply.choices[0].message.content and reply.choices[0].finish_reason == "length"
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with running_llm(molmo, trust_remote_code=True, max_model_len=4096,
+                     limit_mm_per_prompt={"image": LIMIT}) as llm:
+        (out,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8),
+                          use_tqdm=False)
+    assert list(out.prompt_token_ids) == reply.prompt_token_ids
+    assert list(out.outputs[0].token_ids) == reply.choices[0].token_ids
+
+
+def test_too_many_images_is_a_400_and_server_keeps_serving(server, client):
+    _, model, _ = server
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, model, user(*[image_part(GOOD_URL)] * (LIMIT + 1), text(QUESTION)))
+    assert f"At most {LIMIT} image(s) may be provided in one prompt" in error.value.message
+    reply = ask(client, model, user(image_part(GOOD_URL), text(QUESTION)))
+    assert reply.usage.completion_tokens == 8

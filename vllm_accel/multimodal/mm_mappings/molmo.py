@@ -1,0 +1,120 @@
+"""Molmo on our FMS port (vllm_accel/model/molmo.py): Qwen2/OLMo decoder fed
+with embeddings, vision backbone over image crops.
+
+An image arrives from vLLM as its crops (vLLM's Molmo fields, flat per image:
+``images`` [crops, patches, pixels], ``image_masks`` [crops, patches],
+``image_input_idx`` [crops, pooled cells], ``num_crops``): a global crop plus
+one per tile of the tiling vLLM selected. Its placeholder range holds
+``<im_start>``, ``<im_patch>``, ``<im_col>`` and ``<im_end>`` tokens; only the
+``<im_patch>`` positions are embeddings (``PlaceholderRange.is_embed``), and
+``encode_item`` returns exactly those rows, in prompt order
+(``image_input_idx``).
+
+Vision buckets count crops (2 .. max_crops + 1: at least one tile plus the
+global crop). The backbone treats crops independently, so the shared
+encoder's zero padding crops (images *and* masks: ``vision_padded_args``)
+change no real crop's rows and are sliced off. The ViT blocks are compiled,
+all sharing one graph per bucket; pooling and projector stay eager.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_accel.model.molmo import image_embed_order
+from vllm_accel.multimodal.inputs import warmup_image
+from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+
+IMAGE_PATCH_TOKEN = "<im_patch>"
+
+
+class MolmoUtils(MultiModalUtils):
+    vision_padded_args = 2  # backbone(images, image_masks): both have crops first
+
+    def __init__(self, hf_config, fms_model: nn.Module, model_dir: str):
+        super().__init__(hf_config, fms_model, model_dir)
+        self._processor = None
+
+    @classmethod
+    def image_token_id(cls, hf_config) -> int | None:
+        """``<im_patch>``: the token at every embedding position of an image
+        (Molmo's config does not name it; its tokenizer does)."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(hf_config._name_or_path,
+                                                  trust_remote_code=True)
+        token_id = tokenizer.convert_tokens_to_ids(IMAGE_PATCH_TOKEN)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ValueError(f"Molmo tokenizer has no {IMAGE_PATCH_TOKEN} token")
+        return int(token_id)
+
+    @property
+    def text_model(self) -> nn.Module:
+        return self.fms_model.language_model
+
+    @property
+    def vision_module(self) -> nn.Module:
+        return self.fms_model.vision
+
+    def vision_compile_units(self) -> list[nn.Module]:
+        return list(self.fms_model.vision.image_vit.transformer.resblocks)
+
+    def encode_item(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
+        images, masks, idx = item["images"], item.get("image_masks"), item["image_input_idx"]
+        if masks is None:
+            raise ValueError("Molmo: image_masks are required (image_padding_mask=True)")
+        crops = int(item["num_crops"]) if "num_crops" in item else images.shape[0]
+        if not (images.shape[0] == masks.shape[0] == idx.shape[0] == crops):
+            raise ValueError(f"Molmo image with {crops} crops got images {tuple(images.shape)}, "
+                             f"image_masks {tuple(masks.shape)}, image_input_idx "
+                             f"{tuple(idx.shape)}")
+        features = self.vision_module(images.to(self.device), masks.to(self.device))
+        features = features.reshape(-1, features.shape[-1])
+        return features[image_embed_order(idx).to(features.device)]
+
+    # ---- buckets and warmup ----------------------------------------------
+
+    @property
+    def processor(self):
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(
+                self.model_dir, trust_remote_code=True, local_files_only=True)
+        return self._processor
+
+    def vision_buckets(self) -> list[int]:
+        max_crops = self.processor.image_processor.max_crops
+        return list(range(2, max_crops + 2))
+
+    def warmup_image_sizes(self, buckets: list[int]) -> list[tuple[int, int]]:
+        """Per bucket b an image exactly b - 1 crop windows wide and one high
+        (plus the overlap margins): vLLM's tiling choice for it is 1 x (b - 1)."""
+        from vllm.model_executor.models.molmo import select_tiling
+
+        ip = self.processor.image_processor
+        base = ip.base_image_input_size
+        base = base[0] if isinstance(base, (list, tuple)) else base
+        left, right = ip.overlap_margins
+        margin = (left + right) * ip.image_patch_size
+        window = base - margin
+        sizes = []
+        for bucket in buckets:
+            tiles = min(max(bucket - 1, 1), ip.max_crops)
+            width, height = tiles * window + margin, window + margin
+            tiling = select_tiling(height=height - margin, width=width - margin,
+                                   patch_size=window, max_num_patches=ip.max_crops)
+            if int(tiling[0]) * int(tiling[1]) != tiles:
+                raise RuntimeError(f"warmup image {width}x{height} gives tiling {tiling}")
+            sizes.append((width, height))
+        return sizes
+
+    def warmup_items(self, image_sizes):
+        items = []
+        for seed, (width, height) in enumerate(image_sizes):
+            out = self.processor.process("", [warmup_image(width, height, seed)])
+            items.append({"images": out["images"], "image_masks": out["image_masks"],
+                          "image_input_idx": out["image_input_idx"],
+                          "num_crops": torch.tensor(out["images"].shape[0])})
+        return items
