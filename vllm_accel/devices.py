@@ -4,6 +4,8 @@
   ``inductor`` (default) or ``eager`` (the same bucketed shapes, not compiled).
 - ``hpu``: Intel Gaudi, chosen automatically when ``habana_frameworks.torch``
   is importable; compile backend ``hpu_backend`` (default) or ``eager``.
+
+Tensor-parallel workers talk over ``gloo`` on cpu and ``hccl`` on hpu.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from vllm_accel.settings import AccelSettings, env_var_name, resolve_device
 
 _COMPILE_BACKENDS = {"cpu": ("inductor", "eager"), "hpu": ("hpu_backend", "eager")}
+# torch.distributed backend of the tensor-parallel workers' device group.
+_DIST_BACKENDS = {"cpu": "gloo", "hpu": "hccl"}
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,11 @@ class DeviceBackend:
     @property
     def compiles(self) -> bool:
         return self.compile_backend != "eager"
+
+    @property
+    def dist_backend(self) -> str:
+        """torch.distributed backend the tensor-parallel workers use."""
+        return _DIST_BACKENDS[self.device]
 
 
 def select_backend(settings: AccelSettings) -> DeviceBackend:

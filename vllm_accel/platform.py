@@ -97,15 +97,23 @@ class AccelPlatform(Platform):
         )
 
         parallel = vllm_config.parallel_config
-        if parallel.world_size > 1:
-            raise ValueError(
-                "vllm-accel runs one worker: tensor_parallel_size and "
-                "pipeline_parallel_size must be 1."
-            )
+        _check_parallelism(parallel)
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER_CLS
         if parallel.distributed_executor_backend is None:
-            parallel.distributed_executor_backend = "uni"
+            # vLLM picks "mp" itself for more than one worker (or "ray" inside a
+            # Ray placement group); one worker runs in the engine's process.
+            parallel.distributed_executor_backend = "uni" if parallel.world_size == 1 else "mp"
+        if parallel.world_size > 1 and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
+            # Our workers compute with OpenMP threads, and a process forked after
+            # its parent ran an OpenMP parallel region hangs in its first one
+            # (libgomp is not fork-safe; e.g. LLM(...) after any torch math).
+            # Spawned workers start clean. vLLM does the same for CUDA.
+            logger.info_once(
+                "vllm-accel starts its %d tensor-parallel workers with 'spawn' "
+                "(set VLLM_WORKER_MULTIPROC_METHOD to choose).", parallel.world_size,
+            )
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
         if vllm_config.speculative_config is not None:
             raise ValueError("vllm-accel does not support speculative decoding yet.")
@@ -133,14 +141,20 @@ class AccelPlatform(Platform):
 
         model_config = vllm_config.model_config
         if model_config is not None:
-            from vllm_accel.model.fms_causal_lm import check_architecture
+            from vllm_accel.model.fms_causal_lm import TP_ARCHITECTURES, check_architecture
 
             if model_config.runner_type != "generate":
                 raise ValueError(
                     f"vllm-accel serves text generation only, not runner "
                     f"'{model_config.runner_type}'."
                 )
-            check_architecture(model_config.architectures)
+            arch = check_architecture(model_config.architectures)
+            if parallel.tensor_parallel_size > 1 and arch not in TP_ARCHITECTURES:
+                raise ValueError(
+                    f"vllm-accel cannot shard {arch} across workers yet: "
+                    f"tensor_parallel_size must be 1 for it "
+                    f"(tensor parallelism supports {', '.join(TP_ARCHITECTURES)})."
+                )
             from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
 
             # Set anew for every model (a text model after a vision model in
@@ -198,12 +212,31 @@ class AccelPlatform(Platform):
         """vLLM's check of VLLM_* variables, knowing ours too."""
         from vllm import envs
 
-        known = set(envs.environment_variables) | known_env_vars()
+        from vllm.utils.torch_utils import OMP_NUM_THREADS_SET_BY_VLLM
+
+        # vLLM's multiprocessing executor sets a marker variable of its own.
+        known = set(envs.environment_variables) | known_env_vars() | {OMP_NUM_THREADS_SET_BY_VLLM}
         for name in os.environ:
             if name.startswith("VLLM_") and name not in known:
                 if hard_fail:
                     raise ValueError(f"Unknown vLLM environment variable detected: {name}")
                 logger.warning("Unknown vLLM environment variable detected: %s", name)
+
+
+def _check_parallelism(parallel) -> None:
+    """Tensor parallelism is supported; other ways to split a model are not."""
+    unsupported = {
+        "pipeline_parallel_size": parallel.pipeline_parallel_size,
+        "prefill_context_parallel_size": parallel.prefill_context_parallel_size,
+        "decode_context_parallel_size": parallel.decode_context_parallel_size,
+    }
+    for name, size in unsupported.items():
+        if size > 1:
+            raise ValueError(
+                f"vllm-accel does not support {name}={size} (--{name.replace('_', '-')}): "
+                "it must be 1. To split a model across workers use "
+                "--tensor-parallel-size."
+            )
 
 
 def _disable_modalities(model_config, modalities: tuple[str, ...]) -> None:

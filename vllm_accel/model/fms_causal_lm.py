@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 
 import torch
+from fms.modules.attention import MultiHeadAttention
+from fms.modules.tp import TPModule
 from torch import nn
 from vllm.logger import init_logger
 
@@ -32,6 +34,15 @@ SUPPORTED_ARCHITECTURES = (
     "LlavaNextForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "MolmoForCausalLM",
+)
+# Architectures whose FMS model FMS itself shards for tensor parallelism
+# (FMS's TensorParallelStrategy: attention heads and MLP columns/rows split,
+# the output all-reduced; embeddings, head and a vision tower replicated).
+# Our own ports (below) are not written for it yet.
+TP_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "GraniteForCausalLM",
+    "LlavaNextForConditionalGeneration",
 )
 # Architectures FMS does not have: our own FMS-style ports, registered with
 # FMS's registries (by the named function) before loading.
@@ -55,11 +66,21 @@ def check_architecture(architectures: list[str] | None) -> str:
 
 
 def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
-                   device: str = "cpu", trust_remote_code: bool = False) -> nn.Module:
+                   device: str = "cpu", trust_remote_code: bool = False,
+                   tp_group=None) -> nn.Module:
     """The FMS model of a supported HF checkpoint directory, every weight loaded.
     ``trust_remote_code``: the user's consent (vLLM's option), needed for
-    checkpoints whose config is remote code (Molmo)."""
+    checkpoints whose config is remote code (Molmo).
+
+    With ``tp_group`` (a torch.distributed process group of more than one
+    rank), FMS loads this rank's shard: ``get_model(distributed_strategy="tp",
+    group=tp_group)`` builds the model with FMS's ``TensorParallelStrategy``,
+    whose layers hold a slice of the heads and MLP and all-reduce their output
+    over the group."""
     arch = check_architecture(hf_config.architectures)
+    tp_size = tp_group.size() if tp_group is not None else 1
+    if tp_size > 1 and arch not in TP_ARCHITECTURES:
+        raise ValueError(f"vllm-accel cannot shard {arch} for tensor parallelism.")
     if arch in _FMS_PORTS:
         module, _, register = _FMS_PORTS[arch].partition(":")
         getattr(importlib.import_module(module), register)()
@@ -70,11 +91,14 @@ def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
             raise ValueError(f"{arch} checkpoints ship their config as remote code: "
                              "pass trust_remote_code=True (--trust-remote-code)")
         extra["trust_remote_code"] = True
+    if tp_size > 1:
+        extra.update(distributed_strategy="tp", group=tp_group)
     model = _load_with_nan_fill(model_path, dtype, device, **extra)
     _check_all_weights_loaded(model, model_path)
     logger.info(
-        "Loaded %s with FMS (%.1fM parameters, %s)",
-        type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6, dtype,
+        "Loaded %s with FMS (%.1fM parameters%s, %s)",
+        type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6,
+        f" on this rank of {tp_size}" if tp_size > 1 else "", dtype,
     )
     return model.eval()
 
@@ -126,8 +150,14 @@ class FmsCausalLM(nn.Module):
         self.fms_model = fms_model
         config = fms_model.config
         self.num_layers: int = config.nlayers
-        self.num_kv_heads: int = config.kvheads or config.nheads
+        # This rank's KV heads: all of them, or its shard under tensor
+        # parallelism (FMS gives each rank kvheads / tp, at least one).
+        attn = next(m for m in fms_model.base_model.layers[0].modules()
+                    if isinstance(m, MultiHeadAttention))
+        self.num_kv_heads: int = attn.kvheads
         self.head_dim: int = config.emb_dim // config.nheads
+        # FMS shards the head for some architectures (a TP module), not for these.
+        self.head_replicated: bool = not isinstance(fms_model.head, TPModule)
         # Granite divides its logits by this; other models have no such field.
         self.logits_scaling: float = float(getattr(config, "logits_scaling", 1.0))
 

@@ -58,15 +58,22 @@ class PendingSample:
     """What execute_model leaves for sample_tokens."""
 
     scheduler_output: SchedulerOutput
-    logits: torch.Tensor  # [num_reqs, vocab], InputBatch order
+    logits: torch.Tensor | None  # [num_reqs, vocab], InputBatch order; driver only
     discard: np.ndarray  # [num_reqs] bool: partial prefill, token not kept
     prompt_logprobs: dict[str, LogprobsTensors]  # requests whose prompt is done
 
 
 class AccelModelRunner:
     def __init__(self, vllm_config: VllmConfig, backend: DeviceBackend,
-                 settings: AccelSettings):
+                 settings: AccelSettings, is_driver: bool = True):
         self.vllm_config = vllm_config
+        # Tensor parallelism: every rank runs the forward on its shard of the
+        # model (FMS all-reduces inside the layers); only the driver (TP rank
+        # 0, whose output vLLM's executor reads) computes logits and samples,
+        # and it broadcasts the sampled tokens so that every rank's requests
+        # stay in step.
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.is_driver = is_driver
         self.model_config = vllm_config.model_config
         self.backend = backend
         self.settings = settings
@@ -117,14 +124,25 @@ class AccelModelRunner:
 
     def load_model(self) -> None:
         hf_config = self.model_config.hf_config
+        tp_group = None
+        if self.tp_size > 1:
+            from vllm.distributed import get_tp_group
+
+            tp_group = get_tp_group().device_group
         fms_model = load_fms_model(self.model_config.model, hf_config, self.dtype,
                                    self.backend.device,
-                                   trust_remote_code=self.model_config.trust_remote_code)
+                                   trust_remote_code=self.model_config.trust_remote_code,
+                                   tp_group=tp_group)
         mm_utils_cls = get_mm_utils_cls(hf_config)
         if mm_utils_cls is not None:
             self.mm_utils = mm_utils_cls(hf_config, fms_model, self.model_config.model)
             fms_model = self.mm_utils.text_model
         self.model = FmsCausalLM(fms_model)
+        if self.tp_size > 1 and not self.model.head_replicated:
+            # Only the driver computes logits: a sharded head would need every rank.
+            raise ValueError(
+                f"vllm-accel tensor parallelism needs the LM head replicated on every "
+                f"rank; {type(fms_model).__name__}'s is sharded.")
         compile_backend = self.backend.compile_backend if self.backend.compiles else None
         if compile_backend is not None:
             self.compile_stats.configure(self.settings.cache_dir)
@@ -190,14 +208,17 @@ class AccelModelRunner:
             with attention_context(step.attn_metadata):
                 hidden = self.model(inputs, step.positions.to(self.device), self.kv_caches)
         self.compile_stats.after_step(f"a forward of {step.input_ids.shape[1]} tokens")
-        logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)]).cpu()
+        logits, prompt_logprobs = None, {}
+        if self.is_driver:
+            logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)]).cpu()
+            prompt_logprobs = self._prompt_logprobs(step, hidden, scheduler_output)
 
         num_tokens = np.array([self.requests[r].num_tokens for r in batch.req_ids])
         self.pending = PendingSample(
             scheduler_output=scheduler_output,
             logits=logits,
             discard=start + num_scheduled < num_tokens,
-            prompt_logprobs=self._prompt_logprobs(step, hidden, scheduler_output),
+            prompt_logprobs=prompt_logprobs,
         )
         return None
 
@@ -207,6 +228,7 @@ class AccelModelRunner:
         chunk by chunk; returned for a request once its whole prompt is done
         (vLLM's semantics; such requests never read the prefix cache)."""
         finished = {}
+        # Driver only (see __init__); other ranks drop the bookkeeping.
         for req_id, num_logprobs in list(self.num_prompt_logprobs.items()):
             count = scheduler_output.num_scheduled_tokens.get(req_id)
             if count is None:  # not scheduled this step
@@ -246,19 +268,18 @@ class AccelModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         pending, self.pending = self.pending, None
         batch = self.input_batch
-        if grammar_output is not None:
-            apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, pending.logits)
+        output = None
+        if self.is_driver:
+            output = self._sample(pending, grammar_output)
+            sampled_ids = output.sampled_token_ids.to(torch.int64)
+        else:
+            sampled_ids = torch.empty((batch.num_reqs, 1), dtype=torch.int64)
+        if self.tp_size > 1:
+            from vllm.distributed import get_tp_group
 
-        # A seeded request whose token is thrown away (a prefill chunk that does
-        # not end the prompt) must not advance its generator.
-        saved_rng = {
-            i: g.get_state() for i, g in batch.generators.items() if pending.discard[i]
-        }
-        output = self.sampler(logits=pending.logits, sampling_metadata=batch.sampling_metadata)
-        for i, state in saved_rng.items():
-            batch.generators[i].set_state(state)
+            sampled_ids = get_tp_group().broadcast(sampled_ids.contiguous(), src=0)
 
-        sampled = output.sampled_token_ids.tolist()
+        sampled = sampled_ids.tolist()
         for i in np.flatnonzero(pending.discard):
             sampled[i] = []
         for i, token_ids in enumerate(sampled):
@@ -270,7 +291,7 @@ class AccelModelRunner:
                 self.requests[batch.req_ids[i]].output_token_ids.append(token_ids[0])
 
         self.compile_stats.after_step("sampling")  # vLLM's sampler compiles helpers too
-        logprobs = output.logprobs_tensors
+        logprobs = output.logprobs_tensors if output is not None else None
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
@@ -278,6 +299,21 @@ class AccelModelRunner:
             logprobs=logprobs.tolists() if logprobs is not None else None,
             prompt_logprobs_dict=pending.prompt_logprobs,
         )
+
+    def _sample(self, pending: PendingSample, grammar_output: GrammarOutput | None):
+        batch = self.input_batch
+        if grammar_output is not None:
+            apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, pending.logits)
+
+        # A seeded request whose token is thrown away (a prefill chunk that does
+        # not end the prompt) must not advance its generator.
+        saved_rng = {
+            i: g.get_state() for i, g in batch.generators.items() if pending.discard[i]
+        }
+        output = self.sampler(logits=pending.logits, sampling_metadata=batch.sampling_metadata)
+        for i, state in saved_rng.items():
+            batch.generators[i].set_state(state)
+        return output
 
     # ---- multimodal ---------------------------------------------------------
 

@@ -9,13 +9,18 @@ forwards each engine step to it. vLLM calls, in order: ``init_device``,
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 from vllm.config import VllmConfig
 from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 from vllm.logger import init_logger
-from vllm.utils.torch_utils import set_random_seed
+from vllm.utils.torch_utils import (
+    OMP_NUM_THREADS_SET_BY_VLLM,
+    available_cpu_count,
+    set_random_seed,
+)
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
@@ -27,6 +32,23 @@ from vllm_accel.worker.warmup import warm_up
 
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
 logger = init_logger(f"vllm.{__name__}")
+
+
+def worker_threads(setting: int, local_workers: int) -> int:
+    """Torch threads for one worker (0: leave torch's default).
+
+    The setting wins. With one worker, torch's default (the machine's cores).
+    With several on this machine (tensor parallelism), each gets an equal share
+    of the cores this process may use, so that they do not oversubscribe them
+    (vLLM's multiprocessing executor passes the same share to its workers in
+    OMP_NUM_THREADS, unless the user set that variable, which then wins)."""
+    if setting:
+        return setting
+    users_omp = ("OMP_NUM_THREADS" in os.environ
+                 and os.environ.get(OMP_NUM_THREADS_SET_BY_VLLM) != "1")
+    if local_workers <= 1 or users_omp:
+        return 0
+    return max(1, available_cpu_count() // local_workers)
 
 
 class AccelWorker(WorkerBase):
@@ -47,24 +69,32 @@ class AccelWorker(WorkerBase):
 
     def init_device(self) -> None:
         self.device = torch.device(self.backend.device)
-        if self.settings.num_threads:
-            torch.set_num_threads(self.settings.num_threads)
+        parallel = self.parallel_config
+        threads = worker_threads(self.settings.num_threads, parallel.local_world_size)
+        if threads and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         logger.info(
-            "vllm-accel worker on device backend '%s', compile backend '%s', %d torch threads",
+            "vllm-accel worker (rank %d of %d) on device backend '%s', compile backend "
+            "'%s', %d torch threads",
+            self.rank,
+            parallel.world_size,
             self.backend.device,
             self.backend.compile_backend,
             torch.get_num_threads(),
         )
         init_distributed_environment(
-            world_size=self.parallel_config.world_size,
+            world_size=parallel.world_size,
             rank=self.rank,
             distributed_init_method=self.distributed_init_method,
             local_rank=self.local_rank,
-            backend="gloo",
+            backend=self.backend.dist_backend,
         )
-        ensure_model_parallel_initialized(1, 1)
+        ensure_model_parallel_initialized(
+            parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        )
         set_random_seed(self.model_config.seed)
-        self.model_runner = AccelModelRunner(self.vllm_config, self.backend, self.settings)
+        self.model_runner = AccelModelRunner(self.vllm_config, self.backend, self.settings,
+                                             is_driver=self.is_driver_worker)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         self.model_runner.load_model()

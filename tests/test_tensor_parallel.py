@@ -1,0 +1,202 @@
+"""Tensor parallelism: two workers (vLLM's multiprocessing executor, gloo),
+each holding its FMS tensor-parallel shard of the model. Greedy output must
+equal one worker's and HF transformers' token for token (float32), through a
+batch, chunked prefill and a prefix-cache hit; other parallelisms are refused
+naming the setting; a dead worker fails the engine instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from helpers import hf_greedy, running_llm
+
+MAX_TOKENS = 12
+# Small step budget: the longer prompts prefill in several chunks.
+ENGINE_OPTIONS = dict(max_num_batched_tokens=64, max_num_seqs=8, disable_log_stats=False)
+# Lengths 90 and 150 exceed the 64-token step budget (chunked prefill).
+LENGTHS = [5, 90, 17, 1, 150, 33]
+
+
+def _prompts(lengths, seed):
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 384) for _ in range(n)] for n in lengths]
+
+
+def generate(llm, prompts, max_tokens=MAX_TOKENS):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                           use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _prefix_cache_hits(llm) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
+
+@pytest.fixture(scope="module", params=["llama", "granite"])
+def tp_llm(request, tiny_models):
+    """A TP=2 engine. The engine core stays in this process (conftest), its two
+    workers are processes of vLLM's multiprocessing executor."""
+    model_dir = tiny_models[request.param]
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        # The platform would choose spawn itself (and keep it for the process).
+        mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        started = time.perf_counter()
+        with running_llm(model_dir, tensor_parallel_size=2, **ENGINE_OPTIONS) as llm:
+            print(f"TP=2 {request.param} engine ready in {time.perf_counter() - started:.1f} s")
+            yield request.param, model_dir, llm
+    # vLLM's executor drops the engine's own process to one torch thread.
+    torch.set_num_threads(threads)
+
+
+def test_tp2_matches_tp1_and_hf_batch_chunked_prefix_cache(tp_llm):
+    arch, model_dir, llm = tp_llm
+    assert llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend == "mp"
+    # Each rank caches its own KV heads: the tiny models' 2 split over 2 ranks.
+    specs = llm.collective_rpc("get_kv_cache_spec")
+    assert len(specs) == 2
+    assert {spec.num_kv_heads for rank in specs for spec in rank.values()} == {1}
+
+    prompts = _prompts(LENGTHS, seed=7)
+    got = generate(llm, prompts)  # one batch, long prompts in chunks
+    assert got == hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+    # A prefix-cache hit: the shared 96-token prefix (3 blocks) comes from the cache.
+    shared = _prompts([96], seed=8)[0]
+    first, second = [shared + tail for tail in _prompts([9, 11], seed=9)]
+    prefix_outputs = generate(llm, [first])
+    hits = _prefix_cache_hits(llm)
+    prefix_outputs += generate(llm, [second])
+    assert _prefix_cache_hits(llm) - hits >= 96
+    assert prefix_outputs == hf_greedy(model_dir, [first, second], MAX_TOKENS)
+
+    # One worker, same engine options: the same tokens.
+    with running_llm(model_dir, **ENGINE_OPTIONS) as single:
+        assert generate(single, prompts + [first, second]) == got + prefix_outputs
+
+
+def test_tp2_seeded_sampling_matches_tp1(tp_llm):
+    """Random sampling happens once, on the driver; the others take its tokens."""
+    arch, model_dir, llm = tp_llm
+    if arch != "llama":
+        pytest.skip("one architecture suffices")
+    params = SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=MAX_TOKENS)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts([4, 40], seed=10)]
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    with running_llm(model_dir, **ENGINE_OPTIONS) as single:
+        want = [list(o.outputs[0].token_ids)
+                for o in single.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_killed_worker_fails_the_engine_not_hangs(tp_llm):
+    """vLLM's executor watches its workers: when one dies, requests fail with
+    an error at once (and a server exits) instead of waiting forever."""
+    arch, _, llm = tp_llm
+    if arch != "granite":
+        pytest.skip("one architecture suffices")
+    pids = llm.collective_rpc(_worker_pid)
+    os.kill(pids[1], signal.SIGKILL)
+    started = time.perf_counter()
+    with pytest.raises(Exception) as failure:
+        for _ in range(50):  # the monitor notices within moments
+            generate(llm, _prompts([8], seed=11), max_tokens=4)
+            time.sleep(0.2)
+    assert time.perf_counter() - started < 60
+    print(f"after the kill: {type(failure.value).__name__}: {failure.value}")
+
+
+def _worker_pid(worker) -> int:
+    return os.getpid()
+
+
+def test_pipeline_parallel_rejected_naming_the_setting(tiny_models):
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 .*--tensor-parallel-size"):
+        LLM(model=str(tiny_models["llama"]), dtype="float32", max_model_len=512,
+            pipeline_parallel_size=2)
+
+
+def test_serve_tp2_answers_then_exits_when_a_worker_dies(tiny_models, tmp_path):
+    """`vllm serve --tensor-parallel-size 2` as users run it (engine core in its
+    own process): one completion equal to HF's, then a killed worker makes the
+    server exit with an error naming the dead worker."""
+    import subprocess
+
+    import psutil
+    import requests
+
+    from helpers import wait_until_serving
+    from test_serve import VLLM, free_port, server_env
+
+    model = str(tiny_models["llama"])
+    port, log = free_port(), tmp_path / "server.log"
+    cmd = [VLLM, "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "256", "--tensor-parallel-size", "2"]
+    env = server_env(VLLM_PLUGINS="accel")
+    env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)  # the platform's own choice
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(proc, base, log)
+        prompt = _prompts([20], seed=12)[0]
+        reply = requests.post(f"{base}/v1/completions", json=dict(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            return_token_ids=True), timeout=60).json()
+        assert reply["choices"][0]["token_ids"] == hf_greedy(tiny_models["llama"], [prompt],
+                                                             MAX_TOKENS)[0]
+
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "Worker_TP" in " ".join(p.cmdline()) or "Worker_TP" in p.name()]
+        assert len(workers) == 2, [p.cmdline() for p in
+                                   psutil.Process(proc.pid).children(recursive=True)]
+        workers[1].kill()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"server still up 60 s after a worker died:\n{log.read_text()[-3000:]}")
+        # vLLM's API server shuts down gracefully (exit code 0, vLLM's choice)
+        # once its engine reports the failure; the log says why.
+        text = log.read_text()
+        assert re.search(r"Worker proc VllmWorker-\d died unexpectedly", text), text[-3000:]
+        assert "Executor failed" in text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_llava_next_tp2_matches_tp1(tmp_path_factory):
+    """LlavaNext: FMS shards the Granite text model and keeps the SigLIP vision
+    tower whole on each rank (every rank encodes the images it needs)."""
+    from transformers import AutoProcessor
+
+    from helpers import chat_prompt, noise_image, vision_greedy
+    from vllm_accel.testing.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model("llava_next", tmp_path_factory.mktemp("llava") / "llava_next")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    cases = [(chat_prompt(processor, 1, "What is this?"), [noise_image(64, 48)]),
+             (chat_prompt(processor, 0, "Hi"), [])]
+    options = dict(max_model_len=2048, limit_mm_per_prompt={"image": 1})
+    got, threads = {}, torch.get_num_threads()
+    for tp in (2, 1):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+            with running_llm(model_dir, tensor_parallel_size=tp, **options) as llm:
+                got[tp] = vision_greedy(llm, cases, MAX_TOKENS)
+        torch.set_num_threads(threads)  # see tp_llm
+    assert got[2] == got[1]
