@@ -15,8 +15,10 @@ checks that the server comes back clean:
 - after the load, once idle: vLLM's `vllm:kv_cache_usage_perc` is 0; the
   runner holds no request state and its encoder cache fits vLLM's encoder
   cache budget (read through vLLM's dev-mode `POST /collective_rpc` calling
-  `AccelWorker.runner_state`); no compile at run time (log lines and the
-  runner's counter); the server still answers.
+  `AccelWorker.runner_state`); vLLM keeps finished requests' encoder outputs
+  until it needs the space, so the cache is emptied by vLLM's dev-mode
+  `POST /reset_encoder_cache` and must then be 0; no compile at run time (log
+  lines and the runner's counter); the server still answers.
 
 The last line is machine-parsable (`serve_load: requests=... alive=yes`); the
 exit status is 1 if an invariant fails. Only loopback is used.
@@ -449,6 +451,9 @@ def invariants(summary: dict) -> list[str]:
     if state.get("encoder_cache_rows", 0) > s["encoder_cache_bound"]:
         problems.append(f"encoder cache holds {state['encoder_cache_rows']} rows, more than "
                         f"vLLM's budget {s['encoder_cache_bound']}")
+    if s["encoder_cache_after_reset"] != 0:
+        problems.append(f"{s['encoder_cache_after_reset']} encoder cache entries after "
+                        "vLLM's reset_encoder_cache")
     if s["runtime_compiles"] or state.get("runtime_compiles"):
         problems.append(f"compiles at run time: {s['runtime_compiles']} logged, "
                         f"{state.get('runtime_compiles')} counted")
@@ -471,6 +476,7 @@ def final_line(s: dict) -> str:
             f"runner_requests_after={state.get('requests')} "
             f"encoder_cache_after={state.get('encoder_cache_entries')} "
             f"encoder_cache_rows={state.get('encoder_cache_rows')}/{s['encoder_cache_bound']} "
+            f"encoder_cache_after_reset={s['encoder_cache_after_reset']} "
             f"runtime_compiles={s['runtime_compiles']} alive={'yes' if s['alive'] else 'no'}")
 
 
@@ -528,6 +534,10 @@ async def measure(args, proc, base: str, model: str, jobs: list[dict], log_path:
         kv_usage, busy = await wait_idle(http, args.idle_timeout)
         state = await runner_state(http)
         rss_after = tree_rss_mb(proc.pid)
+        # vLLM keeps finished requests' encoder outputs until it needs the space;
+        # its dev-mode reset must empty the runner's copy too.
+        (await http.post("/reset_encoder_cache", timeout=30)).raise_for_status()
+        after_reset = (await runner_state(http))["encoder_cache_entries"]
         alive = (proc.poll() is None and (await http.get("/health")).status_code == 200
                  and await still_serving(base, model, data_url(Image.new("RGB", (90, 60)))))
     server_log = log_path.read_text()
@@ -546,6 +556,7 @@ async def measure(args, proc, base: str, model: str, jobs: list[dict], log_path:
         "p99_ms": percentile(res.latencies_ms, 99), "wall_s": wall,
         "rss_before_mb": rss_before, "rss_after_mb": rss_after,
         "kv_usage_after": kv_usage, "busy_after": busy, "runner_state": state,
+        "encoder_cache_after_reset": after_reset,
         # vLLM's encoder cache budget: max(scheduler encoder_cache_size, one item);
         # one item never exceeds max_model_len.
         "encoder_cache_bound": max(state.get("encoder_cache_capacity", 0), args.max_model_len),
