@@ -164,6 +164,23 @@ class AccelWorker(WorkerBase):
     def check_health(self) -> None:
         pass
 
+    def runner_state(self) -> dict[str, int]:
+        """Sizes of the runner's per-request and per-image state, and its
+        run-time compiles: what a soak test checks once the server is idle.
+        Read-only; reachable as ``collective_rpc("runner_state")`` (with
+        ``VLLM_SERVER_DEV_MODE=1``, ``POST /collective_rpc`` of `vllm serve`)."""
+        runner = self.model_runner
+        return {
+            "requests": len(runner.requests),
+            "batch_requests": runner.input_batch.num_reqs,
+            "prompt_logprobs_pending": len(runner.num_prompt_logprobs),
+            "rope_positions": len(runner.rope_positions),
+            "encoder_cache_entries": len(runner.encoder_cache),
+            "encoder_cache_rows": sum(int(t.shape[0]) for t in runner.encoder_cache.values()),
+            "encoder_cache_capacity": self.vllm_config.scheduler_config.encoder_cache_size,
+            "runtime_compiles": runner.compile_stats.runtime_compiles,
+        }
+
     def shutdown(self) -> None:
         self.model_runner = None
 
