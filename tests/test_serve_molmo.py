@@ -7,17 +7,12 @@ tests/test_molmo.py checks against vLLM's own Molmo), more images than
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 
 import openai
 import pytest
 
-from helpers import wait_until_serving
-from test_serve import VLLM, free_port, server_env
-from test_serve_vision import FAST, GOOD_URL, QUESTION, ask, image_part, stop_group, text, user
+from test_serve import server_env
+from test_serve_vision import FAST, GOOD_URL, QUESTION, ask, image_part, text, user, vllm_server
 from vllm_accel.testing.tiny_molmo import make_tiny_molmo
 
 LIMIT = 2
@@ -31,22 +26,11 @@ def molmo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(molmo, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-molmo")
-    log, port = tmp / "server.log", free_port()
-    cmd = [VLLM, "serve", str(molmo), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--trust-remote-code",
-           "--limit-mm-per-prompt", json.dumps({"image": LIMIT})]
     # trust_remote_code copies the fixture's code into HF_HOME: keep it in tmp.
     env = server_env(**FAST, HF_HOME=str(tmp / "hf"))
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_serving(proc, base, log)
+    with vllm_server(molmo, tmp, "--dtype", "float32", "--trust-remote-code",
+                     "--limit-mm-per-prompt", json.dumps({"image": LIMIT}), env=env) as (base, log):
         yield base, str(molmo), log
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        stop_group(proc, time.time() + 30)
 
 
 @pytest.fixture()

@@ -15,8 +15,7 @@ import openai
 import pytest
 import torch
 
-from helpers import wait_until_serving
-from test_serve import VLLM, free_port, server_env
+from test_serve import server_env
 from test_serve_vision import (
     EXAMPLES,
     FAST,
@@ -25,9 +24,9 @@ from test_serve_vision import (
     answer_line,
     ask,
     image_part,
-    stop_group,
     text,
     user,
+    vllm_server,
 )
 from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
 
@@ -39,26 +38,10 @@ def qwen(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(qwen, tmp_path_factory):
-    import time
-
-    log = tmp_path_factory.mktemp("serve-qwen") / "server.log"
-    port = free_port()
-    cmd = [VLLM, "serve", str(qwen), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "2048",
-           "--limit-mm-per-prompt", json.dumps({"image": 2})]
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, env=server_env(**FAST), stdout=log_file,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_serving(proc, base, log)
+    with vllm_server(qwen, tmp_path_factory.mktemp("serve-qwen"), "--dtype", "float32",
+                     "--max-model-len", "2048", "--limit-mm-per-prompt",
+                     json.dumps({"image": 2}), env=server_env(**FAST)) as (base, log):
         yield base, str(qwen), log
-    finally:
-        import os
-        import signal
-
-        os.killpg(proc.pid, signal.SIGTERM)
-        stop_group(proc, time.time() + 30)
 
 
 @pytest.fixture()

@@ -119,6 +119,25 @@ def stop_group(proc: subprocess.Popen, deadline: float) -> None:
     proc.wait()
 
 
+@contextlib.contextmanager
+def vllm_server(model, workdir: Path, *args: str, env: dict):
+    """`vllm serve model args...` on a free local port, logging to
+    workdir/server.log; yields (base URL, log path) once /health answers."""
+    log, port = workdir / "server.log", free_port()
+    cmd = [VLLM, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(proc, base, log)
+        yield base, log
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        stop_group(proc, time.time() + 30)
+
+
 def finished(launched, name: str) -> str:
     """The output of an example run, once it has exited successfully."""
     proc, log = launched[name]
