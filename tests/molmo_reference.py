@@ -236,3 +236,20 @@ def paged_forward(model, config, input_ids, positions, inputs_embeds=None, block
                                  num_tokens=tokens,
                                  slot_mapping={name: slots for name in layers}):
             return model(input_ids, positions, inputs_embeds=inputs_embeds)
+
+
+def image(width, height, seed=0):
+    """A deterministic RGB noise image (PIL)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(height, width, 3) * 255).astype(np.uint8))
+
+
+def molmo_checkpoint(tmp_path_factory):
+    """The tiny Molmo, its remote code cached under the session's temp dir."""
+    from vllm_accel.testing.tiny_molmo import make_tiny_molmo
+
+    isolate_remote_code_cache(tmp_path_factory.getbasetemp() / "hf_modules")
+    return make_tiny_molmo(tmp_path_factory.mktemp("molmo") / "m")

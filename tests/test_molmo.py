@@ -16,12 +16,12 @@ import pytest
 import torch
 from molmo_reference import (
     build_vllm_molmo,
-    isolate_remote_code_cache,
+    image,
+    molmo_checkpoint,
     plain_causal_attention,
     vllm_config,
     vllm_processor,
 )
-from PIL import Image
 
 from helpers import model_runner, running_llm
 from vllm_accel.testing.tiny_molmo import EMBEDDING_SIZE, MAX_CROPS, make_tiny_molmo
@@ -40,15 +40,9 @@ ENGINE = dict(max_model_len=1024, limit_mm_per_prompt={"image": 2}, max_num_seqs
               trust_remote_code=True)
 
 
-def image(width, height, seed=0):
-    rng = np.random.RandomState(seed)
-    return Image.fromarray((rng.rand(height, width, 3) * 255).astype(np.uint8))
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    isolate_remote_code_cache(tmp_path_factory.getbasetemp() / "hf_modules")
-    return make_tiny_molmo(tmp_path_factory.mktemp("molmo") / "m")
+    return molmo_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

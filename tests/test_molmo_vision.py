@@ -4,16 +4,15 @@ processing; crop-axis padding; torch.compile of the ViT block."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from molmo_reference import (
     build_vllm_molmo,
-    isolate_remote_code_cache,
+    image,
+    molmo_checkpoint,
     vllm_config,
     vllm_processor,
 )
-from PIL import Image
 from safetensors.torch import load_file
 
 from vllm_accel.model.molmo import (
@@ -32,15 +31,9 @@ ATOL = 1e-5
 SIZES = [(40, 40), (112, 80), (30, 120), (640, 480), (12, 20)]  # 2, 7, 5, 7, 2 crops
 
 
-def image(width, height, seed=0):
-    rng = np.random.RandomState(seed)
-    return Image.fromarray((rng.rand(height, width, 3) * 255).astype(np.uint8))
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    isolate_remote_code_cache(tmp_path_factory.getbasetemp() / "hf_modules")
-    return make_tiny_molmo(tmp_path_factory.mktemp("molmo") / "m")
+    return molmo_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

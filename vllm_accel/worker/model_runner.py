@@ -101,6 +101,8 @@ class AccelModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}  # image identifier -> embeddings
         # Per request, for models with 3-D positions (M-RoPE) only.
         self.rope_positions: dict[str, RopePositions] = {}
+        # Per request with images: their prompt spans, converted once.
+        self.placeholders: dict[str, list[Placeholder]] = {}
         # Requests that asked for prompt logprobs and whose prompt is not done.
         self.num_prompt_logprobs: dict[str, int] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -335,10 +337,7 @@ class AccelModelRunner:
     def _merged_embeddings(self, step: StepLayout, input_ids: torch.Tensor) -> torch.Tensor:
         """Text embeddings with image rows at the placeholder positions this
         step covers (see step_layout.placeholder_rows)."""
-        placeholders = [
-            [_placeholder(feature) for feature in self.requests[req_id].mm_features]
-            for req_id in self.input_batch.req_ids
-        ]
+        placeholders = [self.placeholders.get(req_id, []) for req_id in self.input_batch.req_ids]
         is_mm, slices = placeholder_rows(step, placeholders)
         embeds = self.mm_utils.embed_tokens(input_ids)
         if not slices:
@@ -365,6 +364,7 @@ class AccelModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self.rope_positions.pop(req_id, None)
+            self.placeholders.pop(req_id, None)
             self.num_prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
 
@@ -408,6 +408,8 @@ class AccelModelRunner:
                 self.num_prompt_logprobs[new.req_id] = (
                     self.input_batch.vocab_size if params.prompt_logprobs == -1
                     else params.prompt_logprobs)
+            if new.mm_features:
+                self.placeholders[new.req_id] = [_placeholder(f) for f in new.mm_features]
             if self.mm_utils is not None and self.mm_utils.uses_3d_positions:
                 self.rope_positions[new.req_id] = RopePositions(*self.mm_utils.rope_positions(
                     new.prompt_token_ids, [item_tensors(f.data) for f in new.mm_features]))
