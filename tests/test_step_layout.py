@@ -1,5 +1,6 @@
 """The step layout on its own: no engine, no model. pack_step places decodes
-first, then prefill chunks, then padding; slots follow the block tables;
+first, then prefill chunks, and cuts the sequence into forwards padded to
+token buckets; slots follow the block tables;
 placeholder_rows finds the image positions a step covers, also when a chunk
 cuts through an image or only some positions take embeddings."""
 
@@ -23,8 +24,12 @@ def _batch():
     return token_ids, block_table, num_scheduled, start
 
 
-def _pack(token_bucket=lambda n: 16, context_bucket=lambda b: b):
-    return pack_step(*_batch(), BLOCK, token_bucket, context_bucket)
+def _one_forward(bucket):
+    return lambda n: [bucket]
+
+
+def _pack(plan=_one_forward(16), context_bucket=lambda b: b):
+    return pack_step(*_batch(), BLOCK, plan, context_bucket)
 
 
 def test_decodes_first_then_prefill_chunks_then_padding():
@@ -32,17 +37,18 @@ def test_decodes_first_then_prefill_chunks_then_padding():
     assert layout.rows.tolist() == [1, 0, 2]
     assert layout.firsts.tolist() == [0, 1, 7] and layout.counts.tolist() == [1, 6, 3]
     assert layout.starts.tolist() == [9, 0, 4]
-    ids, pos = layout.input_ids[0].tolist(), layout.positions[0].tolist()
-    assert len(ids) == 16  # the token bucket
-    assert ids[:10] == [116 + 9] + [100 + p for p in range(6)] + [132 + p for p in (4, 5, 6)]
-    assert pos[:10] == [9, 0, 1, 2, 3, 4, 5, 4, 5, 6]
-    assert ids[10:] == [0] * 6 and pos[10:] == [0] * 6
+    ids = layout.input_ids[0].tolist()
+    (forward,) = layout.forwards
+    pos = forward.positions[0].tolist()
+    assert ids == [116 + 9] + [100 + p for p in range(6)] + [132 + p for p in (4, 5, 6)]
+    assert (forward.begin, forward.end, forward.bucket) == (0, 10, 16)
+    assert pos == [9, 0, 1, 2, 3, 4, 5, 4, 5, 6] + [0] * 6  # padded to the bucket
     # Each request's last packed token, indexed by batch row.
     assert layout.last_token.tolist() == [6, 0, 9]
 
 
 def test_slot_mapping_follows_block_tables_and_padding_writes_block_zero():
-    slots = _pack().attn_metadata.slot_mapping.tolist()
+    slots = _pack().forwards[0].attn_metadata.slot_mapping.tolist()
     assert slots[0] == 9 * BLOCK + 1  # row 1, position 9: its third block (9), offset 1
     assert slots[1:7] == [20, 21, 22, 23, 24, 25]  # row 0: blocks 5, 6
     assert slots[7:10] == [44, 45, 46]  # row 2, positions 4-6: block 11
@@ -50,7 +56,7 @@ def test_slot_mapping_follows_block_tables_and_padding_writes_block_zero():
 
 
 def test_attention_metadata_masks():
-    md = _pack(context_bucket=lambda blocks: 4).attn_metadata
+    md = _pack(context_bucket=lambda blocks: 4).forwards[0].attn_metadata
     assert md.num_decodes == 1
     assert md.decode_block_table.tolist() == [[7, 8, 9, 0]]  # padded to 4 blocks
     assert md.decode_mask.shape == (1, 1, 1, 16)
@@ -64,10 +70,54 @@ def test_attention_metadata_masks():
         [1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]]
 
 
-def test_token_bucket_is_asked_for_the_real_token_count():
+def test_the_plan_is_asked_for_the_real_token_count():
     asked = []
-    layout = _pack(token_bucket=lambda n: asked.append(n) or n)
+    layout = _pack(plan=lambda n: asked.append(n) or [n])
     assert asked == [10] and layout.input_ids.shape == (1, 10)
+
+
+def test_forwards_cut_the_sequence_and_chunks_keep_their_context():
+    """10 tokens as forwards of 4 + 4 + 2 (padded to 4): row 0's chunk (packed
+    1..6) is cut twice; each piece attends to everything before it."""
+    layout = _pack(plan=lambda n: [4, 4, 4], context_bucket=lambda blocks: 4)
+    first, second, third = layout.forwards
+    assert [(f.begin, f.end, f.bucket) for f in layout.forwards] == [(0, 4, 4), (4, 8, 4),
+                                                                     (8, 10, 4)]
+    # Forward 1: row 1's decode, then row 0's positions 0..2.
+    md = first.attn_metadata
+    assert md.num_decodes == 1 and md.decode_block_table.tolist() == [[7, 8, 9, 0]]
+    (chunk,) = md.prefills
+    assert (chunk.start, chunk.end, chunk.block_table.tolist()) == (1, 4, [[5]])
+    assert first.positions[0].tolist() == [9, 0, 1, 2]
+    # Forward 2: row 0's positions 3..5 (context 6: blocks 5 and 6), row 2's position 4.
+    md = second.attn_metadata
+    assert md.num_decodes == 0
+    row0, row2 = md.prefills
+    assert (row0.start, row0.end, row0.block_table.tolist()) == (0, 3, [[5, 6]])
+    assert row0.mask[0, 0].int().tolist() == [
+        [1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]
+    assert (row2.start, row2.end) == (3, 4)
+    assert row2.mask[0, 0].int().tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]]
+    assert md.slot_mapping.tolist() == [23, 24, 25, 44]
+    # Forward 3: the rest of row 2, then padding into block 0.
+    assert third.attn_metadata.slot_mapping.tolist() == [45, 46, 0, 0]
+    assert third.positions[0].tolist() == [5, 6, 0, 0]
+    # Bookkeeping stays in whole-step packed order.
+    assert layout.last_token.tolist() == [6, 0, 9]
+
+
+def test_plan_forwards_pads_less_than_one_big_bucket():
+    from vllm_accel.buckets import plan_forwards
+
+    buckets = [1, 4, 16, 64, 256, 1024]
+    assert plan_forwards(256, buckets, 32) == [256]  # a bucket: exactly one forward
+    assert plan_forwards(3, buckets, 32) == [4]
+    assert sorted(plan_forwards(370, buckets, 32)) == [64, 64, 256]
+    assert plan_forwards(2500, buckets, 32)[:2] == [1024, 1024]  # beyond the largest
+    for total in range(1, 3000, 7):
+        plan = plan_forwards(total, buckets, 32)
+        assert all(b in buckets for b in plan)
+        assert sum(plan[:-1]) < total <= sum(plan)  # every forward but the last is full
 
 
 def test_placeholder_rows_whole_image_and_chunk_cut():
@@ -95,7 +145,7 @@ def test_placeholder_rows_with_non_embedding_positions():
     # A later chunk of row 2 starting at position 7 takes encoder row 1 only.
     token_ids, block_table, _, _ = _batch()
     later = pack_step(token_ids, block_table, np.array([1, 1, 2]), np.array([6, 9, 7]),
-                      BLOCK, lambda n: n, lambda b: b)
+                      BLOCK, lambda n: [n], lambda b: b)
     is_mm, slices = placeholder_rows(later, [[], [], [Placeholder("b", 5, 4, embed2)]])
     assert np.flatnonzero(is_mm).tolist() == [3] and slices == [("b", 1, 2)]
 
@@ -105,7 +155,7 @@ def test_placeholder_rows_never_in_decode():
     # Row 1 decodes at position 9; its image at 0..7 lies in the past.
     is_mm, slices = placeholder_rows(layout, [[], [Placeholder("c", 0, 8)], []])
     assert not is_mm.any() and slices == []
-    assert isinstance(layout.positions, torch.Tensor)
+    assert isinstance(layout.forwards[0].positions, torch.Tensor)
 
 
 def test_3d_rope_positions_from_the_prompt_then_by_delta():
@@ -117,13 +167,14 @@ def test_3d_rope_positions_from_the_prompt_then_by_delta():
     rope = [RopePositions(prompt0, -2),
             RopePositions(np.tile(np.arange(4), (3, 1)), -3),
             RopePositions(np.tile(np.arange(5), (3, 1)), 2)]
-    layout = pack_step(*_batch(), BLOCK, lambda n: 12, lambda b: b, rope_positions=rope)
-    assert layout.positions.shape == (3, 1, 12)
-    pos = layout.positions[:, 0].numpy()
+    layout = pack_step(*_batch(), BLOCK, _one_forward(12), lambda b: b, rope_positions=rope)
+    (forward,) = layout.forwards
+    assert forward.positions.shape == (3, 1, 12)
+    pos = forward.positions[:, 0].numpy()
     assert pos[:, 0].tolist() == [6, 6, 6]  # row 1 decodes at 9: 9 - 3
     np.testing.assert_array_equal(pos[:, 1:7], prompt0)
     # Row 2's chunk 4..6: position 4 from its prompt, then 5 + 2 and 6 + 2.
     assert pos[:, 7:10].tolist() == [[4, 7, 8]] * 3
     assert not pos[:, 10:].any()
     # Attention still follows sequence order.
-    assert layout.attn_metadata.prefills[1].mask.shape == (1, 1, 3, 8)
+    assert forward.attn_metadata.prefills[1].mask.shape == (1, 1, 3, 8)

@@ -3,8 +3,9 @@
 A compiled graph has fixed shapes, so work is padded up to the smallest bucket
 that fits. Two axes matter here:
 
-- tokens per forward: every step runs one forward over all its tokens (decodes
-  and prefill chunks packed together), padded to a token bucket; one compiled
+- tokens per forward: a step's tokens (decodes and prefill chunks packed
+  together) run as one forward padded to a token bucket, or as a few forwards
+  of consecutive tokens when that pads less (``plan_forwards``); one compiled
   graph per token bucket;
 - context length, in KV blocks: decode attention pads its block tables to a
   context bucket;
@@ -20,6 +21,7 @@ derived from the engine configuration.
 from __future__ import annotations
 
 import bisect
+import functools
 from vllm.logger import init_logger
 import math
 
@@ -73,12 +75,23 @@ def exponential_buckets(lo: int, hi: int, limit: int = DEFAULT_LIMIT) -> list[in
     return buckets + [hi]
 
 
+def half_octave_buckets(lo: int, hi: int) -> list[int]:
+    """lo, then steps of about x1.41 (two per doubling) up to hi: 1, 2, 3, 4, 6,
+    8, 12, 16, ... Pads at most ~41% where powers of two pad up to 100%."""
+    buckets, value = [], max(1, lo)
+    while value < hi:
+        buckets.append(value)
+        value = max(value + 1, round(value * 2**0.5))
+    return buckets + [max(lo, hi)]
+
+
 def linear_buckets(lo: int, step: int, hi: int) -> list[int]:
     buckets = list(range(lo, hi, step))
     return buckets + [hi] if not buckets or buckets[-1] != hi else buckets
 
 
-def make_buckets(spec: str, default_min: int, default_max: int) -> list[int]:
+def make_buckets(spec: str, default_min: int, default_max: int,
+                 default_limit: int = DEFAULT_LIMIT) -> list[int]:
     """The bucket list for a spec ("" means the derived exponential default)."""
     strategy, fields = parse_bucket_spec(spec) if spec else ("exp", {})
     if strategy == "list":
@@ -86,8 +99,35 @@ def make_buckets(spec: str, default_min: int, default_max: int) -> list[int]:
     lo = fields.get("min", default_min)
     hi = fields.get("max", default_max)
     if strategy == "exp":
-        return exponential_buckets(lo, hi, fields.get("limit", DEFAULT_LIMIT))
+        return exponential_buckets(lo, hi, fields.get("limit", default_limit))
     return linear_buckets(lo, fields.get("step", lo), hi)
+
+
+def plan_forwards(total: int, buckets: list[int], overhead: int) -> list[int]:
+    """The buckets of the forwards that run ``total`` tokens, in order: every
+    forward but the last is full, the last pads up to its bucket.
+
+    Minimises padded tokens plus ``overhead`` per forward (what one more forward
+    costs, in tokens): 370 tokens with buckets 64, 256, 1024 run as 256 + 64 +
+    64 instead of one forward padded to 1024; beyond the largest bucket, full
+    forwards of it. Exact when ``total`` is a bucket: one forward."""
+    largest = buckets[-1]
+    full, rest = divmod(total, largest)
+    if rest == 0:
+        return [largest] * full
+    return [largest] * full + list(_plan_below(tuple(buckets), overhead)[rest])
+
+
+@functools.lru_cache(maxsize=8)
+def _plan_below(buckets: tuple[int, ...], overhead: int) -> list[tuple[int, ...]]:
+    """plan[n] for every n <= the largest bucket, by dynamic programming over
+    the first forward: cost(n) = min over buckets b of overhead + b + cost(n - b)."""
+    cost, plan = [0], [()]
+    for n in range(1, buckets[-1] + 1):
+        best = min(buckets, key=lambda b: b + (cost[n - b] if b < n else 0))
+        cost.append(overhead + best + (cost[n - best] if best < n else 0))
+        plan.append((best,) + plan[n - best] if best < n else (best,))
+    return plan
 
 
 def find_bucket(buckets: list[int], size: int) -> int | None:

@@ -1,9 +1,12 @@
 """Where each token of an engine step goes: pure functions, no engine needed.
 
-A step runs as one forward over one packed sequence: one token per decoding
-request first, then the prefill chunks, then padding up to a token bucket.
-``pack_step`` computes that layout from vLLM's per-request state (token ids,
-computed-token counts, block tables); ``placeholder_rows`` finds, within it,
+A step packs its tokens into one sequence: one token per decoding request
+first, then the prefill chunks. The sequence runs as one forward padded up to
+a token bucket, or as a few forwards over consecutive slices of it when that
+pads less (``buckets.plan_forwards``: 370 tokens run as 256 + 64 + 64, not
+padded to 1024). ``pack_step`` computes that layout from vLLM's per-request
+state (token ids, computed-token counts, block tables); ``placeholder_rows``
+finds, within the sequence,
 the positions that take multimodal embeddings and which encoder-output rows
 go there. Both are plain numpy/torch on the host, tested in
 tests/test_step_layout.py.
@@ -26,14 +29,26 @@ from vllm_accel.model.paged_attention import (
 
 
 @dataclass
-class StepLayout:
-    """One step's tokens packed into a sequence padded to a token bucket."""
+class Forward:
+    """One model call: tokens [begin, end) of the step's packed sequence,
+    padded to ``bucket`` tokens (padding sits at position 0 and writes its
+    keys/values into block 0, vLLM's null block)."""
 
-    input_ids: torch.Tensor  # [1, padded_tokens]
-    # Rotary positions: [1, padded_tokens], or [3, 1, padded_tokens] for models
-    # with 3-D (M-RoPE) positions; padding at position 0.
+    begin: int
+    end: int
+    bucket: int
+    # Rotary positions: [1, bucket], or [3, 1, bucket] for models with 3-D
+    # (M-RoPE) positions.
     positions: torch.Tensor
     attn_metadata: PagedAttentionMetadata
+
+
+@dataclass
+class StepLayout:
+    """One step's tokens packed into one sequence, run as one or more forwards."""
+
+    input_ids: torch.Tensor  # [1, tokens], unpadded
+    forwards: list[Forward]  # consecutive slices of the sequence, in order
     last_token: torch.Tensor  # [num_reqs] packed index of each request's last token, by row
     # Per packed request (decodes first): batch row, first packed token,
     # number of tokens, and the position of its first token in its sequence.
@@ -49,15 +64,17 @@ def pack_step(
     num_scheduled: np.ndarray,
     start: np.ndarray,
     block_size: int,
-    token_bucket: Callable[[int], int],
+    plan_forwards: Callable[[int], list[int]],
     context_bucket: Callable[[int], int],
     rope_positions: Sequence[RopePositions | None] | None = None,
 ) -> StepLayout:
-    """Pack decodes, then prefill chunks, into one padded token sequence.
+    """Pack decodes, then prefill chunks, into one sequence and cut it into
+    forwards.
 
     token_ids [rows, max_len] and block_table [rows, max_blocks] are the batch's
     (``InputBatch``); row i runs num_scheduled[i] tokens from position start[i].
-    ``token_bucket(tokens)`` and ``context_bucket(blocks)`` give the padded sizes.
+    ``plan_forwards(tokens)`` gives the token bucket of each forward (every one
+    but the last full), ``context_bucket(blocks)`` the padded decode context.
     ``rope_positions[row]``, for models with 3-D positions, gives each row's.
     """
     bs = block_size
@@ -67,60 +84,89 @@ def pack_step(
     ends = np.cumsum(counts)
     firsts = ends - counts
     total = int(ends[-1])
-    padded = token_bucket(total)
 
     row_of_token = np.repeat(order, counts)
     pos = start[row_of_token] + np.arange(total) - np.repeat(firsts, counts)
-    input_ids = np.zeros(padded, dtype=np.int64)
-    positions = np.zeros(padded, dtype=np.int64)
-    slots = np.zeros(padded, dtype=np.int64)  # padding writes into block 0 (vLLM's null block)
-    input_ids[:total] = token_ids[row_of_token, pos]
-    positions[:total] = pos
-    slots[:total] = block_table[row_of_token, pos // bs] * bs + pos % bs
+    slots = block_table[row_of_token, pos // bs] * bs + pos % bs
     last_token = np.empty(len(order), dtype=np.int64)
     last_token[order] = ends - 1
-
-    num_decodes = int(is_decode.sum())
-    decode_rows = order[:num_decodes]
-    context_lens = start[decode_rows] + 1
-    width = context_bucket(cdiv(int(context_lens.max(initial=1)), bs))
-    decode_mask = np.arange(width * bs)[None, :] < context_lens[:, None]
-    prefills = []
-    for row, first, count in zip(order[num_decodes:], firsts[num_decodes:],
-                                 counts[num_decodes:]):
-        context_len = int(start[row] + count)
-        blocks = cdiv(context_len, bs)
-        prefills.append(PrefillChunk(
-            start=int(first),
-            end=int(first + count),
-            block_table=torch.from_numpy(block_table[row : row + 1, :blocks].astype(np.int64)),
-            mask=causal_context_mask(
-                torch.from_numpy(positions[first : first + count][None]),
-                torch.tensor([context_len]),
-                blocks * bs,
-            ),
-        ))
-    rotary = torch.from_numpy(positions)[None]
+    rotary = pos[None]
     if rope_positions is not None:
-        rotary = torch.from_numpy(
-            _rope_positions(rope_positions, order, firsts, counts, start, padded))[:, None]
-    metadata = PagedAttentionMetadata(
-        slot_mapping=torch.from_numpy(slots),
-        num_decodes=num_decodes,
-        decode_block_table=torch.from_numpy(block_table[decode_rows, :width].astype(np.int64)),
-        decode_mask=torch.from_numpy(decode_mask[:, None, None, :]),
-        prefills=prefills,
-    )
+        rotary = _rope_positions(rope_positions, order, firsts, counts, start, total)
+
+    packed = _Packed(order, firsts, counts, int(is_decode.sum()), pos, slots, rotary)
+    forwards, begin = [], 0
+    for bucket in plan_forwards(total):
+        end = min(total, begin + bucket)
+        forwards.append(_forward(packed, begin, end, bucket, block_table, bs, context_bucket))
+        begin = end
+    assert begin == total, f"the forwards cover {begin} of {total} tokens"
     return StepLayout(
-        input_ids=torch.from_numpy(input_ids)[None],
-        positions=rotary,
-        attn_metadata=metadata,
+        input_ids=torch.from_numpy(token_ids[row_of_token, pos].astype(np.int64))[None],
+        forwards=forwards,
         last_token=torch.from_numpy(last_token),
         rows=order,
         firsts=firsts,
         counts=counts,
         starts=start[order],
     )
+
+
+@dataclass
+class _Packed:
+    """The packed sequence, unpadded: what each forward takes its slice of."""
+
+    order: np.ndarray  # batch row of each packed request (decodes first)
+    firsts: np.ndarray
+    counts: np.ndarray
+    num_decodes: int  # packed requests [0, num_decodes) decode one token each
+    pos: np.ndarray  # [tokens] position of each token in its sequence
+    slots: np.ndarray  # [tokens] its KV cache slot
+    rotary: np.ndarray  # [1 or 3, tokens] its rotary positions
+
+
+def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np.ndarray,
+             bs: int, context_bucket: Callable[[int], int]) -> Forward:
+    """The forward over packed tokens [begin, end), padded to ``bucket``."""
+    pos = packed.pos
+    # Decodes are the first packed tokens, one per request.
+    decodes = np.arange(begin, min(end, packed.num_decodes))
+    decode_rows = packed.order[decodes]
+    context_lens = pos[decodes] + 1
+    width = context_bucket(cdiv(int(context_lens.max(initial=1)), bs))
+    decode_mask = np.arange(width * bs)[None, :] < context_lens[:, None]
+    prefills = []
+    for i in range(packed.num_decodes, len(packed.order)):
+        # The part of request i's chunk inside this forward (if any).
+        lo = max(int(packed.firsts[i]), begin)
+        hi = min(int(packed.firsts[i] + packed.counts[i]), end)
+        if lo >= hi:
+            continue
+        row = packed.order[i]
+        context_len = int(pos[hi - 1]) + 1
+        blocks = cdiv(context_len, bs)
+        prefills.append(PrefillChunk(
+            start=lo - begin,
+            end=hi - begin,
+            block_table=torch.from_numpy(block_table[row : row + 1, :blocks].astype(np.int64)),
+            mask=causal_context_mask(
+                torch.from_numpy(pos[lo:hi][None]), torch.tensor([context_len]), blocks * bs),
+        ))
+    positions = np.zeros((packed.rotary.shape[0], bucket), dtype=np.int64)
+    positions[:, : end - begin] = packed.rotary[:, begin:end]
+    slots = np.zeros(bucket, dtype=np.int64)  # padding writes into block 0 (vLLM's null block)
+    slots[: end - begin] = packed.slots[begin:end]
+    metadata = PagedAttentionMetadata(
+        slot_mapping=torch.from_numpy(slots),
+        num_decodes=len(decodes),
+        decode_block_table=torch.from_numpy(block_table[decode_rows, :width].astype(np.int64)),
+        decode_mask=torch.from_numpy(decode_mask[:, None, None, :]),
+        prefills=prefills,
+    )
+    positions = torch.from_numpy(positions)
+    # [1, bucket] for 1-D positions, [3, 1, bucket] for 3-D ones.
+    positions = positions if packed.rotary.shape[0] == 1 else positions[:, None]
+    return Forward(begin, end, bucket, positions, metadata)
 
 
 @dataclass(frozen=True)
@@ -143,8 +189,8 @@ class RopePositions:
         return out
 
 
-def _rope_positions(rope_positions, order, firsts, counts, start, padded) -> np.ndarray:
-    out = np.zeros((3, padded), dtype=np.int64)
+def _rope_positions(rope_positions, order, firsts, counts, start, total) -> np.ndarray:
+    out = np.zeros((3, total), dtype=np.int64)
     for row, first, count in zip(order, firsts, counts):
         out[:, first : first + count] = rope_positions[row].at(int(start[row]), int(count))
     return out
