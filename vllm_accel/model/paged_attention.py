@@ -98,11 +98,13 @@ def paged_attention(
 
     out = query.new_zeros(query.shape)
     if md.num_decodes:
-        # All decodes at once: one query row per request.
-        decodes = query[0, : md.num_decodes].unsqueeze(2)  # [rows, heads, 1, dim]
-        out[0, : md.num_decodes] = _attend(
+        # All decodes at once, one row per request; the query heads that share a
+        # KV head are that row's queries (one SDPA without repeating keys/values).
+        rows, heads = md.num_decodes, query.shape[2]
+        decodes = query[0, :rows].view(rows, kv_heads, heads // kv_heads, head_dim)
+        out[0, :rows] = _attend(
             decodes, key_cache, value_cache, md.decode_block_table, md.decode_mask, scale
-        )[:, :, 0]
+        ).reshape(rows, heads, head_dim)
     for chunk in md.prefills:
         # One request's chunk: its tokens are the query rows of one sequence.
         chunk_query = query[0, chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
