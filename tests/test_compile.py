@@ -144,14 +144,19 @@ def test_second_start_uses_the_compile_cache(compiled, tiny_models, cache_dir, w
           f"(warmup {float(match.group(1)):.1f} s)")
 
 
-def test_shape_outside_every_bucket_is_served_and_counted(tiny_models, cache_dir):
+def test_step_beyond_every_bucket_runs_as_several_forwards(tiny_models, cache_dir):
     config = accel_config(cache_dir, token_buckets="1,4,16")
     with running_llm(tiny_models["llama"], additional_config=config, **ENGINE) as llm:
         runner = model_runner(llm)
+        forwards = []
+        run_forward = runner._run_forward
+        runner._run_forward = lambda fwd, inputs: forwards.append(fwd.bucket) or run_forward(
+            fwd, inputs)
+        # 40- and 64-token steps > the largest bucket (16): forwards of 16, no new graph.
+        prompts = random_prompts([40, 64], seed=16)
+        assert greedy(llm, prompts) == hf_greedy(tiny_models["llama"], prompts, 8)
+        assert forwards.count(16) >= 6 and set(forwards) <= {1, 4, 16}
         assert runner.compile_stats.runtime_compiles == 0
-        prompt = random_prompts([40], seed=16)  # 40 tokens > largest bucket (16)
-        assert greedy(llm, prompt) == hf_greedy(tiny_models["llama"], prompt, 8)
-        assert runner.compile_stats.runtime_compiles == 1
 
 
 def test_skip_warmup_compiles_lazily(tiny_models, cache_dir, warmup_log, monkeypatch):
@@ -164,3 +169,28 @@ def test_skip_warmup_compiles_lazily(tiny_models, cache_dir, warmup_log, monkeyp
         assert greedy(llm, prompt) == hf_greedy(tiny_models["llama"], prompt, 8)
         assert runner.compile_stats.graphs_compiled == 2  # 16 (prefill), 1 (decode)
     assert not any(WARMUP_LINE.search(line) for line in warmup_log)
+
+
+def test_precompile_fills_a_cache_a_server_starts_from(tiny_models, tmp_path):
+    """`python -m vllm_accel.precompile` compiles every bucket into a directory;
+    an engine started with the same options then loads them all from it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "shipped-cache"
+    config = {"accel": {"compile_backend": "inductor", "token_buckets": "1,4"}}
+    cmd = [sys.executable, "-m", "vllm_accel.precompile", tiny_models["llama"],
+           "--compile-cache-dir", str(cache), "--max-model-len", str(MAX_MODEL_LEN),
+           "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+           "--additional-config", json.dumps(config)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    output = done.stdout + done.stderr  # vLLM's logger writes to stdout
+    assert done.returncode == 0, output[-3000:]
+    assert "vllm_accel precompile:" in output
+
+    config["accel"]["compile_cache_dir"] = str(cache)
+    with running_llm(tiny_models["llama"], additional_config=config, **ENGINE) as llm:
+        assert model_runner(llm).compile_stats.cache_hits == (2, 0)

@@ -41,11 +41,12 @@ class AccelSettings:
     compile_backend: str = "auto"
     # Compile lazily, on first use of each bucket, instead of during start-up.
     skip_warmup: bool = False
-    # Token-count buckets of the compiled forward (see worker/buckets.py):
-    # "" derives them from max_num_batched_tokens; "1,8,64,512" is an explicit
-    # list; "exp:min=1,max=2048,limit=8" or "lin:min=64,step=64,max=512" a range.
+    # Token-count buckets of the compiled forward (see buckets.py): "" is
+    # 1,8,64,512 (fewer when max_num_batched_tokens is smaller); "1,8,64,512" is
+    # an explicit list; "exp:min=1,max=2048,limit=8" or "lin:min=64,step=64,max=512" a range.
     token_buckets: str = ""
-    # Context-length buckets, in KV blocks, that decode attention pads to.
+    # Context-length buckets, in KV blocks, that decode attention pads to
+    # ("" = half-octave steps up to max_model_len).
     context_buckets: str = ""
     # Vision buckets: the rows one image gives the vision encoder (patches for
     # Qwen2.5-VL, as vllm-gaudi's VLLM_MULTIMODAL_BUCKETS; tiles for LlavaNext).

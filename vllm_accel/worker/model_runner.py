@@ -30,7 +30,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-from vllm_accel.buckets import fit_bucket, make_buckets
+from vllm_accel.buckets import fit_bucket, half_octave_buckets, make_buckets, plan_forwards
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
 from vllm_accel.model.paged_attention import attention_context
@@ -42,6 +42,7 @@ from vllm_accel.settings import AccelSettings, env_var_name
 from vllm_accel.worker.compile_stats import CompileStats
 from vllm_accel.worker.warmup import compile_sampler_helpers
 from vllm_accel.worker.step_layout import (
+    Forward,
     Placeholder,
     RopePositions,
     StepLayout,
@@ -51,6 +52,16 @@ from vllm_accel.worker.step_layout import (
 
 # A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
 logger = init_logger(f"vllm.{__name__}")
+
+# What one more forward costs, in padded tokens (its fixed per-call work:
+# Python, one pass over the weights, attention set-up), for cutting a step into
+# forwards; ~25-40 measured on the tiny and ~90M Llamas on a 2-core CPU.
+FORWARD_COST_IN_TOKENS = 32
+# Default token buckets: 1, 8, 64, 512. Each is a graph to compile at start-up
+# (~5 s cold on 2 cores); a bigger step runs as several forwards (a 512-token
+# forward already keeps the matmuls busy), and plan_forwards keeps padding low.
+DEFAULT_MAX_TOKEN_BUCKET = 512
+DEFAULT_TOKEN_BUCKET_LIMIT = 4
 
 
 @dataclass
@@ -86,9 +97,14 @@ class AccelModelRunner:
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
-        buckets = make_buckets(settings.token_buckets, 1, max_step)
+        buckets = make_buckets(settings.token_buckets, 1, min(max_step, DEFAULT_MAX_TOKEN_BUCKET),
+                               DEFAULT_TOKEN_BUCKET_LIMIT)
         self.token_buckets = [b for b in buckets if b <= max_step] or [max_step]
-        self.context_buckets = make_buckets(settings.context_buckets, 1, self.max_blocks_per_req)
+        # Decode attention runs outside the compiled graphs, so context buckets
+        # cost no graphs: by default they step by half octaves, to pad less.
+        self.context_buckets = (
+            make_buckets(settings.context_buckets, 1, self.max_blocks_per_req)
+            if settings.context_buckets else half_octave_buckets(1, self.max_blocks_per_req))
         logger.info(
             "vllm_accel buckets: tokens %s, context blocks %s (block size %d)",
             self.token_buckets, self.context_buckets, self.block_size,
@@ -172,8 +188,7 @@ class AccelModelRunner:
         self.num_blocks = kv_cache_config.num_blocks
         shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
             for _ in range(self.model.num_layers)
         ]
         logger.info(
@@ -199,7 +214,7 @@ class AccelModelRunner:
         start = batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64)
         step = pack_step(
             batch.token_ids_cpu, batch.block_table[0].get_numpy_array(), num_scheduled, start,
-            self.block_size, self._token_bucket, self._context_bucket,
+            self.block_size, self._plan_forwards, self._context_bucket,
             [self.rope_positions[r] for r in batch.req_ids] if self.rope_positions else None,
         )
         with self.compile_stats.cache_scope():
@@ -207,9 +222,7 @@ class AccelModelRunner:
             if self.mm_utils is not None:
                 self._encode_scheduled_images(scheduler_output)
                 inputs = self._merged_embeddings(step, inputs)
-            with attention_context(step.attn_metadata):
-                hidden = self.model(inputs, step.positions.to(self.device), self.kv_caches)
-        self.compile_stats.after_step(f"a forward of {step.input_ids.shape[1]} tokens")
+            hidden = torch.cat([self._run_forward(fwd, inputs) for fwd in step.forwards], dim=1)
         logits, prompt_logprobs = None, {}
         if self.is_driver:
             logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)]).cpu()
@@ -223,6 +236,20 @@ class AccelModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
         return None
+
+    def _run_forward(self, forward: Forward, inputs: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the step's tokens [forward.begin, forward.end);
+        ``inputs`` holds the whole step's token ids or embeddings."""
+        tokens = inputs
+        if forward.begin != 0 or forward.bucket != inputs.shape[1]:
+            # A fresh padded tensor, not a view at an offset: compiled graphs
+            # assume (and guard on) aligned inputs.
+            tokens = inputs.new_zeros((1, forward.bucket) + inputs.shape[2:])
+            tokens[:, : forward.end - forward.begin] = inputs[:, forward.begin : forward.end]
+        with attention_context(forward.attn_metadata):
+            hidden = self.model(tokens, forward.positions.to(self.device), self.kv_caches)
+        self.compile_stats.after_step(f"a forward of {forward.bucket} tokens")
+        return hidden[:, : forward.end - forward.begin]
 
     def _prompt_logprobs(self, step: StepLayout, hidden: torch.Tensor,
                          scheduler_output: SchedulerOutput) -> dict[str, LogprobsTensors]:
@@ -350,9 +377,8 @@ class AccelModelRunner:
 
     # ---- helpers ------------------------------------------------------------
 
-    def _token_bucket(self, num_tokens: int) -> int:
-        return fit_bucket(self.token_buckets, num_tokens, "step tokens",
-                          env_var_name("token_buckets"))
+    def _plan_forwards(self, num_tokens: int) -> list[int]:
+        return plan_forwards(num_tokens, self.token_buckets, FORWARD_COST_IN_TOKENS)
 
     def _context_bucket(self, blocks: int) -> int:
         return fit_bucket(self.context_buckets, blocks, "context blocks",
@@ -437,6 +463,18 @@ class AccelModelRunner:
             batch.add_request(state)
         batch.condense()
         batch.refresh_metadata()
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU from calloc'd memory, which the OS zero-fills
+    page by page on first touch: a 4 GiB KV cache then costs nothing at start-up
+    (torch.zeros writes every byte first: ~8 s on the 2-core CI machine)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    memory = np.zeros(nbytes + 64, dtype=np.uint8)
+    offset = -memory.ctypes.data % 64  # cache-line aligned, as torch allocates
+    return torch.from_numpy(memory[offset : offset + nbytes]).view(dtype).view(shape)
 
 
 def _placeholder(feature) -> Placeholder:

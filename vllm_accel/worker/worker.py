@@ -64,6 +64,7 @@ class AccelWorker(WorkerBase):
         self.settings = load_settings(vllm_config.additional_config)
         self.backend = select_backend(self.settings)
         self.model_runner: AccelModelRunner | None = None
+        self.startup_s: dict[str, float] = {}  # start-up phases, seconds, for the log
 
     # ---- start-up -----------------------------------------------------------
 
@@ -97,7 +98,9 @@ class AccelWorker(WorkerBase):
                                              is_driver=self.is_driver_worker)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        started = time.perf_counter()
         self.model_runner.load_model()
+        self.startup_s["model load"] = time.perf_counter() - started
 
     def get_model(self) -> torch.nn.Module:
         return self.model_runner.model
@@ -125,7 +128,9 @@ class AccelWorker(WorkerBase):
         return budget
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        started = time.perf_counter()
         self.model_runner.initialize_kv_cache(kv_cache_config)
+        self.startup_s["KV cache"] = time.perf_counter() - started
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         started = time.perf_counter()
@@ -139,7 +144,15 @@ class AccelWorker(WorkerBase):
             warm_up(self.model_runner)
         # Warmup sampled with seeds: start serving from the configured seed.
         set_random_seed(self.model_config.seed)
-        return CompilationTimes(language_model=time.perf_counter() - started, encoder=0.0)
+        warmup_s = time.perf_counter() - started
+        stats = self.model_runner.compile_stats
+        logger.info(
+            "vllm_accel start-up: model load %.1f s, KV cache %.1f s, warmup %.1f s "
+            "(%d graphs, %d from the compile cache)",
+            self.startup_s.get("model load", 0.0), self.startup_s.get("KV cache", 0.0),
+            warmup_s, stats.warmup_graphs, stats.cache_hits[0],
+        )
+        return CompilationTimes(language_model=warmup_s, encoder=0.0)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
