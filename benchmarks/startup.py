@@ -1,0 +1,109 @@
+"""Engine start-up, side by side: vllm-accel cold and with its compile cache, vs vLLM's CPU backend.
+
+Each start is a fresh process that imports vLLM and builds `LLM(model)` with the
+model's defaults (as a new user would), float32. vllm-accel starts twice per
+round: `accel-cold` with an empty compile cache directory, then `accel-warm`
+reusing it. Prints, per start, the import time, the `LLM(...)` time and its
+breakdown from the engine's log (vllm-accel's `vllm_accel start-up:` line:
+model load, KV cache, warmup with its graphs; vLLM's `init engine` figure for
+both backends), then medians per backend.
+
+    .venv/bin/python benchmarks/startup.py                      # tiny Llama and LlavaNext
+    .venv/bin/python benchmarks/startup.py --models llama --rounds 3
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import ACCEL, INIT_LINE, NATIVE, REPO, log, parse_backends
+
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from vllm import LLM
+t1 = time.perf_counter()
+llm = LLM(model=sys.argv[1], dtype="float32", seed=0)
+t2 = time.perf_counter()
+print(json.dumps({"import_s": round(t1 - t0, 2), "llm_s": round(t2 - t1, 2)}), flush=True)
+"""
+STARTUP_LINE = re.compile(
+    r"vllm_accel start-up: model load ([\d.]+) s, KV cache ([\d.]+) s, "
+    r"warmup ([\d.]+) s \((\d+) graphs, (\d+) from the compile cache\)")
+BACKENDS = ("accel", "native")
+
+
+def start_once(python, env, model, log_path):
+    with open(log_path, "w") as f:
+        r = subprocess.run([str(python), "-c", CHILD, model], env=env, cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=f, text=True, timeout=1800)
+    text = Path(log_path).read_text()
+    if r.returncode != 0 or not r.stdout.strip():
+        sys.exit(f"start failed (exit {r.returncode}); log: {log_path}\n{text[-2000:]}")
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    if m := INIT_LINE.search(text):
+        result["init_engine_s"] = float(m.group(1))
+    if m := STARTUP_LINE.search(text):
+        keys = ("load_s", "kv_s", "warmup_s", "graphs", "cache_hits")
+        result.update({k: float(v) for k, v in zip(keys, m.groups())})
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="llama,llava_next",
+                   help="tiny fixtures from vllm_accel.testing.tiny_models")
+    p.add_argument("--backends", default="accel,native", help="accel and/or native")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--log-dir", help="engine logs (default: a temp dir)")
+    args = p.parse_args()
+    backends = parse_backends(args.backends, BACKENDS)
+    work = Path(tempfile.mkdtemp(prefix="vllm-accel-startup-"))
+    log_dir = Path(args.log_dir or work)
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    rows = []
+    for model_name in args.models.split(","):
+        model = work / model_name
+        subprocess.run([str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_models", model_name,
+                        str(model)], cwd=REPO, check=True, capture_output=True)
+        for rnd in range(1, args.rounds + 1):
+            order = backends if rnd % 2 else backends[::-1]
+            for backend in order:
+                if backend == "native":
+                    runs = [("native", {**os.environ, **NATIVE[1]}, NATIVE[0])]
+                else:
+                    cache = work / f"compile-cache-{model_name}-{rnd}"
+                    env = {**os.environ, **ACCEL[1], "VLLM_ACCEL_COMPILE_CACHE_DIR": str(cache)}
+                    env.pop("VLLM_ACCEL_KVCACHE_SPACE")  # the default, as a user starts
+                    runs = [("accel-cold", env, ACCEL[0]), ("accel-warm", env, ACCEL[0])]
+                for name, env, python in runs:
+                    log_path = log_dir / f"{model_name}-{name}-{rnd}.log"
+                    res = start_once(python, env, str(model), log_path)
+                    rows.append((model_name, name, res))
+                    log(f"{model_name} {name} round {rnd}: {json.dumps(res)}")
+
+    print(f"\n{'model':<11} {'start':<11} {'import s':>8} {'LLM() s':>8} {'init s':>7} "
+          f"{'load s':>6} {'KV s':>5} {'warmup s':>8} {'graphs':>6} {'cached':>6}")
+    for model_name, name, r in rows:
+        print(f"{model_name:<11} {name:<11} {r['import_s']:>8.1f} {r['llm_s']:>8.1f} "
+              f"{r.get('init_engine_s', float('nan')):>7.1f} {r.get('load_s', float('nan')):>6.1f} "
+              f"{r.get('kv_s', float('nan')):>5.1f} {r.get('warmup_s', float('nan')):>8.1f} "
+              f"{int(r.get('graphs', 0)):>6} {int(r.get('cache_hits', 0)):>6}")
+    for model_name in args.models.split(","):
+        medians = {}
+        for name in ("accel-cold", "accel-warm", "native"):
+            values = [r["llm_s"] for m, n, r in rows if m == model_name and n == name]
+            if values:
+                medians[name] = statistics.median(values)
+        print(f"startup {model_name}: " + " ".join(
+            f"{k}={v:.1f}s" for k, v in medians.items()) + " (median LLM() seconds)")
+
+
+if __name__ == "__main__":
+    main()
