@@ -30,7 +30,8 @@ from vllm import LLM
 t1 = time.perf_counter()
 llm = LLM(model=sys.argv[1], dtype="float32", seed=0)
 t2 = time.perf_counter()
-print(json.dumps({"import_s": round(t1 - t0, 2), "llm_s": round(t2 - t1, 2)}), flush=True)
+print("STARTUP_RESULT", json.dumps({"import_s": round(t1 - t0, 2), "llm_s": round(t2 - t1, 2)}),
+      flush=True)
 """
 STARTUP_LINE = re.compile(
     r"vllm_accel start-up: model load ([\d.]+) s, KV cache ([\d.]+) s, "
@@ -39,13 +40,14 @@ BACKENDS = ("accel", "native")
 
 
 def start_once(python, env, model, log_path):
-    with open(log_path, "w") as f:
+    with open(log_path, "w") as f:  # vLLM logs to stdout: one file for both
         r = subprocess.run([str(python), "-c", CHILD, model], env=env, cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=f, text=True, timeout=1800)
+                           stdout=f, stderr=subprocess.STDOUT, timeout=1800)
     text = Path(log_path).read_text()
-    if r.returncode != 0 or not r.stdout.strip():
+    found = re.search(r"^STARTUP_RESULT (.*)$", text, re.M)
+    if r.returncode != 0 or not found:
         sys.exit(f"start failed (exit {r.returncode}); log: {log_path}\n{text[-2000:]}")
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+    result = json.loads(found.group(1))
     if m := INIT_LINE.search(text):
         result["init_engine_s"] = float(m.group(1))
     if m := STARTUP_LINE.search(text):

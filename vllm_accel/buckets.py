@@ -85,6 +85,18 @@ def half_octave_buckets(lo: int, hi: int) -> list[int]:
     return buckets + [max(lo, hi)]
 
 
+def thin_buckets(values: list[int], limit: int) -> list[int]:
+    """At most ``limit`` of the sorted ``values``, the largest always kept and
+    the rest spread evenly below it (every bucket is a graph to compile)."""
+    values = sorted(set(values))
+    if len(values) <= limit:
+        return values
+    if limit == 1:
+        return values[-1:]
+    step = (len(values) - 1) / (limit - 1)
+    return sorted({values[round(i * step)] for i in range(limit)})
+
+
 def linear_buckets(lo: int, step: int, hi: int) -> list[int]:
     buckets = list(range(lo, hi, step))
     return buckets + [hi] if not buckets or buckets[-1] != hi else buckets

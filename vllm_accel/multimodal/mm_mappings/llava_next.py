@@ -26,7 +26,10 @@ import math
 import torch
 from torch import nn
 
+from vllm_accel.buckets import thin_buckets
 from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+
+DEFAULT_VISION_BUCKETS = 3
 
 
 class LlavaNextUtils(MultiModalUtils):
@@ -51,9 +54,13 @@ class LlavaNextUtils(MultiModalUtils):
             image_size, config.image_grid_pinpoints, self._tile())
 
     def vision_buckets(self) -> list[int]:
+        # Tile counts the grid pinpoints give (base tile + grid), at most
+        # DEFAULT_VISION_BUCKETS of them: each is a graph to compile (~5 s cold
+        # on 2 cores), while padding an image by a tile costs little.
         tile = self._tile()
-        return sorted({1 + math.ceil(h / tile) * math.ceil(w / tile)
-                       for h, w in self.fms_model.config.image_grid_pinpoints})
+        counts = [1 + math.ceil(h / tile) * math.ceil(w / tile)
+                  for h, w in self.fms_model.config.image_grid_pinpoints]
+        return thin_buckets(counts, DEFAULT_VISION_BUCKETS)
 
     def warmup_image_sizes(self, buckets: list[int]) -> list[tuple[int, int]]:
         # An image exactly the size of a pinpoint picks that pinpoint: together
