@@ -4,9 +4,9 @@ vLLM's KV cache manager hands out fixed-size blocks; the scheduler sends, per
 request, the block ids that hold its context. Each layer's cache is a pair of
 tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
-The runner packs all tokens of a step into one sequence ``[1, tokens]``:
-decode tokens first (one per request), then prefill chunks, then padding up to
-a token bucket. Attention is one opaque custom op, like vLLM's own attention
+The runner packs all tokens of a step into one sequence: decode tokens first
+(one per request), then prefill chunks; each forward takes a slice of it
+``[1, tokens]``, padded up to a token bucket. Attention is one opaque custom op, like vLLM's own attention
 ops: compiled graphs see only ``[1, tokens]`` tensors, so their shapes depend
 on the token bucket alone, while the op reads the per-step layout (slots, block
 tables, masks) from ``attention_context``. Per layer it

@@ -4,8 +4,8 @@ One runner does it all (continuous batching, chunked prefill, prefix caching):
 vLLM's scheduler and KV cache manager decide what runs and where its KV lives;
 we keep the per-request state in vLLM's own ``InputBatch`` (which also builds
 the sampling metadata and runs logits processors), pack the step's tokens into
-one sequence padded to a token bucket, run the FMS model and sample with
-vLLM's ``Sampler``.
+one sequence, run it through the FMS model as one or more forwards padded to
+token buckets (``step_layout``) and sample with vLLM's ``Sampler``.
 
 A vision-language model always runs on embeddings: images scheduled this step
 are encoded (once each, cached by their identifier until vLLM frees them) and
