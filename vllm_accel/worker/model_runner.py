@@ -57,11 +57,14 @@ logger = init_logger(f"vllm.{__name__}")
 # Python, one pass over the weights, attention set-up), for cutting a step into
 # forwards; ~25-40 measured on the tiny and ~90M Llamas on a 2-core CPU.
 FORWARD_COST_IN_TOKENS = 32
-# Default token buckets: 1, 8, 64, 512. Each is a graph to compile at start-up
-# (~5 s cold on 2 cores); a bigger step runs as several forwards (a 512-token
-# forward already keeps the matmuls busy), and plan_forwards keeps padding low.
+# Default token buckets: 8, 64, 512. Each is a graph to compile at start-up
+# (~5 s cold on 2 cores). A lone decode pads to 8 rows: decode reads every
+# weight once whatever the rows, so 8 cost what 1 does. A bigger step runs as
+# several forwards (512 rows already keep the matmuls busy); plan_forwards
+# keeps padding low.
+DEFAULT_MIN_TOKEN_BUCKET = 8
 DEFAULT_MAX_TOKEN_BUCKET = 512
-DEFAULT_TOKEN_BUCKET_LIMIT = 4
+DEFAULT_TOKEN_BUCKET_LIMIT = 3
 
 
 @dataclass
@@ -97,8 +100,9 @@ class AccelModelRunner:
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
-        buckets = make_buckets(settings.token_buckets, 1, min(max_step, DEFAULT_MAX_TOKEN_BUCKET),
-                               DEFAULT_TOKEN_BUCKET_LIMIT)
+        largest = min(max_step, DEFAULT_MAX_TOKEN_BUCKET)
+        buckets = make_buckets(settings.token_buckets, min(DEFAULT_MIN_TOKEN_BUCKET, largest),
+                               largest, DEFAULT_TOKEN_BUCKET_LIMIT)
         self.token_buckets = [b for b in buckets if b <= max_step] or [max_step]
         # Decode attention runs outside the compiled graphs, so context buckets
         # cost no graphs: by default they step by half octaves, to pad less.
