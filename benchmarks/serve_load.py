@@ -472,7 +472,10 @@ def final_line(s: dict) -> str:
             f"mm_drift_retries={s['drift_retries']} "
             f"p50_ms={s['p50_ms']:.0f} p90_ms={s['p90_ms']:.0f} p99_ms={s['p99_ms']:.0f} "
             f"wall_s={s['wall_s']:.1f} rss_before_mb={s['rss_before_mb']:.0f} "
-            f"rss_after_mb={s['rss_after_mb']:.0f} kv_usage_after={s['kv_usage_after']} "
+            f"rss_after_mb={s['rss_after_mb']:.0f} "
+            + (f"rss_after_passes_mb={','.join(f'{m:.0f}' for m in s['rss_after_passes_mb'])} "
+               if s.get("rss_after_passes_mb") else "")
+            + f"kv_usage_after={s['kv_usage_after']} "
             f"runner_requests_after={state.get('requests')} "
             f"encoder_cache_after={state.get('encoder_cache_entries')} "
             f"encoder_cache_rows={state.get('encoder_cache_rows')}/{s['encoder_cache_bound']} "
@@ -487,6 +490,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: the tiny LlavaNext fixture)")
     p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--passes", type=int, default=1,
+                   help="send that many loads of --requests (new images each) to one "
+                        "server, RSS read after each: does memory level off?")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--compile-backend", choices=["eager", "inductor"], default="eager")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -512,7 +518,10 @@ def run(args) -> dict:
         model = str(make_tiny_model("llava_next", workdir / "tiny-llava-next"))
     port, log_path = free_port(), workdir / "server.log"
     base = f"http://127.0.0.1:{port}"
-    jobs = build_plan(args, model)
+    jobs = []
+    for i in range(args.passes):  # a new seed per pass: new images, new prompts
+        jobs.append(build_plan(argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * i}),
+                               model))
     proc = start_server(args, model, port, log_path)
     try:
         started = time.time()
@@ -523,13 +532,28 @@ def run(args) -> dict:
         stop_server(proc)
 
 
-async def measure(args, proc, base: str, model: str, jobs: list[dict], log_path: Path) -> dict:
+async def measure(args, proc, base: str, model: str, passes: list[list[dict]],
+                  log_path: Path) -> dict:
     rss_before = tree_rss_mb(proc.pid)
-    total = sum(len(j.get("burst", [j])) for j in jobs)
-    log(f"sending {total} requests ({len(jobs)} jobs) at concurrency {args.concurrency}")
-    started = time.perf_counter()
-    res = await send_all(base, jobs, args)
-    wall = time.perf_counter() - started
+    res, total, wall, rss_after_passes = Results(), 0, 0.0, []
+    for number, jobs in enumerate(passes, 1):
+        count = sum(len(j.get("burst", [j])) for j in jobs)
+        total += count
+        log(f"pass {number}/{len(passes)}: sending {count} requests ({len(jobs)} jobs) "
+            f"at concurrency {args.concurrency}")
+        started = time.perf_counter()
+        one = await send_all(base, jobs, args)
+        wall += time.perf_counter() - started
+        for name in ("done", "disconnected", "aborted", "drift_retries"):
+            setattr(res, name, getattr(res, name) + getattr(one, name))
+        res.failed += one.failed
+        res.bad += one.bad
+        res.latencies_ms += one.latencies_ms
+        if len(passes) > 1:
+            async with httpx.AsyncClient(base_url=base) as http:
+                await wait_idle(http, args.idle_timeout)
+            rss_after_passes.append(tree_rss_mb(proc.pid))
+            log(f"pass {number}: RSS {rss_after_passes[-1]:.0f} MB")
     async with httpx.AsyncClient(base_url=base) as http:
         kv_usage, busy = await wait_idle(http, args.idle_timeout)
         state = await runner_state(http)
@@ -555,6 +579,7 @@ async def measure(args, proc, base: str, model: str, jobs: list[dict], log_path:
         "p50_ms": percentile(res.latencies_ms, 50), "p90_ms": percentile(res.latencies_ms, 90),
         "p99_ms": percentile(res.latencies_ms, 99), "wall_s": wall,
         "rss_before_mb": rss_before, "rss_after_mb": rss_after,
+        "rss_after_passes_mb": rss_after_passes,
         "kv_usage_after": kv_usage, "busy_after": busy, "runner_state": state,
         "encoder_cache_after_reset": after_reset,
         # vLLM's encoder cache budget: max(scheduler encoder_cache_size, one item);
