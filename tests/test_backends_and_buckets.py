@@ -71,8 +71,8 @@ def test_bucket_strategies():
     assert find_bucket([1, 8, 64], 65) is None
     # The defaults' helpers: 4 token buckets up to 512, half-octave contexts,
     # thinned vision buckets.
-    assert make_buckets("", 8, 512, 3) == [8, 64, 512]
-    assert make_buckets("", 8, 64, 3) == [8, 32, 64]
+    assert make_buckets("", 1, 512, 4) == [1, 8, 64, 512]
+    assert make_buckets("", 1, 64, 4) == [1, 4, 16, 64]
     assert half_octave_buckets(1, 64) == [1, 2, 3, 4, 6, 8, 11, 16, 23, 33, 47, 64]
     assert thin_buckets([5, 2, 3, 4], 3) == [2, 4, 5]
     assert thin_buckets([2, 3], 3) == [2, 3] and thin_buckets([2, 3, 9], 1) == [9]

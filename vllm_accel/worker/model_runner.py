@@ -55,16 +55,16 @@ logger = init_logger(f"vllm.{__name__}")
 
 # What one more forward costs, in padded tokens (its fixed per-call work:
 # Python, one pass over the weights, attention set-up), for cutting a step into
-# forwards; ~25-40 measured on the tiny and ~90M Llamas on a 2-core CPU.
+# forwards: a rough estimate from profiles of the tiny and ~90M Llamas on 2
+# cores, not tuned.
 FORWARD_COST_IN_TOKENS = 32
-# Default token buckets: 8, 64, 512. Each is a graph to compile at start-up
-# (~5 s cold on 2 cores). A lone decode pads to 8 rows: decode reads every
-# weight once whatever the rows, so 8 cost what 1 does. A bigger step runs as
-# several forwards (512 rows already keep the matmuls busy); plan_forwards
-# keeps padding low.
-DEFAULT_MIN_TOKEN_BUCKET = 8
+# Default token buckets: 1, 8, 64, 512. Each is a graph to compile at start-up
+# (~5 s cold on 2 cores). A lone decode keeps its own bucket: on the ~90M Llama
+# it takes 29 ms as one row and 62-74 ms padded to 8 (a matrix-vector product
+# against a small-matrix one). A bigger step runs as several forwards (512 rows
+# already keep the matmuls busy); plan_forwards keeps padding low.
 DEFAULT_MAX_TOKEN_BUCKET = 512
-DEFAULT_TOKEN_BUCKET_LIMIT = 3
+DEFAULT_TOKEN_BUCKET_LIMIT = 4
 
 
 @dataclass
@@ -100,9 +100,8 @@ class AccelModelRunner:
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
-        largest = min(max_step, DEFAULT_MAX_TOKEN_BUCKET)
-        buckets = make_buckets(settings.token_buckets, min(DEFAULT_MIN_TOKEN_BUCKET, largest),
-                               largest, DEFAULT_TOKEN_BUCKET_LIMIT)
+        buckets = make_buckets(settings.token_buckets, 1, min(max_step, DEFAULT_MAX_TOKEN_BUCKET),
+                               DEFAULT_TOKEN_BUCKET_LIMIT)
         self.token_buckets = [b for b in buckets if b <= max_step] or [max_step]
         # Decode attention runs outside the compiled graphs, so context buckets
         # cost no graphs: by default they step by half octaves, to pad less.
