@@ -6,7 +6,8 @@ round: `accel-cold` with an empty compile cache directory, then `accel-warm`
 reusing it. Prints, per start, the import time, the `LLM(...)` time and its
 breakdown from the engine's log (vllm-accel's `vllm_accel start-up:` line:
 model load, KV cache, warmup with its graphs; vLLM's `init engine` figure for
-both backends), then medians per backend.
+both backends), then medians per backend. Each backend keeps its own vLLM
+cache root (in the temp dir, kept between runs), as one installed vLLM would.
 
     .venv/bin/python benchmarks/startup.py                      # tiny Llama and LlavaNext
     .venv/bin/python benchmarks/startup.py --models llama --rounds 3
@@ -37,6 +38,7 @@ STARTUP_LINE = re.compile(
     r"vllm_accel start-up: model load ([\d.]+) s, KV cache ([\d.]+) s, "
     r"warmup ([\d.]+) s \((\d+) graphs, (\d+) from the compile cache\)")
 BACKENDS = ("accel", "native")
+VLLM_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-startup-vllm-cache"
 
 
 def start_once(python, env, model, log_path):
@@ -77,11 +79,16 @@ def main():
         for rnd in range(1, args.rounds + 1):
             order = backends if rnd % 2 else backends[::-1]
             for backend in order:
+                # Each vLLM its own cache root: the two versions share the file
+                # names of vLLM's model-inspection cache and would redo each
+                # other's inspection (~10 s) on every alternation.
+                vllm_cache = {"VLLM_CACHE_ROOT": str(VLLM_CACHE / backend)}
                 if backend == "native":
-                    runs = [("native", {**os.environ, **NATIVE[1]}, NATIVE[0])]
+                    runs = [("native", {**os.environ, **NATIVE[1], **vllm_cache}, NATIVE[0])]
                 else:
                     cache = work / f"compile-cache-{model_name}-{rnd}"
-                    env = {**os.environ, **ACCEL[1], "VLLM_ACCEL_COMPILE_CACHE_DIR": str(cache)}
+                    env = {**os.environ, **ACCEL[1], **vllm_cache,
+                           "VLLM_ACCEL_COMPILE_CACHE_DIR": str(cache)}
                     env.pop("VLLM_ACCEL_KVCACHE_SPACE")  # the default, as a user starts
                     runs = [("accel-cold", env, ACCEL[0]), ("accel-warm", env, ACCEL[0])]
                 for name, env, python in runs:
