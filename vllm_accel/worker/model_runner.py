@@ -471,7 +471,7 @@ class AccelModelRunner:
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor. On the CPU from calloc'd memory, which the OS zero-fills
     page by page on first touch: a 4 GiB KV cache then costs nothing at start-up
-    (torch.zeros writes every byte first: ~8 s on the 2-core CI machine)."""
+    (torch.zeros writes every byte first: 1-2 s for 4 GiB on a quiet 2-core machine)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * dtype.itemsize
