@@ -49,6 +49,8 @@ import openai
 import psutil
 from PIL import Image
 
+from vllm_accel.testing.processes import end_process_group
+
 VLLM = str(Path(sys.executable).with_name("vllm"))
 RECOMPILE_LINE = "vllm_accel recompile at run time"
 DRIFT_LINE = "P0/P1 cache drift"  # vLLM's warning for a MultiModalCacheMissError
@@ -106,17 +108,7 @@ def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group, SIGKILL what is left after 30 s."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        proc.poll()
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    end_process_group(proc, time.time() + 30)
 
 
 def tree_rss_mb(pid: int) -> float:

@@ -27,6 +27,7 @@ import torch
 
 from helpers import wait_until_serving
 from test_serve import VLLM, free_port, server_env
+from vllm_accel.testing.processes import end_process_group
 from vllm_accel.testing.tiny_models import make_tiny_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -101,22 +102,7 @@ def launched(llava, tmp_path_factory):
                 os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.time() + 30
         for proc, _ in procs.values():
-            stop_group(proc, deadline)
-
-
-def stop_group(proc: subprocess.Popen, deadline: float) -> None:
-    """Wait for proc's process group to end (a `vllm serve` still starting up
-    may not react to SIGTERM), killing what is left at the deadline."""
-    while time.time() < deadline:
-        proc.poll()  # reap the leader
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+            end_process_group(proc, deadline)
 
 
 @contextlib.contextmanager
@@ -135,7 +121,7 @@ def vllm_server(model, workdir: Path, *args: str, env: dict):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        stop_group(proc, time.time() + 30)
+        end_process_group(proc, time.time() + 30)
 
 
 def finished(launched, name: str) -> str:

@@ -225,7 +225,8 @@ class AccelModelRunner:
             if self.mm_utils is not None:
                 self._encode_scheduled_images(scheduler_output)
                 inputs = self._merged_embeddings(step, inputs)
-            hidden = torch.cat([self._run_forward(fwd, inputs) for fwd in step.forwards], dim=1)
+            parts = [self._run_forward(fwd, inputs) for fwd in step.forwards]
+            hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         logits, prompt_logprobs = None, {}
         if self.is_driver:
             logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)]).cpu()
