@@ -72,6 +72,10 @@ def test_warmup_compiles_every_bucket_once(compiled):
     assert runner.token_buckets == [1, 4, 16, 64]
     assert runner.compile_stats.warmup_graphs == 4
     assert runner.compile_stats.cache_hits == (0, 4)
+    # vLLM pins inductor to one compile thread; the worker gives it its cores.
+    import torch
+    import torch._inductor.config
+    assert torch._inductor.config.compile_threads == torch.get_num_threads()
 
 
 def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
