@@ -10,6 +10,7 @@ import pytest
 
 from vllm_accel.devices import DeviceBackend, select_backend
 from vllm_accel.settings import load_settings
+from vllm_accel.worker.model_runner import token_buckets
 from vllm_accel.buckets import (
     exponential_buckets,
     find_bucket,
@@ -69,10 +70,13 @@ def test_bucket_strategies():
     assert make_buckets("lin:step=40", 40, 100) == [40, 80, 100]
     assert find_bucket([1, 8, 64], 9) == 64
     assert find_bucket([1, 8, 64], 65) is None
-    # The defaults' helpers: 4 token buckets up to 512, half-octave contexts,
-    # thinned vision buckets.
-    assert make_buckets("", 1, 512, 4) == [1, 8, 64, 512]
-    assert make_buckets("", 1, 64, 4) == [1, 4, 16, 64]
+    # The defaults: token buckets doubling from 8 to 64, then 512 (never above
+    # what one step holds), half-octave contexts, thinned vision buckets.
+    assert token_buckets("", 8192) == [1, 8, 16, 32, 64, 512]
+    assert token_buckets("", 100) == [1, 8, 16, 32, 64, 100]
+    assert token_buckets("", 16) == [1, 8, 16]
+    assert token_buckets("exp:min=1,limit=4", 8192) == [1, 8, 64, 512]
+    assert token_buckets("1,8,64,512", 300) == [1, 8, 64]
     assert half_octave_buckets(1, 64) == [1, 2, 3, 4, 6, 8, 11, 16, 23, 33, 47, 64]
     assert thin_buckets([5, 2, 3, 4], 3) == [2, 4, 5]
     assert thin_buckets([2, 3], 3) == [2, 3] and thin_buckets([2, 3, 9], 1) == [9]

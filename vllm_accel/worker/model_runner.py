@@ -58,13 +58,22 @@ logger = init_logger(f"vllm.{__name__}")
 # forwards: a rough estimate from profiles of the tiny and ~90M Llamas on 2
 # cores, not tuned.
 FORWARD_COST_IN_TOKENS = 32
-# Default token buckets: 1, 8, 64, 512. Each is a graph to compile at start-up
-# (~5 s cold on 2 cores). A lone decode keeps its own bucket: on the ~90M Llama
-# it takes 29 ms as one row and 62-74 ms padded to 8 (a matrix-vector product
-# against a small-matrix one). A bigger step runs as several forwards (512 rows
-# already keep the matmuls busy); plan_forwards keeps padding low.
-DEFAULT_MAX_TOKEN_BUCKET = 512
-DEFAULT_TOKEN_BUCKET_LIMIT = 4
+# Default token buckets, each a graph to compile at start-up (~3.5 s cold on 2
+# cores). Small steps are mostly decodes, one row per running request: they
+# double from 8 to 64 so that a decode batch pads at most 2x (the ~90M Llama at
+# 32 requests: 1.63x native padded to 64, 2.08x at 32). A lone decode keeps its
+# own bucket (29 ms as one row, 62-74 ms padded to 8, same model). Bigger steps
+# run as forwards of 512 and smaller buckets (plan_forwards).
+DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 512)
+
+
+def token_buckets(spec: str, max_step: int) -> list[int]:
+    """The token buckets for a spec ("" = the defaults), none above the
+    largest step the scheduler can send."""
+    top = min(max_step, DEFAULT_TOKEN_BUCKETS[-1])
+    buckets = (make_buckets(spec, 1, top) if spec
+               else [b for b in DEFAULT_TOKEN_BUCKETS if b < top] + [top])
+    return [b for b in buckets if b <= max_step] or [max_step]
 
 
 @dataclass
@@ -100,9 +109,7 @@ class AccelModelRunner:
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
-        buckets = make_buckets(settings.token_buckets, 1, min(max_step, DEFAULT_MAX_TOKEN_BUCKET),
-                               DEFAULT_TOKEN_BUCKET_LIMIT)
-        self.token_buckets = [b for b in buckets if b <= max_step] or [max_step]
+        self.token_buckets = token_buckets(settings.token_buckets, max_step)
         # Decode attention runs outside the compiled graphs, so context buckets
         # cost no graphs: by default they step by half octaves, to pad less.
         self.context_buckets = (
