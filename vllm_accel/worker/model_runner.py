@@ -58,12 +58,12 @@ logger = init_logger(f"vllm.{__name__}")
 # forwards: a rough estimate from profiles of the tiny and ~90M Llamas on 2
 # cores, not tuned.
 FORWARD_COST_IN_TOKENS = 32
-# Default token buckets, each a graph to compile at start-up (~3.5 s cold on 2
+# Default token buckets, each a graph to compile at start-up (~3 s cold on 2
 # cores). Small steps are mostly decodes, one row per running request: they
 # double from 8 to 64 so that a decode batch pads at most 2x (the ~90M Llama at
-# 32 requests: 1.63x native padded to 64, 2.08x at 32). A lone decode keeps its
-# own bucket (29 ms as one row, 62-74 ms padded to 8, same model). Bigger steps
-# run as forwards of 512 and smaller buckets (plan_forwards).
+# 32 requests: 1.63x native padded to 64, 2.00x with these buckets). A lone
+# decode keeps its own bucket (29 ms as one row, 62-74 ms padded to 8, same
+# model). Bigger steps run as forwards of 512 and smaller ones (plan_forwards).
 DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 512)
 
 
