@@ -8,6 +8,8 @@ import re
 import time
 
 import pytest
+import torch
+import torch._inductor.config
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -60,6 +62,9 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiled(tiny_models, cache_dir):
     """One inductor engine, started cold (empty compile cache)."""
+    # As under `vllm serve`: vLLM's TORCHINDUCTOR_COMPILE_THREADS=1 is read when
+    # torch comes after vllm (in this process torch came first, so set it here).
+    torch._inductor.config.compile_threads = 1
     started = time.perf_counter()
     with running_llm(tiny_models["llama"], additional_config=accel_config(cache_dir),
                      **ENGINE) as llm:
@@ -73,8 +78,6 @@ def test_warmup_compiles_every_bucket_once(compiled):
     assert runner.compile_stats.warmup_graphs == 4
     assert runner.compile_stats.cache_hits == (0, 4)
     # vLLM pins inductor to one compile thread; the worker gives it its cores.
-    import torch
-    import torch._inductor.config
     assert torch._inductor.config.compile_threads == torch.get_num_threads()
 
 

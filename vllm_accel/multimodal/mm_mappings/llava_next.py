@@ -55,7 +55,7 @@ class LlavaNextUtils(MultiModalUtils):
 
     def vision_buckets(self) -> list[int]:
         # Tile counts the grid pinpoints give (base tile + grid), at most
-        # DEFAULT_VISION_BUCKETS of them: each is a graph to compile (~5 s cold
+        # DEFAULT_VISION_BUCKETS of them: each is a graph to compile (~4 s cold
         # on 2 cores); an image between two kept counts pads up to the next.
         tile = self._tile()
         counts = [1 + math.ceil(h / tile) * math.ceil(w / tile)
