@@ -31,8 +31,7 @@ def _step():
         slot_mapping=torch.tensor([5, 9]),
         num_decodes=2,
         decode_block_table=torch.tensor([[1], [2]]),
-        decode_mask=torch.tensor([[True, True, False, False], [True, True, False, False]])
-        [:, None, None, :],
+        decode_context_lens=torch.tensor([2, 2]),
     )
     return query, key, value, metadata
 

@@ -273,7 +273,7 @@ def test_paged_attention_plugs_in(hf, fms):
             + torch.arange(tokens) % block_size,
             num_decodes=0,
             decode_block_table=torch.zeros(0, 1, dtype=torch.long),
-            decode_mask=torch.zeros(0, 1, 1, block_size, dtype=torch.bool),
+            decode_context_lens=torch.zeros(0, dtype=torch.long),
             prefills=[PrefillChunk(0, tokens, blocks[None], causal_context_mask(
                 torch.arange(tokens)[None], torch.tensor([tokens]), len(blocks) * block_size))],
         )

@@ -59,8 +59,7 @@ def test_attention_metadata_masks():
     md = _pack(context_bucket=lambda blocks: 4).forwards[0].attn_metadata
     assert md.num_decodes == 1
     assert md.decode_block_table.tolist() == [[7, 8, 9, 0]]  # padded to 4 blocks
-    assert md.decode_mask.shape == (1, 1, 1, 16)
-    assert md.decode_mask[0, 0, 0].tolist() == [True] * 10 + [False] * 6
+    assert md.decode_context_lens.tolist() == [10]  # row 1 decodes position 9
     first, second = md.prefills
     assert (first.start, first.end, second.start, second.end) == (1, 7, 7, 10)
     assert first.block_table.tolist() == [[5, 6]] and second.block_table.tolist() == [[10, 11]]

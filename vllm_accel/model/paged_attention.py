@@ -13,7 +13,8 @@ tables, masks) from ``attention_context``. Per layer it
 
 1. writes the new keys/values into their slots (padding writes go to block 0,
    which vLLM never hands to a request);
-2. attends: all decodes at once, over block tables padded to a context bucket;
+2. attends: all decodes at once, over block tables padded to a context bucket
+   (on the CPU with our kernel that reads the blocks in place, decode_kernel.py);
    each prefill chunk over its own context.
 """
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from fms.modules.attention import register_attention_op
+
+from vllm_accel.model.decode_kernel import DecodeAttentionKernel
 
 ATTN_NAME = "vllm_accel_paged"
 
@@ -45,11 +48,18 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] int64: cache slot of each packed token
     num_decodes: int  # tokens [0, num_decodes) are decodes, one per request
     decode_block_table: torch.Tensor  # [num_decodes, context_bucket] int64
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, context_bucket * block_size] bool
+    decode_context_lens: torch.Tensor  # [num_decodes] int64: tokens each decode sees
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
 _current: PagedAttentionMetadata | None = None
+_decode_kernel: DecodeAttentionKernel | None = None
+
+
+def use_decode_kernel(kernel: DecodeAttentionKernel | None) -> None:
+    """Attend decodes with ``kernel`` where it supports the tensors (None: PyTorch)."""
+    global _decode_kernel
+    _decode_kernel = kernel
 
 
 @contextlib.contextmanager
@@ -98,13 +108,8 @@ def paged_attention(
 
     out = query.new_zeros(query.shape)
     if md.num_decodes:
-        # All decodes at once, one row per request; the query heads that share a
-        # KV head are that row's queries (one SDPA without repeating keys/values).
-        rows, heads = md.num_decodes, query.shape[2]
-        decodes = query[0, :rows].view(rows, kv_heads, heads // kv_heads, head_dim)
-        out[0, :rows] = _attend(
-            decodes, key_cache, value_cache, md.decode_block_table, md.decode_mask, scale
-        ).reshape(rows, heads, head_dim)
+        out[0, : md.num_decodes] = _attend_decodes(query[0, : md.num_decodes], key_cache,
+                                                   value_cache, md, scale)
     for chunk in md.prefills:
         # One request's chunk: its tokens are the query rows of one sequence.
         chunk_query = query[0, chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
@@ -112,6 +117,22 @@ def paged_attention(
             chunk_query, key_cache, value_cache, chunk.block_table, chunk.mask, scale
         )[0].transpose(0, 1)
     return out
+
+
+def _attend_decodes(query, key_cache, value_cache, md, scale):
+    """query [rows, heads, dim], one decode token per row -> [rows, heads, dim]."""
+    block_table, context_lens = md.decode_block_table, md.decode_context_lens
+    if _decode_kernel is not None and _decode_kernel.supports(query, key_cache):
+        return _decode_kernel(query, key_cache, value_cache, block_table, context_lens, scale)
+    # PyTorch: the query heads that share a KV head are that row's queries (one
+    # SDPA without repeating keys/values), over the gathered context.
+    rows, heads, head_dim = query.shape
+    kv_heads = key_cache.shape[2]
+    width = block_table.shape[1] * key_cache.shape[1]
+    mask = torch.arange(width)[None, :] < context_lens[:, None]
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
+    out = _attend(grouped, key_cache, value_cache, block_table, mask[:, None, None, :], scale)
+    return out.reshape(rows, heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm_accel.buckets import fit_bucket, half_octave_buckets, make_buckets, plan_forwards
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
-from vllm_accel.model.paged_attention import attention_context
+from vllm_accel.model import decode_kernel
+from vllm_accel.model.paged_attention import attention_context, use_decode_kernel
 from vllm_accel.multimodal.encoder import VisionEncoder, merge_embeddings
 from vllm_accel.multimodal.inputs import item_tensors
 from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
@@ -171,6 +172,9 @@ class AccelModelRunner:
             raise ValueError(
                 f"vllm-accel tensor parallelism needs the LM head replicated on every "
                 f"rank; {type(fms_model).__name__}'s is sharded.")
+        # The kernel is the cpu device's own (the graphs stay device-neutral).
+        use_decode_kernel(decode_kernel.load(self.settings.cache_dir / "kernels")
+                          if self.backend.device == "cpu" else None)
         compile_backend = self.backend.compile_backend if self.backend.compiles else None
         if compile_backend is not None:
             self.compile_stats.configure(self.settings.cache_dir)

@@ -134,7 +134,6 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
     decode_rows = packed.order[decodes]
     context_lens = pos[decodes] + 1
     width = context_bucket(cdiv(int(context_lens.max(initial=1)), bs))
-    decode_mask = np.arange(width * bs)[None, :] < context_lens[:, None]
     prefills = []
     for i in range(packed.num_decodes, len(packed.order)):
         # The part of request i's chunk inside this forward (if any).
@@ -160,7 +159,7 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
         slot_mapping=torch.from_numpy(slots),
         num_decodes=len(decodes),
         decode_block_table=torch.from_numpy(block_table[decode_rows, :width].astype(np.int64)),
-        decode_mask=torch.from_numpy(decode_mask[:, None, None, :]),
+        decode_context_lens=torch.from_numpy(context_lens.astype(np.int64)),
         prefills=prefills,
     )
     positions = torch.from_numpy(positions)

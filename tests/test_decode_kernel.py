@@ -1,0 +1,85 @@
+"""The CPU decode-attention kernel against the PyTorch path (gather + SDPA),
+and how it is built: cached, harmless to the process, optional."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_accel.model import decode_kernel
+from vllm_accel.model.paged_attention import (
+    PagedAttentionMetadata,
+    attention_context,
+    paged_attention,
+    use_decode_kernel,
+)
+
+BLOCKS, BLOCK = 16, 4
+
+
+def _decode_step(heads, kv_heads, dim, context_lens, width, seed=0):
+    """Random caches and one decode token per row; each row's blocks are
+    distinct, unused table entries point at block 0 as the runner's do."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(context_lens)
+    caches = [torch.randn(BLOCKS, BLOCK, kv_heads, dim, generator=g) for _ in range(2)]
+    block_table = torch.zeros(rows, width, dtype=torch.long)
+    free = torch.randperm(BLOCKS - 1, generator=g) + 1
+    for row, length in enumerate(context_lens):
+        used = -(-length // BLOCK)
+        block_table[row, :used], free = free[:used], free[used:]
+    query = torch.randn(1, rows, heads, dim, generator=g)
+    new_kv = [torch.randn(1, rows, kv_heads, dim, generator=g) for _ in range(2)]
+    # Each decode's own token is the last of its context.
+    lens = torch.tensor(context_lens)
+    slots = block_table[torch.arange(rows), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK
+    metadata = PagedAttentionMetadata(slot_mapping=slots, num_decodes=rows,
+                                      decode_block_table=block_table, decode_context_lens=lens)
+    return query, new_kv, caches, metadata
+
+
+def _run(kernel, query, new_kv, caches, metadata):
+    use_decode_kernel(kernel)
+    try:
+        caches = [c.clone() for c in caches]
+        with attention_context(metadata):
+            return paged_attention(query, *new_kv, *caches, 0.125)
+    finally:
+        use_decode_kernel(None)
+
+
+def test_kernel_matches_pytorch_path(tmp_path):
+    kernel = decode_kernel.load(tmp_path)
+    assert kernel is not None
+    # Grouped (4 query heads per KV head), plain multi-head, and a single head;
+    # rows from 1 token to the full padded width, and one that ends a block.
+    for heads, kv_heads, dim in ((8, 2, 64), (4, 4, 32), (1, 1, 16)):
+        step = _decode_step(heads, kv_heads, dim, context_lens=[1, 7, 12, 4, 9], width=3)
+        expected = _run(None, *step)
+        got = _run(kernel, *step)
+        assert got.shape == expected.shape == (1, 5, heads, dim)
+        assert expected.abs().max() > 0.1
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_is_cached_and_keeps_denormals(tmp_path):
+    library = decode_kernel.build(tmp_path)
+    built_at = library.stat().st_mtime_ns
+    assert decode_kernel.build(tmp_path) == library
+    assert library.stat().st_mtime_ns == built_at  # loaded, not rebuilt
+    decode_kernel.DecodeAttentionKernel(library)
+    # Linked with -ffast-math, loading it would flush denormals to zero in
+    # every computation of the process.
+    assert (torch.tensor(1e-40) * 1).item() != 0
+
+
+def test_no_compiler_falls_back_to_pytorch(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert decode_kernel.load(tmp_path) is None
+
+
+def test_kernel_supports_float32_cpu_only(tmp_path):
+    kernel = decode_kernel.load(tmp_path)
+    cache = torch.zeros(2, BLOCK, 1, 8)
+    assert kernel.supports(torch.zeros(1, 1, 8), cache)
+    assert not kernel.supports(torch.zeros(1, 1, 8, dtype=torch.bfloat16),
+                               cache.to(torch.bfloat16))

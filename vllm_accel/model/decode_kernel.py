@@ -1,0 +1,115 @@
+"""Build and call the CPU decode-attention kernel (decode_attention.cpp).
+
+The kernel is plain C++ with OpenMP and a C ABI: the same compiler inductor
+already needs builds it in about a second, into the compile cache, once per
+source, compiler flags and CPU. It links the OpenMP runtime torch has already
+loaded (same soname), so it shares torch's threads instead of adding a pool.
+If it cannot be built, attention stays on the PyTorch path (a warning says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+# -ffast-math lets the softmax's exp vectorize. It is given to the compile step
+# only: linked with it, GCC adds start-up code that flushes denormals to zero
+# for the whole process (and every model with it).
+COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
+
+_I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+
+
+class DecodeAttentionKernel:
+    """``decode_attention_f32`` loaded from a built shared library."""
+
+    def __init__(self, library: Path):
+        self._function = ctypes.CDLL(str(library)).decode_attention_f32
+        self._function.restype = None
+        self._function.argtypes = [_PTR] * 6 + [_I64] * 6 + [_F32, _INT]
+
+    @staticmethod
+    def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        return key_cache.device.type == "cpu" and key_cache.dtype == query.dtype == torch.float32
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_table: torch.Tensor, context_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """query [rows, heads, dim], one token per row attending over the first
+        context_lens[row] tokens of its blocks -> [rows, heads, dim]."""
+        rows, heads, dim = query.shape
+        block_size, kv_heads = key_cache.shape[1:3]
+        assert key_cache.is_contiguous() and value_cache.is_contiguous()
+        query = query.contiguous()
+        block_table = block_table.contiguous()
+        context_lens = context_lens.contiguous()
+        assert int(context_lens.max()) <= block_table.shape[1] * block_size
+        out = torch.empty_like(query)
+        self._function(
+            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_table.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
+            rows, heads, kv_heads, dim, block_size, block_table.shape[1],
+            scale, torch.get_num_threads(),
+        )
+        return out
+
+
+def build(cache_dir: Path) -> Path:
+    """The kernel's shared library under ``cache_dir``, built if missing."""
+    compiler = os.environ.get("CXX", "g++")
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
+                 platform.machine().encode(), _cpu_model().encode()):
+        key.update(part)
+    library = cache_dir / f"decode_attention-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    # Build beside the target, then rename: workers starting together never
+    # load a half-written library.
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        obj, partial = Path(tmp) / "kernel.o", Path(tmp) / library.name
+        cxx = shlex.split(compiler)
+        for command in ([*cxx, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                        [*cxx, *LINK_FLAGS, str(obj), "-o", str(partial)]):
+            subprocess.run(command, check=True, capture_output=True, text=True)
+        os.replace(partial, library)
+    logger.info("vllm_accel decode attention kernel built in %.1f s: %s",
+                time.perf_counter() - start, library)
+    return library
+
+
+def load(cache_dir: Path) -> DecodeAttentionKernel | None:
+    """The kernel, or None (with a warning) when it cannot be built here."""
+    try:
+        return DecodeAttentionKernel(build(cache_dir))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("vllm_accel: decode attention kernel unavailable, using the PyTorch "
+                       "path (slower): %s", detail)
+        return None
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and flags: -march=native code runs only on such a CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    first = {line.split(":")[0].strip(): line for line in reversed(lines) if ":" in line}
+    return first.get("model name", "") + first.get("flags", "")
