@@ -16,19 +16,19 @@ from vllm_accel.model.paged_attention import (
 BLOCKS, BLOCK = 16, 4
 
 
-def _decode_step(heads, kv_heads, dim, context_lens, width, seed=0):
+def _decode_step(heads, kv_heads, dim, context_lens, width, dtype=torch.float32, seed=0):
     """Random caches and one decode token per row; each row's blocks are
     distinct, unused table entries point at block 0 as the runner's do."""
     g = torch.Generator().manual_seed(seed)
     rows = len(context_lens)
-    caches = [torch.randn(BLOCKS, BLOCK, kv_heads, dim, generator=g) for _ in range(2)]
+    caches = [torch.randn(BLOCKS, BLOCK, kv_heads, dim, generator=g).to(dtype) for _ in range(2)]
     block_table = torch.zeros(rows, width, dtype=torch.long)
     free = torch.randperm(BLOCKS - 1, generator=g) + 1
     for row, length in enumerate(context_lens):
         used = -(-length // BLOCK)
         block_table[row, :used], free = free[:used], free[used:]
-    query = torch.randn(1, rows, heads, dim, generator=g)
-    new_kv = [torch.randn(1, rows, kv_heads, dim, generator=g) for _ in range(2)]
+    query = torch.randn(1, rows, heads, dim, generator=g).to(dtype)
+    new_kv = [torch.randn(1, rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2)]
     # Each decode's own token is the last of its context.
     lens = torch.tensor(context_lens)
     slots = block_table[torch.arange(rows), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK
@@ -61,6 +61,22 @@ def test_kernel_matches_pytorch_path(tmp_path):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_kernel_reads_half_precision_caches(tmp_path):
+    """bfloat16/float16 caches: float32 arithmetic, so the kernel is at least as
+    close to a float32 reference as the PyTorch path in that dtype is."""
+    kernel = decode_kernel.load(tmp_path)
+    for dtype in (torch.bfloat16, torch.float16):
+        step = _decode_step(8, 2, 64, context_lens=[1, 7, 12, 4, 9], width=3, dtype=dtype)
+        query, new_kv, caches, metadata = step
+        reference = _run(None, query.float(), [t.float() for t in new_kv],
+                         [c.float() for c in caches], metadata)
+        got, pytorch = _run(kernel, *step), _run(None, *step)
+        assert got.dtype == dtype
+        kernel_error = (got.float() - reference).abs().max()
+        assert kernel_error <= (pytorch.float() - reference).abs().max() + 1e-3
+        torch.testing.assert_close(got.float(), reference, rtol=1e-2, atol=1e-2)
+
+
 def test_kernel_is_cached_and_keeps_denormals(tmp_path):
     library = decode_kernel.build(tmp_path)
     built_at = library.stat().st_mtime_ns
@@ -77,9 +93,10 @@ def test_no_compiler_falls_back_to_pytorch(tmp_path, monkeypatch):
     assert decode_kernel.load(tmp_path) is None
 
 
-def test_kernel_supports_float32_cpu_only(tmp_path):
+def test_kernel_supports_cpu_float_caches_only(tmp_path):
     kernel = decode_kernel.load(tmp_path)
-    cache = torch.zeros(2, BLOCK, 1, 8)
-    assert kernel.supports(torch.zeros(1, 1, 8), cache)
-    assert not kernel.supports(torch.zeros(1, 1, 8, dtype=torch.bfloat16),
-                               cache.to(torch.bfloat16))
+    query, cache = torch.zeros(1, 1, 8), torch.zeros(2, BLOCK, 1, 8)
+    assert kernel.supports(query, cache)
+    assert kernel.supports(query.bfloat16(), cache.bfloat16())
+    assert not kernel.supports(query, cache.bfloat16())  # mixed dtypes
+    assert not kernel.supports(query.double(), cache.double())

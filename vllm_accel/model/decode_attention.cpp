@@ -8,47 +8,73 @@
 // its blocks directly, token by token (all KV heads of a token are adjacent in
 // memory): scores, softmax, weighted sum of values.
 //
-// Plain C ABI, no torch headers, so it builds in about a second; built and
-// called by decode_kernel.py.
+// The cache may hold float32, bfloat16 or float16 values; the arithmetic is
+// float32 in every case. Plain C ABI, no torch headers, so it builds in about a
+// second; built and called by decode_kernel.py.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
-extern "C" void decode_attention_f32(
-    const float* query,           // [rows, heads, dim]
-    const float* key_cache,       // [num_blocks, block_size, kv_heads, dim]
-    const float* value_cache,     // [num_blocks, block_size, kv_heads, dim]
+// bfloat16: the top half of a float32.
+struct bf16 {
+  uint16_t bits;
+};
+static inline float to_float(float x) { return x; }
+static inline float to_float(_Float16 x) { return static_cast<float>(x); }
+static inline float to_float(bf16 x) {
+  const uint32_t wide = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+template <typename T> static inline T from_float(float x) { return static_cast<T>(x); }
+template <> inline bf16 from_float<bf16>(float x) {  // round to nearest even (finite x)
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return bf16{static_cast<uint16_t>(bits >> 16)};
+}
+
+template <typename T>
+static void decode_attention(
+    const T* query,               // [rows, heads, dim]
+    const T* key_cache,           // [num_blocks, block_size, kv_heads, dim]
+    const T* value_cache,         // [num_blocks, block_size, kv_heads, dim]
     const int64_t* block_table,   // [rows, width]
     const int64_t* context_lens,  // [rows], each <= width * block_size
-    float* out,                   // [rows, heads, dim]
+    T* out,                       // [rows, heads, dim]
     int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
     int64_t block_size, int64_t width, float scale, int num_threads) {
   const int64_t group = heads / kv_heads;  // query heads per KV head
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t len = context_lens[r];
-    const float* q = query + r * heads * dim;
-    float* o = out + r * heads * dim;
-    std::fill(o, o + heads * dim, 0.0f);
-    if (len <= 0) continue;
+    T* result = out + r * heads * dim;
+    if (len <= 0) {  // nothing to attend to (the runner never asks for this)
+      std::fill(result, result + heads * dim, from_float<T>(0.0f));
+      continue;
+    }
+    std::vector<float> q(heads * dim), o(heads * dim, 0.0f);
+    for (int64_t i = 0; i < heads * dim; ++i) q[i] = to_float(query[r * heads * dim + i]);
     const int64_t* blocks = block_table + r * width;
     // Where context token t's keys (or values) of every KV head start.
-    auto token = [&](const float* cache, int64_t t) {
+    auto token = [&](const T* cache, int64_t t) {
       const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
       return cache + slot * kv_heads * dim;
     };
 
     std::vector<float> scores(heads * len);  // [heads, len]
     for (int64_t t = 0; t < len; ++t) {
-      const float* k = token(key_cache, t);
+      const T* k = token(key_cache, t);
       for (int64_t h = 0; h < heads; ++h) {
-        const float* qh = q + h * dim;
-        const float* kh = k + (h / group) * dim;
+        const float* qh = q.data() + h * dim;
+        const T* kh = k + (h / group) * dim;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
+        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * to_float(kh[d]);
         scores[h * len + t] = dot * scale;
       }
     }
@@ -67,16 +93,30 @@ extern "C" void decode_attention_f32(
     }
 
     for (int64_t t = 0; t < len; ++t) {
-      const float* v = token(value_cache, t);
+      const T* v = token(value_cache, t);
       for (int64_t h = 0; h < heads; ++h) {
         const float p = scores[h * len + t];
-        const float* vh = v + (h / group) * dim;
-        float* oh = o + h * dim;
+        const T* vh = v + (h / group) * dim;
+        float* oh = o.data() + h * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) oh[d] += p * vh[d];
+        for (int64_t d = 0; d < dim; ++d) oh[d] += p * to_float(vh[d]);
       }
     }
     for (int64_t h = 0; h < heads; ++h)
-      for (int64_t d = 0; d < dim; ++d) o[h * dim + d] *= inv_sum[h];
+      for (int64_t d = 0; d < dim; ++d)
+        result[h * dim + d] = from_float<T>(o[h * dim + d] * inv_sum[h]);
   }
 }
+
+#define DECODE_ATTENTION(suffix, T)                                                    \
+  extern "C" void decode_attention_##suffix(                                           \
+      const T* query, const T* key_cache, const T* value_cache,                        \
+      const int64_t* block_table, const int64_t* context_lens, T* out, int64_t rows,   \
+      int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t width, \
+      float scale, int num_threads) {                                                  \
+    decode_attention(query, key_cache, value_cache, block_table, context_lens, out,    \
+                     rows, heads, kv_heads, dim, block_size, width, scale, num_threads); \
+  }
+DECODE_ATTENTION(f32, float)
+DECODE_ATTENTION(bf16, bf16)
+DECODE_ATTENTION(f16, _Float16)

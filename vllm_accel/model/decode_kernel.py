@@ -34,17 +34,25 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
 
+# The kernel's entry point for each cache dtype it reads.
+_ENTRY_POINTS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16",
+                 torch.float16: "decode_attention_f16"}
+
+
 class DecodeAttentionKernel:
-    """``decode_attention_f32`` loaded from a built shared library."""
+    """The kernel's entry points, loaded from a built shared library."""
 
     def __init__(self, library: Path):
-        self._function = ctypes.CDLL(str(library)).decode_attention_f32
-        self._function.restype = None
-        self._function.argtypes = [_PTR] * 6 + [_I64] * 6 + [_F32, _INT]
+        loaded = ctypes.CDLL(str(library))
+        self._functions = {dtype: getattr(loaded, name) for dtype, name in _ENTRY_POINTS.items()}
+        for function in self._functions.values():
+            function.restype = None
+            function.argtypes = [_PTR] * 6 + [_I64] * 6 + [_F32, _INT]
 
     @staticmethod
     def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        return key_cache.device.type == "cpu" and key_cache.dtype == query.dtype == torch.float32
+        return (key_cache.device.type == "cpu" and key_cache.dtype == query.dtype
+                and query.dtype in _ENTRY_POINTS)
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_table: torch.Tensor, context_lens: torch.Tensor,
@@ -59,7 +67,7 @@ class DecodeAttentionKernel:
         context_lens = context_lens.contiguous()
         assert int(context_lens.max()) <= block_table.shape[1] * block_size
         out = torch.empty_like(query)
-        self._function(
+        self._functions[query.dtype](
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_table.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
             rows, heads, kv_heads, dim, block_size, block_table.shape[1],
