@@ -86,6 +86,7 @@ def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
     runner = model_runner(llm)
     model_dir = tiny_models["llama"]
     graphs_before = runner.compile_stats.graphs_compiled
+    kernel_calls_before = runner.decode_kernel.calls
 
     # 1 request, then max_num_seqs at once, lengths across bucket boundaries up
     # to max_model_len; then a prefix hit; then n>1; then arrivals mid-decode.
@@ -127,6 +128,8 @@ def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
 
     assert runner.compile_stats.runtime_compiles == 0
     assert runner.compile_stats.graphs_compiled == graphs_before
+    # Decodes went through the CPU decode-attention kernel (not the PyTorch path).
+    assert runner.decode_kernel.calls > kernel_calls_before
 
 
 def test_inductor_equals_eager(compiled, tiny_models):

@@ -48,6 +48,7 @@ class DecodeAttentionKernel:
         for function in self._functions.values():
             function.restype = None
             function.argtypes = [_PTR] * 6 + [_I64] * 6 + [_F32, _INT]
+        self.calls = 0  # forwards whose decodes it attended (tests count them)
 
     @staticmethod
     def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -67,6 +68,7 @@ class DecodeAttentionKernel:
         context_lens = context_lens.contiguous()
         assert int(context_lens.max()) <= block_table.shape[1] * block_size
         out = torch.empty_like(query)
+        self.calls += 1
         self._functions[query.dtype](
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_table.data_ptr(), context_lens.data_ptr(), out.data_ptr(),

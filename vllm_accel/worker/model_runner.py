@@ -122,6 +122,7 @@ class AccelModelRunner:
         )
 
         self.model: FmsCausalLM | None = None
+        self.decode_kernel: decode_kernel.DecodeAttentionKernel | None = None  # cpu only
         # Vision-language models only: the architecture's util and the encoder.
         self.mm_utils: MultiModalUtils | None = None
         self.vision_encoder: VisionEncoder | None = None
@@ -173,8 +174,9 @@ class AccelModelRunner:
                 f"vllm-accel tensor parallelism needs the LM head replicated on every "
                 f"rank; {type(fms_model).__name__}'s is sharded.")
         # The kernel is the cpu device's own (the graphs stay device-neutral).
-        use_decode_kernel(decode_kernel.load(self.settings.cache_dir / "kernels")
-                          if self.backend.device == "cpu" else None)
+        self.decode_kernel = (decode_kernel.load(self.settings.cache_dir / "kernels")
+                              if self.backend.device == "cpu" else None)
+        use_decode_kernel(self.decode_kernel)
         compile_backend = self.backend.compile_backend if self.backend.compiles else None
         if compile_backend is not None:
             self.compile_stats.configure(self.settings.cache_dir)
