@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Decode attention per call: our CPU kernel vs the PyTorch path (gather + SDPA).
+
+One call attends one decode token per request over its paged context, as in
+an engine step (random block tables over a cache larger than the CPU's
+caches). Shapes of the benchmark models: the tiny Llama (4 heads, 2 KV heads,
+dim 64) at 64 requests and the ~90M Llama (16 heads, 4 KV heads) at 32, with
+contexts of 96-192 tokens (the 128 in / 64 out workload). Rounds alternate the
+two paths; each round times a path for --seconds; figures are the median ms
+per call with min-max, and the ratio of medians.
+
+    python benchmarks/decode_attention.py [--rounds 5] [--seconds 2] [--dtype float32]
+
+Last line per shape: "decode attention <shape>: kernel=<ms> ms pytorch=<ms> ms speedup=<x>".
+"""
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_accel.model import decode_kernel
+from vllm_accel.model.paged_attention import PagedAttentionMetadata, _attend_decodes
+
+BLOCK_SIZE, NUM_BLOCKS, CONTEXT = 32, 4000, (96, 192)
+SHAPES = {"tiny": (64, 4, 2, 64), "medium": (32, 16, 4, 64)}  # rows, heads, kv heads, dim
+
+
+def time_per_call(fn, seconds: float) -> float:
+    for _ in range(5):
+        fn()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    kernel = decode_kernel.load(Path(tempfile.mkdtemp()))
+    assert kernel is not None, "the kernel did not build (see the warning above)"
+
+    for name, (rows, heads, kv_heads, dim) in SHAPES.items():
+        g = torch.Generator().manual_seed(0)
+        caches = [torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim, generator=g).to(dtype)
+                  for _ in range(2)]
+        lens = torch.randint(*CONTEXT, (rows,), generator=g)
+        width = -(-CONTEXT[1] // BLOCK_SIZE)
+        md = PagedAttentionMetadata(
+            slot_mapping=torch.zeros(rows, dtype=torch.long), num_decodes=rows,
+            decode_block_table=torch.randint(1, NUM_BLOCKS, (rows, width), generator=g),
+            decode_context_lens=lens)
+        query = torch.randn(rows, heads, dim, generator=g).to(dtype)
+        paths = {
+            "kernel": lambda: kernel(query, *caches, md.decode_block_table, lens, 0.125),
+            "pytorch": lambda: _attend_decodes(query, *caches, md, 0.125),  # no kernel in use
+        }
+        torch.testing.assert_close(paths["kernel"](), paths["pytorch"](), rtol=2e-2, atol=2e-2)
+        times: dict[str, list[float]] = {path: [] for path in paths}
+        for round_ in range(args.rounds):
+            order = list(paths) if round_ % 2 == 0 else list(reversed(paths))
+            for path in order:
+                times[path].append(time_per_call(paths[path], args.seconds))
+        medians = {path: statistics.median(t) for path, t in times.items()}
+        for path, t in times.items():
+            print(f"{name:7} {path:8} {medians[path]:7.3f} ms per call "
+                  f"(min-max {min(t):.3f}-{max(t):.3f}, {args.rounds} rounds)")
+        print(f"decode attention {name} ({rows} decodes, {heads}/{kv_heads} heads, {args.dtype}): "
+              f"kernel={medians['kernel']:.3f} ms pytorch={medians['pytorch']:.3f} ms "
+              f"speedup={medians['pytorch'] / medians['kernel']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
