@@ -12,8 +12,14 @@ per call with min-max, and the ratio of medians.
     python benchmarks/decode_attention.py [--rounds 5] [--seconds 2] [--dtype float32]
 
 Last line per shape: "decode attention <shape>: kernel=<ms> ms pytorch=<ms> ms speedup=<x>".
+
+Large buffers are kept in the heap (glibc mallopt), as they are in a running
+engine (8-16 minor page faults per batch of the ~90M benchmark): in a fresh
+process glibc may instead map and unmap the PyTorch path's ~6 MB gathered copies
+on every call, which made that path 2-3x slower in some processes and not others.
 """
 import argparse
+import ctypes
 import statistics
 import tempfile
 import time
@@ -44,6 +50,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep freed memory
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: buffers up to 32 MiB from the heap
     dtype = getattr(torch, args.dtype)
     kernel = decode_kernel.load(Path(tempfile.mkdtemp()))
     assert kernel is not None, "the kernel did not build (see the warning above)"

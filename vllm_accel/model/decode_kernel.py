@@ -48,7 +48,7 @@ class DecodeAttentionKernel:
         for function in self._functions.values():
             function.restype = None
             function.argtypes = [_PTR] * 6 + [_I64] * 6 + [_F32, _INT]
-        self.calls = 0  # forwards whose decodes it attended (tests count them)
+        self.calls = 0  # one per layer of each forward with decodes (tests count them)
 
     @staticmethod
     def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -82,9 +82,9 @@ def build(cache_dir: Path) -> Path:
     """The kernel's shared library under ``cache_dir``, built if missing."""
     compiler = os.environ.get("CXX", "g++")
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
-                 platform.machine().encode(), _cpu_model().encode()):
-        key.update(part)
+    for part in (SOURCE.read_bytes(), compiler, " ".join(COMPILE_FLAGS + LINK_FLAGS),
+                 platform.machine(), _cpu_model()):
+        key.update(part if isinstance(part, bytes) else part.encode())
     library = cache_dir / f"decode_attention-{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
