@@ -52,7 +52,8 @@ class AccelSettings:
     # Qwen2.5-VL, as vllm-gaudi's VLLM_MULTIMODAL_BUCKETS; tiles for LlavaNext).
     # "" derives them from the model and its processor.
     multimodal_buckets: str = ""
-    # Where compiled graphs persist between starts ("" = the user's cache dir).
+    # Where compiled graphs and the cpu decode kernel persist between starts
+    # ("" = the user's cache dir).
     compile_cache_dir: str = ""
     # Threads the worker's torch ops may use; 0 leaves torch's default.
     num_threads: int = 0
