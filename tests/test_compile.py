@@ -86,6 +86,7 @@ def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
     runner = model_runner(llm)
     model_dir = tiny_models["llama"]
     graphs_before = runner.compile_stats.graphs_compiled
+    assert runner.decode_kernel is not None, "the cpu decode kernel did not build"
     kernel_calls_before = runner.decode_kernel.calls
 
     # 1 request, then max_num_seqs at once, lengths across bucket boundaries up
