@@ -506,7 +506,7 @@ def run(args) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
-        from vllm_accel.testing.tiny_models import make_tiny_model
+        from vllm_accel.testing.fixtures import make_tiny_model
         model = str(make_tiny_model("llava_next", workdir / "tiny-llava-next"))
     port, log_path = free_port(), workdir / "server.log"
     base = f"http://127.0.0.1:{port}"

@@ -61,7 +61,7 @@ def start_once(python, env, model, log_path):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="llama,llava_next",
-                   help="tiny fixtures from vllm_accel.testing.tiny_models")
+                   help="tiny fixtures from vllm_accel.testing.fixtures")
     p.add_argument("--backends", default="accel,native", help="accel and/or native")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--log-dir", help="engine logs (default: a temp dir)")
@@ -74,7 +74,7 @@ def main():
     rows = []
     for model_name in args.models.split(","):
         model = work / model_name
-        subprocess.run([str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_models", model_name,
+        subprocess.run([str(ACCEL[0]), "-m", "vllm_accel.testing.fixtures", model_name,
                         str(model)], cwd=REPO, check=True, capture_output=True)
         for rnd in range(1, args.rounds + 1):
             order = backends if rnd % 2 else backends[::-1]

@@ -52,7 +52,7 @@ def log(msg):
 
 def make_model(size, out_dir):
     log(f"generating the {size} Llama in {out_dir}")
-    cmd = ([str(REPO / ".venv/bin/python"), "-m", "vllm_accel.testing.tiny_models", "llama",
+    cmd = ([str(REPO / ".venv/bin/python"), "-m", "vllm_accel.testing.fixtures", "llama",
             out_dir] if size == "tiny" else
            [str(REPO / ".venv/bin/python"), str(BENCH / "medium_model.py"), out_dir])
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

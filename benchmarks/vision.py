@@ -65,7 +65,7 @@ def log(msg):
 def make_model(arch, out_dir):
     log(f"generating the tiny {arch} in {out_dir}")
     cmd = ([str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_molmo", out_dir] if arch == "molmo"
-           else [str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_models", arch, out_dir])
+           else [str(ACCEL[0]), "-m", "vllm_accel.testing.fixtures", arch, out_dir])
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"could not generate the tiny {arch} ({' '.join(cmd)}):\n{r.stderr[-2000:]}\n"

@@ -25,7 +25,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        from vllm_accel.testing.tiny_models import make_tiny_model
+        from vllm_accel.testing.fixtures import make_tiny_model
 
         out = Path(__file__).resolve().parent.parent / ".cache" / f"tiny-{args.arch}"
         model = str(make_tiny_model(args.arch, out))

@@ -131,7 +131,7 @@ def main() -> None:
         base_url, model = args.base_url, args.model
         if base_url is None:
             if model is None:
-                from vllm_accel.testing.tiny_models import make_tiny_model
+                from vllm_accel.testing.fixtures import make_tiny_model
 
                 model = str(make_tiny_model("llava_next", REPO / ".cache" / "tiny-llava_next"))
                 print(f"tiny llava_next checkpoint: {model}")

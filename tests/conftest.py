@@ -18,12 +18,10 @@ os.environ.setdefault("VLLM_ACCEL_COMPILE_BACKEND", "eager")
 
 import pytest  # noqa: E402
 
-from vllm_accel.testing.tiny_models import make_tiny_model  # noqa: E402
-
-ARCHS = ("llama", "granite")
+from vllm_accel.testing.fixtures import SUPPORTED_ARCHS, make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
-    return {arch: make_tiny_model(arch, root / arch) for arch in ARCHS}
+    return {arch: make_tiny_model(arch, root / arch) for arch in SUPPORTED_ARCHS}

@@ -3,10 +3,8 @@ from the tiny Molmo fixture: the reference our Molmo port is checked against.
 
 What it takes to build vLLM's model class outside an engine:
 
-* a VllmConfig (``EngineArgs(...).create_engine_config()``). Our platform's
-  ``check_and_update_config`` rejects architectures our runner cannot serve,
-  so ``vllm_accel.model.fms_causal_lm.check_architecture`` is patched to
-  accept MolmoForCausalLM while the config is built;
+* a VllmConfig (``EngineArgs(...).create_engine_config()``, through our
+  platform, which serves MolmoForCausalLM);
 * vLLM's distributed state for one process (gloo, world size 1, TP = PP = 1);
 * vLLM's hard-coded full-size ``VisionBackboneConfig`` replaced by the
   fixture's small one (the fixture records it in config.json).
@@ -84,18 +82,6 @@ def ensure_single_process_distributed() -> None:
 
 
 @contextlib.contextmanager
-def _accept_molmo_architecture():
-    import vllm_accel.model.fms_causal_lm as fms_causal_lm
-
-    original = fms_causal_lm.check_architecture
-    fms_causal_lm.check_architecture = lambda archs: "MolmoForCausalLM"
-    try:
-        yield
-    finally:
-        fms_causal_lm.check_architecture = original
-
-
-@contextlib.contextmanager
 def small_vision_backbone_config(vision_backbone: dict = VISION_BACKBONE):
     """vLLM's MolmoForCausalLM calls ``VisionBackboneConfig()``: give it the
     fixture's dimensions while the model is built."""
@@ -116,10 +102,9 @@ def vllm_config(ckpt, max_model_len: int = 2048):
 
     apply_patches()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    with _accept_molmo_architecture():
-        return EngineArgs(model=str(ckpt), trust_remote_code=True, dtype="float32",
-                          max_model_len=max_model_len, seed=0,
-                          enforce_eager=True).create_engine_config()
+    return EngineArgs(model=str(ckpt), trust_remote_code=True, dtype="float32",
+                      max_model_len=max_model_len, seed=0,
+                      enforce_eager=True).create_engine_config()
 
 
 def build_vllm_molmo(ckpt):

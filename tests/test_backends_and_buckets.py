@@ -8,9 +8,6 @@ import types
 
 import pytest
 
-from vllm_accel.devices import DeviceBackend, select_backend
-from vllm_accel.settings import load_settings
-from vllm_accel.worker.model_runner import token_buckets
 from vllm_accel.buckets import (
     exponential_buckets,
     find_bucket,
@@ -18,7 +15,10 @@ from vllm_accel.buckets import (
     linear_buckets,
     make_buckets,
     thin_buckets,
+    token_buckets,
 )
+from vllm_accel.devices import DeviceBackend, select_backend
+from vllm_accel.settings import load_settings
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 
-from vllm_accel.testing.tiny_models import make_tiny_model
+from vllm_accel.testing.fixtures import make_tiny_model
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "batch_eval_vision.py"
 

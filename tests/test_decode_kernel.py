@@ -10,7 +10,6 @@ from vllm_accel.model.paged_attention import (
     PagedAttentionMetadata,
     attention_context,
     paged_attention,
-    use_decode_kernel,
 )
 
 BLOCKS, BLOCK = 16, 4
@@ -38,13 +37,9 @@ def _decode_step(heads, kv_heads, dim, context_lens, width, dtype=torch.float32,
 
 
 def _run(kernel, query, new_kv, caches, metadata):
-    use_decode_kernel(kernel)
-    try:
-        caches = [c.clone() for c in caches]
-        with attention_context(metadata):
-            return paged_attention(query, *new_kv, *caches, 0.125)
-    finally:
-        use_decode_kernel(None)
+    caches = [c.clone() for c in caches]
+    with attention_context(metadata, kernel):
+        return paged_attention(query, *new_kv, *caches, 0.125)
 
 
 def test_kernel_matches_pytorch_path(tmp_path):

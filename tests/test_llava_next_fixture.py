@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_accel.testing import tiny_models
-from vllm_accel.testing.tiny_models import make_tiny_model
+from vllm_accel.testing.fixtures import make_tiny_model
 
 PYTHON = sys.executable
 IMAGE_TOKEN_ID = 6

@@ -1,4 +1,4 @@
-"""mm_mappings: the registry, and LlavaNextUtils on the tiny LlavaNext fixture
+"""mm_mappings: the adapter lookup through the architecture table, and LlavaNextVisionAdapter on the tiny LlavaNext fixture
 fed with items from vLLM's own multimodal processor, checked against HF
 transformers' LlavaNextForConditionalGeneration. Offline and CPU only."""
 
@@ -7,19 +7,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 
-from vllm_accel.multimodal.mm_mappings import (
-    get_mm_utils_cls,
-    register_mm_utils,
-    registered_model_types,
-)
+from vllm_accel.architectures import Architecture, by_model_type, load_object
+from vllm_accel.multimodal.mm_mappings import vision_adapter_class
 from vllm_accel.multimodal.encoder import VisionEncoder, merge_embeddings
 from vllm_accel.multimodal.inputs import item_tensors, warmup_image
-from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
-from vllm_accel.testing.tiny_models import make_tiny_model
+from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
+from vllm_accel.testing.fixtures import make_tiny_model
 
 IMAGE_TOKEN_ID = 6
 # (width, height): 1x2 tiles and not a multiple of the tile (80x50), 1x3
@@ -39,6 +38,11 @@ def hf_config(ckpt):
     return AutoConfig.from_pretrained(ckpt)
 
 
+def _model_config(hf_config, ckpt):
+    """What an adapter reads of vLLM's ModelConfig."""
+    return SimpleNamespace(hf_config=hf_config, model=str(ckpt), trust_remote_code=False)
+
+
 def _fms_model(ckpt):
     from fms.models import get_model
 
@@ -48,7 +52,7 @@ def _fms_model(ckpt):
 
 @pytest.fixture(scope="module")
 def utils(ckpt, hf_config):
-    return get_mm_utils_cls(hf_config)(hf_config, _fms_model(ckpt), str(ckpt))
+    return vision_adapter_class(hf_config)(_model_config(hf_config, ckpt), _fms_model(ckpt))
 
 
 @pytest.fixture(scope="module")
@@ -106,24 +110,22 @@ def _hf_image_features(hf_model, items):
 def test_registry(hf_config):
     from transformers import AutoConfig
 
-    from vllm_accel.multimodal.mm_mappings.llava_next import LlavaNextUtils
+    from vllm_accel.multimodal.mm_mappings.llava_next import LlavaNextVisionAdapter
 
-    assert "llava_next" in registered_model_types()
-    assert get_mm_utils_cls(hf_config) is LlavaNextUtils
-    assert get_mm_utils_cls(hf_config.text_config) is None  # granite: text only
-    assert get_mm_utils_cls(AutoConfig.for_model("llama")) is None
-    assert LlavaNextUtils.image_token_id(hf_config) == IMAGE_TOKEN_ID
+    assert by_model_type("llava_next").vision_adapter.endswith(":LlavaNextVisionAdapter")
+    assert vision_adapter_class(hf_config) is LlavaNextVisionAdapter
+    assert vision_adapter_class(hf_config.text_config) is None  # granite: text only
+    assert vision_adapter_class(AutoConfig.for_model("llama")) is None
+    assert LlavaNextVisionAdapter.image_token_id(_model_config(hf_config, "")) == IMAGE_TOKEN_ID
 
-    with pytest.raises(ValueError, match="module:ClassName"):
-        register_mm_utils("x", "no_colon")
-    register_mm_utils("my_vlm", "vllm_accel.multimodal.inputs:warmup_image")
-    try:
-        with pytest.raises(TypeError, match="not a MultiModalUtils"):
-            get_mm_utils_cls(type("Cfg", (), {"model_type": "my_vlm"}))
-    finally:
-        from vllm_accel.multimodal import mm_mappings
-
-        del mm_mappings._REGISTRY["my_vlm"]
+    with pytest.raises(ValueError, match="module:name"):
+        load_object("no_colon")
+    not_an_adapter = Architecture(("MyVLM",), "my_vlm",
+                                  vision_adapter="vllm_accel.multimodal.inputs:warmup_image")
+    with mock.patch("vllm_accel.multimodal.mm_mappings.by_model_type",
+                    return_value=not_an_adapter):
+        with pytest.raises(TypeError, match="not a VisionAdapter"):
+            vision_adapter_class(type("Cfg", (), {"model_type": "my_vlm"}))
 
     # Importing the package loads no mapping (nor torch/FMS/vLLM).
     code = ("import sys, vllm_accel.multimodal.mm_mappings\n"
@@ -135,7 +137,7 @@ def test_registry(hf_config):
 
 
 def test_utils_basics(utils, hf_config):
-    assert isinstance(utils, MultiModalUtils)
+    assert isinstance(utils, VisionAdapter)
     text = utils.text_model
     assert text is utils.fms_model.language_model
     assert text.config.nlayers == hf_config.text_config.num_hidden_layers
@@ -236,7 +238,8 @@ def test_compiled_encode(ckpt, hf_config, utils):
     and 5 tiles in bucket 5 (padded). One graph per bucket, none after."""
     from torch._dynamo.utils import counters
 
-    compiled_utils = get_mm_utils_cls(hf_config)(hf_config, _fms_model(ckpt), str(ckpt))
+    compiled_utils = vision_adapter_class(hf_config)(_model_config(hf_config, ckpt),
+                                                     _fms_model(ckpt))
     compiled = VisionEncoder(compiled_utils, "inductor", "3,5")
     assert compiled.buckets == [3, 5]
     sizes = [(80, 50), (64, 64), (60, 150), (128, 128)]  # 3, 2, 4, 5 tiles

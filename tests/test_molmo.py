@@ -151,7 +151,7 @@ def test_fms_model_loads_every_weight_and_matches_vllm_logits(tmp_path, ckpt, de
 
     from vllm.multimodal.inputs import MultiModalKwargsItems
     from vllm_accel.model.fms_causal_lm import load_fms_model
-    from vllm_accel.model.molmo import image_embeddings
+    from port_helpers import image_embeddings
 
     path = ckpt if decoder == "qwen2" else make_tiny_molmo(tmp_path / decoder, decoder=decoder)
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=True)

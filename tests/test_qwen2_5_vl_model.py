@@ -20,7 +20,9 @@ import torch
 from PIL import Image
 
 from vllm_accel.model.fms_causal_lm import _check_all_weights_loaded, _load_with_nan_fill
-from vllm_accel.model.qwen2_5_vl import mrope_positions, register_qwen2_5_vl, vision_layout
+from port_helpers import merge_image_features, register_qwen2
+from vllm_accel.model.ports import register_port
+from vllm_accel.model.qwen2_5_vl import FMS_PORT, mrope_positions, vision_layout
 from vllm_accel.patches import apply_patches
 from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
 
@@ -53,7 +55,7 @@ def hf(ckpt):
 
 
 def load_fms(path):
-    register_qwen2_5_vl()
+    register_port(FMS_PORT)
     model = _load_with_nan_fill(str(path), torch.float32, "cpu")  # unloaded weights -> NaN
     _check_all_weights_loaded(model, str(path))
     return model.eval()
@@ -83,7 +85,7 @@ def fms_logits(model, input_ids: list[int], features, positions):
     """Full forward of the text model: ids -> embeddings (image rows
     replaced) -> logits [T, vocab]."""
     ids = torch.tensor([input_ids])
-    embeds = model.merge_image_features(ids, features)
+    embeds = merge_image_features(model, ids, features)
     hidden, _ = model.language_model.base_model(
         embeds, position_ids=positions.unsqueeze(1), use_cache=True)
     return model.language_model.head(hidden)[0]
@@ -259,7 +261,7 @@ def test_paged_attention_plugs_in(hf, fms):
     positions, _ = prompt_positions(fms, ids, inputs.image_grid_thw.tolist())
     base = fms.language_model.base_model
     with torch.no_grad():
-        embeds = fms.merge_image_features(inputs.input_ids, fms.visual(inputs.pixel_values,
+        embeds = merge_image_features(fms, inputs.input_ids, fms.visual(inputs.pixel_values,
                                                                        inputs.image_grid_thw))
         reference, _ = base(embeds, position_ids=positions[:, None], use_cache=True)
 
@@ -308,8 +310,6 @@ def test_loads_module_key_layout(ckpt, fms, tmp_path):
 def test_qwen2_text_model_matches_hf(tmp_path):
     """The decoder alone, as Qwen2ForCausalLM (1-D RoPE, untied head)."""
     from transformers import Qwen2Config as HFQwen2Config, Qwen2ForCausalLM
-
-    from vllm_accel.model.qwen2 import register_qwen2
 
     torch.manual_seed(0)
     config = HFQwen2Config(vocab_size=320, hidden_size=256, intermediate_size=320,

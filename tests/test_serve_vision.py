@@ -28,7 +28,7 @@ import torch
 from helpers import wait_until_serving
 from test_serve import VLLM, free_port, server_env
 from vllm_accel.testing.processes import end_process_group
-from vllm_accel.testing.tiny_models import make_tiny_model
+from vllm_accel.testing.fixtures import make_tiny_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 LIMIT = 2  # images per prompt

@@ -35,7 +35,7 @@ def _pack(plan=_one_forward(16), context_bucket=lambda b: b):
 def test_decodes_first_then_prefill_chunks_then_padding():
     layout = _pack()
     assert layout.rows.tolist() == [1, 0, 2]
-    assert layout.firsts.tolist() == [0, 1, 7] and layout.counts.tolist() == [1, 6, 3]
+    assert layout.first_tokens.tolist() == [0, 1, 7] and layout.counts.tolist() == [1, 6, 3]
     assert layout.starts.tolist() == [9, 0, 4]
     ids = layout.input_ids[0].tolist()
     (forward,) = layout.forwards

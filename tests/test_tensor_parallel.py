@@ -181,7 +181,7 @@ def test_llava_next_tp2_matches_tp1(tmp_path_factory):
     from transformers import AutoProcessor
 
     from helpers import chat_prompt, noise_image, vision_greedy
-    from vllm_accel.testing.tiny_models import make_tiny_model
+    from vllm_accel.testing.fixtures import make_tiny_model
 
     model_dir = make_tiny_model("llava_next", tmp_path_factory.mktemp("llava") / "llava_next")
     processor = AutoProcessor.from_pretrained(model_dir)

@@ -1,4 +1,4 @@
-"""Tests for the offline tiny-checkpoint generator (vllm_accel.testing.tiny_models)."""
+"""Tests for the offline tiny-checkpoint generator (vllm_accel.testing.fixtures, tiny_models)."""
 
 import hashlib
 import logging
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_accel.testing.tiny_models import SUPPORTED_ARCHS, make_tiny_model
+from vllm_accel.testing.fixtures import SUPPORTED_ARCHS, make_tiny_model
 
 CHAT = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -66,7 +66,7 @@ def test_deterministic(tmp_path):
 
 
 def test_cli(tmp_path, capsys):
-    from vllm_accel.testing.tiny_models import main
+    from vllm_accel.testing.fixtures import main
 
     main(["granite", str(tmp_path / "cli"), "--seed", "3"])
     assert capsys.readouterr().out.strip() == str(tmp_path / "cli")

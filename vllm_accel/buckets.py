@@ -1,7 +1,8 @@
-"""Static-shape buckets (a leaf module: it imports nothing from vllm_accel).
+"""Static-shape buckets: the lists, their defaults, and how work is fitted to
+them (below everything that uses them: it imports only the logger helper).
 
 A compiled graph has fixed shapes, so work is padded up to the smallest bucket
-that fits. Two axes matter here:
+that fits. Three axes:
 
 - tokens per forward: a step's tokens (decodes and prefill chunks packed
   together) run as one forward padded to a token bucket, or as a few forwards
@@ -22,13 +23,41 @@ from __future__ import annotations
 
 import bisect
 import functools
-from vllm.logger import init_logger
 import math
 
-logger = init_logger(f"vllm.{__name__}")
+from vllm_accel.log import get_logger
+
+logger = get_logger(__name__)
 
 _STRATEGIES = {"exp": ("min", "max", "limit"), "lin": ("min", "step", "max")}
 DEFAULT_LIMIT = 8
+
+# Default token buckets, each a graph to compile at start-up. Small steps are
+# mostly decodes, one row per running request: they double from 8 to 64 so
+# that a decode batch pads at most 2x; a lone decode keeps its own bucket
+# (padded to 8 rows it took twice as long). Bigger steps run as forwards of
+# 512 and smaller ones (plan_forwards). Measurements: benchmarks/README.md.
+DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 512)
+# What one more forward costs, in padded tokens (its fixed per-call work:
+# Python, one pass over the weights, attention set-up), for cutting a step into
+# forwards: a rough estimate from profiles, not tuned.
+FORWARD_COST_IN_TOKENS = 32
+
+
+def token_buckets(spec: str, max_step: int) -> list[int]:
+    """The token buckets for a spec ("" = the defaults), none above the
+    largest step the scheduler can send."""
+    top = min(max_step, DEFAULT_TOKEN_BUCKETS[-1])
+    buckets = (make_buckets(spec, 1, top) if spec
+               else [b for b in DEFAULT_TOKEN_BUCKETS if b < top] + [top])
+    return [b for b in buckets if b <= max_step] or [max_step]
+
+
+def context_buckets(spec: str, max_blocks: int) -> list[int]:
+    """Context buckets, in KV blocks, for a spec. Decode attention runs
+    outside the compiled graphs, so they cost no graphs: by default they step
+    by half octaves, to pad less."""
+    return make_buckets(spec, 1, max_blocks) if spec else half_octave_buckets(1, max_blocks)
 
 
 def parse_bucket_spec(spec: str) -> tuple[str, dict[str, int]]:
@@ -77,7 +106,7 @@ def exponential_buckets(lo: int, hi: int, limit: int = DEFAULT_LIMIT) -> list[in
 
 def half_octave_buckets(lo: int, hi: int) -> list[int]:
     """lo, then steps of about x1.41 (two per doubling) up to hi: 1, 2, 3, 4, 6,
-    8, 12, 16, ... Pads at most ~41% where powers of two pad up to 100%."""
+    8, 11, 16, 23, ... Pads at most ~41% where powers of two pad up to 100%."""
     buckets, value = [], max(1, lo)
     while value < hi:
         buckets.append(value)

@@ -1,7 +1,9 @@
-"""Every patch vllm-accel makes to torch, vLLM or transformers behaviour, in
-one place, applied from one place: ``apply_patches`` (called by our
-``vllm.general_plugins`` entry point, once in every vLLM process). Each patch
-edits no file on disk, is idempotent, and acts only when it is needed.
+"""Every change vllm-accel makes to process-wide state - torch, vLLM and
+transformers behaviour, environment variables, global settings - in one
+place, each with why. Patches 1-3 are applied by ``apply_patches`` (our
+``vllm.general_plugins`` entry point, once in every vLLM process); 4-8 are
+functions called where the change is needed, named here so that one file lists
+them all. None edits a file on disk; each is idempotent.
 
 1. transformers 5.16-5.20 / vLLM 0.33, without torchvision (no CPU build on the
    registry): two torchvision image-processor modules fail to import, yet vLLM
@@ -38,18 +40,49 @@ edits no file on disk, is idempotent, and acts only when it is needed.
    no-ops, as vLLM's own CPU worker makes them; with a real accelerator
    present nothing changes.
 
+4. ``use_spawn_for_workers`` (the platform, with tensor parallelism):
+   ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unless the user set it. Our workers
+   compute with OpenMP threads, and a process forked after its parent ran an
+   OpenMP parallel region hangs in its first one (libgomp is not fork-safe;
+   e.g. ``LLM(...)`` after any torch math). vLLM does the same for CUDA.
+
+5. ``set_worker_threads`` (the worker): torch's thread count for this worker,
+   and inductor's compile threads to match. vLLM sets
+   ``TORCHINDUCTOR_COMPILE_THREADS=1`` at import (against inductor's
+   subprocess pools); inductor builds CPU kernels in a thread pool instead, so
+   g++ may use the worker's cores (cold start: benchmarks/README.md).
+
+6. ``raise_recompile_limit`` (compiling): dynamo keeps 8 graphs per function
+   by default, then silently runs eager; we compile one graph per bucket.
+
+7. ``inductor_cache_dir`` (each step of an engine that compiles): inductor
+   reads ``TORCHINDUCTOR_CACHE_DIR`` at each compile; it points at the
+   engine's compile cache only while that engine's model runs, so other code
+   in the process (another engine, a test) keeps its own.
+
+8. ``nan_for_unloaded_weights`` (loading): torch's deterministic mode fills
+   memory FMS leaves uninitialised (weights it did not load) with NaN, for
+   the duration of ``get_model``, so a skipped checkpoint key is visible.
+
+Not a patch but process-wide all the same: ``model/paged_attention.py`` keeps
+the current step's attention layout in a module variable while a forward runs
+(``attention_context``): the attention op is opaque to the compiler and takes
+only tensors, so the per-step layout cannot be one of its arguments.
+
 Patches 1 and 2 act only when torchvision is unavailable (by transformers' own
 test, so they agree with the image-processor backend transformers picks) and
 stay dormant until the module they concern is imported: applying them only
-appends one finder to ``sys.meta_path`` (microseconds; importing the modules
-eagerly would cost ~1.5 s per process).
+appends one finder to ``sys.meta_path`` (importing the modules eagerly would
+cost every vLLM process seconds).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 import threading
 
@@ -205,9 +238,9 @@ def _register_video_stubs() -> None:
     except Exception:  # never break the import that triggered us
         # Imported here: this module stays importable before vLLM (benchmarks
         # load it into another venv at interpreter start).
-        from vllm.logger import init_logger
+        from vllm_accel.log import get_logger
 
-        init_logger(f"vllm.{__name__}").warning(
+        get_logger(__name__).warning(
             "vllm-accel: could not register the stand-in video processor", exc_info=True)
 
 
@@ -268,3 +301,72 @@ def _make_qwen2_vl_video_processor():
         cls.__qualname__ = cls.__name__
         globals()[cls.__name__] = cls
     return Qwen2VLVideoProcessor
+
+
+# ---- 4-8: called where needed -----------------------------------------------
+
+
+def use_spawn_for_workers() -> bool:
+    """Patch 4. True when it set the start method (the user had not)."""
+    if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ:
+        return False
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    return True
+
+
+def set_worker_threads(threads: int, inductor: bool) -> None:
+    """Patch 5. ``threads`` 0 keeps torch's count."""
+    import torch
+
+    if threads and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    if inductor:
+        import torch._inductor.config
+
+        torch._inductor.config.compile_threads = torch.get_num_threads()
+
+
+def raise_recompile_limit(graphs_per_function: int) -> None:
+    """Patch 6: room for this many graphs per compiled function, plus slack."""
+    import torch
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, graphs_per_function + 8)
+
+
+_INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+@contextlib.contextmanager
+def inductor_cache_dir(path):
+    """Patch 7: inductor's cache directory is ``path`` inside the block (None:
+    unchanged)."""
+    if path is None:
+        yield
+        return
+    previous = os.environ.get(_INDUCTOR_CACHE_ENV)
+    os.environ[_INDUCTOR_CACHE_ENV] = str(path)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_INDUCTOR_CACHE_ENV, None)
+        else:
+            os.environ[_INDUCTOR_CACHE_ENV] = previous
+
+
+@contextlib.contextmanager
+def nan_for_unloaded_weights():
+    """Patch 8: memory torch allocates uninitialised is NaN inside the block."""
+    import torch
+    from torch.utils import deterministic
+
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_filling = deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        deterministic.fill_uninitialized_memory = was_filling

@@ -14,17 +14,19 @@ from typing import TYPE_CHECKING
 
 import psutil
 import torch
-from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from vllm_accel.architectures import find_architecture, tensor_parallel_names
+from vllm_accel.compat import limit_modality_to_zero
 from vllm_accel.devices import select_backend
+from vllm_accel.log import get_logger
+from vllm_accel.patches import use_spawn_for_workers
 from vllm_accel.settings import known_env_vars, load_settings, resolve_device
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
-logger = init_logger(f"vllm.{__name__}")
+logger = get_logger(__name__)
 
 DEFAULT_BLOCK_SIZE = 32
 WORKER_CLS = "vllm_accel.worker.worker.AccelWorker"
@@ -104,16 +106,11 @@ class AccelPlatform(Platform):
             # vLLM picks "mp" itself for more than one worker (or "ray" inside a
             # Ray placement group); one worker runs in the engine's process.
             parallel.distributed_executor_backend = "uni" if parallel.world_size == 1 else "mp"
-        if parallel.world_size > 1 and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
-            # Our workers compute with OpenMP threads, and a process forked after
-            # its parent ran an OpenMP parallel region hangs in its first one
-            # (libgomp is not fork-safe; e.g. LLM(...) after any torch math).
-            # Spawned workers start clean. vLLM does the same for CUDA.
+        if parallel.world_size > 1 and use_spawn_for_workers():  # why: patches.py, 4
             logger.info_once(
                 "vllm-accel starts its %d tensor-parallel workers with 'spawn' "
                 "(set VLLM_WORKER_MULTIPROC_METHOD to choose).", parallel.world_size,
             )
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
         if vllm_config.speculative_config is not None:
             raise ValueError("vllm-accel does not support speculative decoding yet.")
@@ -141,38 +138,42 @@ class AccelPlatform(Platform):
 
         model_config = vllm_config.model_config
         if model_config is not None:
-            from vllm_accel.model.fms_causal_lm import TP_ARCHITECTURES, check_architecture
+            cls._check_model(model_config, parallel)
 
-            if model_config.runner_type != "generate":
-                raise ValueError(
-                    f"vllm-accel serves text generation only, not runner "
-                    f"'{model_config.runner_type}'."
-                )
-            arch = check_architecture(model_config.architectures)
-            if parallel.tensor_parallel_size > 1 and arch not in TP_ARCHITECTURES:
-                raise ValueError(
-                    f"vllm-accel cannot shard {arch} across workers yet: "
-                    f"tensor_parallel_size must be 1 for it "
-                    f"(tensor parallelism supports {', '.join(TP_ARCHITECTURES)})."
-                )
-            from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
-
-            # Set anew for every model (a text model after a vision model in
-            # one process must not inherit its image token).
-            mm_utils_cls = get_mm_utils_cls(model_config.hf_config)
-            cls.image_token_id = (
-                mm_utils_cls.image_token_id(model_config.hf_config) if mm_utils_cls else None
+    @classmethod
+    def _check_model(cls, model_config, parallel) -> None:
+        if model_config.runner_type != "generate":
+            raise ValueError(
+                f"vllm-accel serves text generation only, not runner "
+                f"'{model_config.runner_type}'."
             )
-            if mm_utils_cls is not None and model_config.multimodal_config is not None:
-                _disable_modalities(model_config, mm_utils_cls.unsupported_modalities)
-                # vLLM 0.33 may leave pixel normalisation to its own model
-                # classes (raw pixels from the processor); our ports take
-                # pixels as HF's processors normalise them.
-                model_config.multimodal_config.mm_device_do_normalize = False
+        arch = find_architecture(model_config.architectures)
+        if parallel.tensor_parallel_size > 1 and not arch.tensor_parallel:
+            raise ValueError(
+                f"vllm-accel cannot shard {arch.name} across workers yet: "
+                f"tensor_parallel_size must be 1 for it "
+                f"(tensor parallelism supports {', '.join(tensor_parallel_names())})."
+            )
+        from vllm_accel.multimodal.mm_mappings import vision_adapter_class
 
-    # The image token of the model last configured in this process (the front
-    # end's validate_request gets no model config); None for text models.
-    image_token_id: int | None = None
+        adapter_class = vision_adapter_class(model_config.hf_config)
+        # Set anew for every model (a text model after a vision model in one
+        # process must not inherit its image token).
+        cls.served_image_token_id = (
+            adapter_class.image_token_id(model_config) if adapter_class else None)
+        if adapter_class is not None and model_config.multimodal_config is not None:
+            _disable_modalities(model_config, adapter_class.unsupported_modalities)
+            # vLLM 0.33 may leave pixel normalisation to its own model
+            # classes (raw pixels from the processor); our ports take
+            # pixels as HF's processors normalise them.
+            model_config.multimodal_config.mm_device_do_normalize = False
+
+    # The image token of the vision model this process serves (None: a text
+    # model), for prompts without images. vLLM's validate_request is given no
+    # model, so in a process that configures several models (a notebook, the
+    # tests) this is the one configured last; a prompt with images is checked
+    # against its own placeholders' token instead, whatever model it is for.
+    served_image_token_id: int | None = None
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
@@ -186,26 +187,8 @@ class AccelPlatform(Platform):
                 "prompt_logprobs (the top-k per prompt position) instead.",
                 parameter="prompt_logprob_token_ids",
             )
-        if cls.image_token_id is not None and isinstance(processed_inputs, dict):
-            cls._check_image_tokens(processed_inputs, VLLMValidationError)
-
-    @classmethod
-    def _check_image_tokens(cls, inputs: dict, error) -> None:
-        """Every image token must belong to an image's placeholder: vLLM passes
-        a literal image token typed in the text on to the model otherwise. An
-        image fills its placeholder's embedding positions with the image token
-        (all of them, or, e.g. for Molmo, those marked ``is_embed``; the rest
-        hold other tokens)."""
-        images = (inputs.get("mm_placeholders") or {}).get("image", [])
-        expected = sum(int(place.get_num_embeds()) for place in images)
-        found = list(inputs.get("prompt_token_ids") or []).count(cls.image_token_id)
-        if found != expected:
-            raise error(
-                f"The prompt has {found} image tokens but its {len(images)} image(s) "
-                f"fill {expected}: the image token (id {cls.image_token_id}) must not "
-                "appear in the prompt text; send each image as an image part.",
-                parameter="image",
-            )
+        if isinstance(processed_inputs, dict):
+            _check_image_tokens(processed_inputs, cls.served_image_token_id, VLLMValidationError)
 
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
@@ -244,11 +227,37 @@ def _disable_modalities(model_config, modalities: tuple[str, ...]) -> None:
     with a 400, and does not size its multimodal budget with a dummy of it."""
     mm_config = model_config.multimodal_config
     for modality in modalities:
-        if mm_config.get_limit_per_prompt(modality) not in (0, 999):  # 999: not set
+        user_limit = mm_config.limit_per_prompt.get(modality)  # None: not set
+        if user_limit is not None and mm_config.get_limit_per_prompt(modality) != 0:
             raise ValueError(
                 f"vllm-accel does not support {modality} inputs for "
                 f"{model_config.architectures[0]}: set --limit-mm-per-prompt "
                 f"'{{\"{modality}\": 0}}' or leave it out (images are supported)."
             )
-        # vLLM's own parsing of {"video": 0} gives the options object it keeps.
-        mm_config.limit_per_prompt.update(type(mm_config)._validate_limit_per_prompt({modality: 0}))
+        limit_modality_to_zero(mm_config, modality)
+
+
+def _check_image_tokens(inputs: dict, served_image_token_id: int | None, error) -> None:
+    """Every image token must belong to an image's placeholder: vLLM passes
+    a literal image token typed in the text on to the model otherwise. An
+    image fills its placeholder's embedding positions with the image token
+    (all of them, or, e.g. for Molmo, those marked ``is_embed``; the rest
+    hold other tokens), so a prompt with images names its own image token."""
+    images = (inputs.get("mm_placeholders") or {}).get("image", [])
+    prompt = list(inputs.get("prompt_token_ids") or [])
+    token = served_image_token_id
+    if images:
+        place = images[0]
+        first = 0 if place.is_embed is None else int(place.is_embed.nonzero()[0, 0])
+        token = prompt[place.offset + first]
+    if token is None:
+        return
+    expected = sum(int(place.get_num_embeds()) for place in images)
+    found = prompt.count(token)
+    if found != expected:
+        raise error(
+            f"The prompt has {found} image tokens but its {len(images)} image(s) "
+            f"fill {expected}: the image token (id {token}) must not "
+            "appear in the prompt text; send each image as an image part.",
+            parameter="image",
+        )

@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import time
 
-from vllm.logger import init_logger
+from vllm_accel.log import get_logger
 
-logger = init_logger(f"vllm.{__name__}")
+logger = get_logger(__name__)
 
 
 def main(argv: list[str] | None = None) -> None:

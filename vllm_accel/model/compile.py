@@ -14,6 +14,8 @@ import types
 import torch
 from torch import nn
 
+from vllm_accel.patches import raise_recompile_limit
+
 
 def _own_copy(function):
     """A copy of ``function`` with its own code object. Dynamo keeps compiled
@@ -35,6 +37,4 @@ def compile_shared_forward(layers: list[nn.Module], backend: str, num_shapes: in
     # An instance attribute wins over the class's forward in nn.Module.__call__.
     for layer in layers:
         layer.forward = functools.partial(compiled, layer)
-    # Dynamo keeps 8 graphs per function by default, then silently runs eager.
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, num_shapes + 8)
+    raise_recompile_limit(num_shapes)

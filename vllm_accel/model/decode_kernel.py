@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-from vllm.logger import init_logger
+from vllm_accel.log import get_logger
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 # -ffast-math lets the softmax's exp vectorize. It is given to the compile step

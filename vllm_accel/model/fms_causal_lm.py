@@ -1,68 +1,30 @@
 """One generic wrapper around IBM foundation-model-stack (FMS) causal LMs.
 
-``load_fms_model`` loads any HF checkpoint directory FMS can build and checks
-that every weight was really loaded (FMS only logs keys it cannot place).
-``FmsCausalLM`` wraps the text model (for a vision-language model, the
-language model its mm_mappings util names), compiles its decoder layers, and
-exposes the two calls the runner needs: ``forward`` (token ids or embeddings
-and positions -> hidden states; the paged-KV layout comes from
+``load_fms_model`` loads any HF checkpoint directory of an architecture in
+``vllm_accel/architectures.py`` (registering our port first when FMS lacks the
+model) and checks that every weight was really loaded (FMS only logs keys it
+cannot place). ``FmsCausalLM`` wraps the text model (for a vision-language
+model, the language model its vision adapter names), compiles its decoder
+layers, and exposes the two calls the runner needs: ``forward`` (token ids or
+embeddings and positions -> hidden states; the paged-KV layout comes from
 ``attention_context``) and ``compute_logits``.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from fms.modules.attention import MultiHeadAttention
 from fms.modules.tp import TPModule
 from torch import nn
-from vllm.logger import init_logger
 
+from vllm_accel.architectures import find_architecture, load_object
+from vllm_accel.log import get_logger
 from vllm_accel.model.compile import compile_shared_forward
 from vllm_accel.model.paged_attention import ATTN_NAME, register_paged_attention
+from vllm_accel.model.ports import register_port
+from vllm_accel.patches import nan_for_unloaded_weights
 
-# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
-logger = init_logger(f"vllm.{__name__}")
-
-# HF architectures whose FMS model runs with our paged attention and that our
-# tests compare against a reference. Vision-language models have their vision
-# side in vllm_accel/multimodal/mm_mappings.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "GraniteForCausalLM",
-    "LlavaNextForConditionalGeneration",
-    "Qwen2_5_VLForConditionalGeneration",
-    "MolmoForCausalLM",
-)
-# Architectures whose FMS model FMS itself shards for tensor parallelism
-# (FMS's TensorParallelStrategy: attention heads and MLP columns/rows split,
-# the output all-reduced; embeddings, head and a vision tower replicated).
-# Our own ports (below) are not written for it yet.
-TP_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "GraniteForCausalLM",
-    "LlavaNextForConditionalGeneration",
-)
-# Architectures FMS does not have: our own FMS-style ports, registered with
-# FMS's registries (by the named function) before loading.
-_FMS_PORTS = {
-    "Qwen2_5_VLForConditionalGeneration": "vllm_accel.model.qwen2_5_vl:register_qwen2_5_vl",
-    "MolmoForCausalLM": "vllm_accel.model.molmo:register_molmo",
-}
-# Architectures whose HF config is remote code (FMS reads the config itself).
-_REMOTE_CODE_ARCHITECTURES = ("MolmoForCausalLM",)
-
-
-def check_architecture(architectures: list[str] | None) -> str:
-    """Return the supported HF architecture, or fail naming what is allowed."""
-    for arch in architectures or []:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    raise ValueError(
-        f"vllm-accel cannot run model architecture {architectures}: its FMS model "
-        f"wrapper supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
-    )
+logger = get_logger(__name__)
 
 
 def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
@@ -77,18 +39,17 @@ def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
     group=tp_group)`` builds the model with FMS's ``TensorParallelStrategy``,
     whose layers hold a slice of the heads and MLP and all-reduce their output
     over the group."""
-    arch = check_architecture(hf_config.architectures)
+    arch = find_architecture(hf_config.architectures)
     tp_size = tp_group.size() if tp_group is not None else 1
-    if tp_size > 1 and arch not in TP_ARCHITECTURES:
-        raise ValueError(f"vllm-accel cannot shard {arch} for tensor parallelism.")
-    if arch in _FMS_PORTS:
-        module, _, register = _FMS_PORTS[arch].partition(":")
-        getattr(importlib.import_module(module), register)()
+    if tp_size > 1 and not arch.tensor_parallel:
+        raise ValueError(f"vllm-accel cannot shard {arch.name} for tensor parallelism.")
+    if arch.fms_port is not None:
+        register_port(load_object(arch.fms_port))
     register_paged_attention()
     extra = {}
-    if arch in _REMOTE_CODE_ARCHITECTURES:
+    if arch.remote_code:
         if not trust_remote_code:
-            raise ValueError(f"{arch} checkpoints ship their config as remote code: "
+            raise ValueError(f"{arch.name} checkpoints ship their config as remote code: "
                              "pass trust_remote_code=True (--trust-remote-code)")
         extra["trust_remote_code"] = True
     if tp_size > 1:
@@ -105,27 +66,16 @@ def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
 
 def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str,
                         **kwargs) -> nn.Module:
-    """Load with FMS, leaving any weight FMS did not load as NaN (not garbage).
-
+    """Load with FMS, leaving any weight FMS did not load as NaN (not garbage):
     FMS builds the model on the meta device and materialises unloaded weights
-    with ``torch.empty_like``; torch's deterministic mode fills such memory with
-    NaN, which makes a skipped checkpoint key visible.
-    """
+    with ``torch.empty_like``."""
     from fms.models import get_model
-    from torch.utils import deterministic
 
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    was_filling = deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    deterministic.fill_uninitialized_memory = True
-    try:
+    with nan_for_unloaded_weights():
         return get_model(
             "hf_pretrained", model_path=model_path, device_type=device, data_type=dtype,
             **kwargs,
         )
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic)
-        deterministic.fill_uninitialized_memory = was_filling
 
 
 def _check_all_weights_loaded(model: nn.Module, model_path: str) -> None:

@@ -9,16 +9,15 @@ images' crops stacked): ``images`` [crops, patches, patch_size**2 * 3]
 cell, negative: no token).
 
 Every crop is processed on its own (the ViT attends within a crop, pooling
-stays within a crop), so padding the crop axis to a fixed bucket with
-``pad_crops`` leaves the real crops' rows bit-for-bit unchanged and gives the
-compiled graph a static shape. ``image_embed_order`` then picks the rows for
+stays within a crop), so padding the crop axis to a fixed bucket (zero
+pixels and masks) leaves the real crops' rows bit-for-bit unchanged and gives
+the compiled graph a static shape. ``image_embed_order`` then picks the rows for
 the ``<im_patch>`` placeholders, in prompt order.
 
 Module and parameter names follow the hub checkpoint under
-``model.vision_backbone.`` (``load_hf_vision_weights``). The text decoder is
-``Molmo`` below: the text side is our Qwen2 decoder (qwen2.py), configured
-as Molmo-7B-D's Qwen2 or 7B-O's OLMo; ``register_molmo`` lets FMS load the
-hub checkpoint into it (every weight; the embedding is the text table and the
+``model.vision_backbone.``. The text decoder is ``Molmo`` below: the text
+side is our Qwen2 decoder (qwen2.py), configured as Molmo-7B-D's Qwen2 or
+7B-O's OLMo; ``FMS_PORT`` lets FMS load the hub checkpoint into it (every weight; the embedding is the text table and the
 image-token table concatenated).
 """
 
@@ -33,7 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fms.utils.config import ModelConfig
 
-from vllm_accel.model.qwen2 import Qwen2, Qwen2Config, fuse_text_weights
+from vllm_accel.model.ports import FmsPort
+from vllm_accel.model.qwen2 import Qwen2Config, Qwen2VisionLanguageModel
 
 HF_VISION_PREFIX = "model.vision_backbone."
 
@@ -246,17 +246,6 @@ class MolmoVisionBackbone(nn.Module):
         return self.image_projector(pooled.reshape(crops, ph * pw, -1))
 
 
-def pad_crops(images: torch.Tensor, image_masks: torch.Tensor, image_input_idx: torch.Tensor,
-              num_crops: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pad the crop axis to ``num_crops`` (a compile bucket): zero pixels,
-    zero masks, and no tokens (-1) for the padding crops."""
-    extra = num_crops - images.shape[0]
-    if extra < 0:
-        raise ValueError(f"{images.shape[0]} crops do not fit a bucket of {num_crops}")
-    return (F.pad(images, (0, 0, 0, 0, 0, extra)), F.pad(image_masks, (0, 0, 0, extra)),
-            F.pad(image_input_idx, (0, 0, 0, extra), value=-1))
-
-
 def image_embed_order(image_input_idx: torch.Tensor) -> torch.Tensor:
     """Rows of the flattened backbone output [crops * tokens_per_crop, dim] for
     the image's ``<im_patch>`` tokens, in prompt order (cells with a negative
@@ -264,29 +253,6 @@ def image_embed_order(image_input_idx: torch.Tensor) -> torch.Tensor:
     flat = image_input_idx.reshape(-1)
     rows = torch.nonzero(flat >= 0).squeeze(1)
     return rows[torch.argsort(flat[rows])]
-
-
-def image_embeddings(backbone: MolmoVisionBackbone, images: torch.Tensor,
-                     image_masks: torch.Tensor, image_input_idx: torch.Tensor) -> torch.Tensor:
-    """One image's placeholder embeddings [number of its <im_patch> tokens,
-    text_dim], eagerly. One image at a time: image_input_idx is only ordered
-    within an image (the hub's processor gives every image offset 0)."""
-    per_crop = backbone(images, image_masks)
-    return per_crop.reshape(-1, per_crop.shape[-1])[image_embed_order(image_input_idx)]
-
-
-def load_hf_vision_weights(backbone: MolmoVisionBackbone,
-                           state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Load ``model.vision_backbone.*`` hub weights; every parameter must be
-    present and every vision key used (raises otherwise)."""
-    own = {k[len(HF_VISION_PREFIX):]: v for k, v in state_dict.items()
-           if k.startswith(HF_VISION_PREFIX)}
-    # Blocks past the deepest used layer are in the checkpoint but not built.
-    built = backbone.config.layers_run
-    prefix = "image_vit.transformer.resblocks."
-    used = {k: v for k, v in own.items()
-            if not k.startswith(prefix) or int(k[len(prefix):].split(".")[0]) < built}
-    backbone.load_state_dict(used, strict=True)
 
 
 # ---------------------------------------------------------------------------
@@ -307,23 +273,15 @@ class MolmoConfig(ModelConfig):
     vision_config: MolmoVisionConfig = field(default_factory=MolmoVisionConfig)
 
 
-class Molmo(nn.Module):
+class Molmo(Qwen2VisionLanguageModel):
     """``language_model`` is what the generic wrapper drives (embeddings in);
     ``vision`` turns an image's crops into its ``<im_patch>`` embeddings
-    (``image_embeddings``), which the caller writes at those positions."""
+    (then ``image_embed_order``), which the caller writes at those positions."""
 
     def __init__(self, config: MolmoConfig | None = None, **kwargs):
-        super().__init__()
         kwargs.pop("trust_remote_code", None)  # FMS passes get_model's kwargs on
-        self.config = (config or MolmoConfig()).updated(**kwargs)
-        self.language_model = Qwen2(self.config.text_config)
+        super().__init__((config or MolmoConfig()).updated(**kwargs))
         self.vision = MolmoVisionBackbone(self.config.vision_config)
-
-    def get_config(self) -> MolmoConfig:
-        return self.config
-
-    def post_init(self):
-        self.language_model.post_init()
 
 
 def molmo_text_config_from_hf(hf_config) -> Qwen2Config:
@@ -426,32 +384,8 @@ def _hf_to_fms_names(sd: Mapping[str, Any], model_config: MolmoConfig | None = N
     return out
 
 
-def _weight_fusion(sd: Mapping[str, Any], model_config: MolmoConfig | None = None, **_):
-    fused = model_config is None or model_config.text_config.fused_weights
-    text = {k: v for k, v in sd.items() if k.startswith("language_model.")}
-    rest = {k: v for k, v in sd.items() if not k.startswith("language_model.")}
-    return {**fuse_text_weights(text, fused), **rest}
-
-
-_registered = False
-
-
-def register_molmo() -> None:
-    """Make ``fms.models.get_model("hf_pretrained", model_path=...,
-    trust_remote_code=True)`` load MolmoForCausalLM checkpoints as
-    :class:`Molmo`. Idempotent (FMS refuses duplicate registrations)."""
-    global _registered
-    if _registered:
-        return
-    from fms import models
-    from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY
-    from fms.utils import serialization
-
-    models.register_model(ARCHITECTURE, "hf", lambda **kw: Molmo(**kw))
-    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_names", _hf_to_fms_names)
-    serialization.register_adapter_step(ARCHITECTURE, "weight_fusion", _weight_fusion)
-    serialization.register_adapter(ARCHITECTURE, "hf", ["hf_to_fms_names", "weight_fusion"])
-    _FMS_MODEL_CONFIG_REGISTRY.register_model_arch_info(
-        HF_ARCHITECTURE, ARCHITECTURE, lambda hf_config: {"config": molmo_config_from_hf(hf_config)},
-    )
-    _registered = True
+FMS_PORT = FmsPort(
+    fms_architecture=ARCHITECTURE, hf_architecture=HF_ARCHITECTURE, model_class=Molmo,
+    config_from_hf=molmo_config_from_hf, hf_to_fms_names=_hf_to_fms_names,
+    fused_prefix="language_model.", text_config_attr="text_config",
+)

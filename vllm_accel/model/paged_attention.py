@@ -52,25 +52,25 @@ class PagedAttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+# The layout of the forward now running, and the decode kernel to use (None:
+# PyTorch): the op takes only tensors, so it reads these here (see patches.py,
+# "process-wide all the same").
 _current: PagedAttentionMetadata | None = None
 _decode_kernel: DecodeAttentionKernel | None = None
 
 
-def use_decode_kernel(kernel: DecodeAttentionKernel | None) -> None:
-    """Attend decodes with ``kernel`` where it supports the tensors (None: PyTorch)."""
-    global _decode_kernel
-    _decode_kernel = kernel
-
-
 @contextlib.contextmanager
-def attention_context(metadata: PagedAttentionMetadata):
-    """Make ``metadata`` the layout attention reads during one forward."""
-    global _current
-    _current, previous = metadata, _current
+def attention_context(metadata: PagedAttentionMetadata,
+                      decode_kernel: DecodeAttentionKernel | None = None):
+    """Make ``metadata`` the layout attention reads during one forward, and
+    attend decodes with ``decode_kernel`` where it supports the tensors."""
+    global _current, _decode_kernel
+    previous = _current, _decode_kernel
+    _current, _decode_kernel = metadata, decode_kernel
     try:
         yield
     finally:
-        _current = previous
+        _current, _decode_kernel = previous
 
 
 def causal_context_mask(

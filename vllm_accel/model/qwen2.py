@@ -19,9 +19,10 @@ rotary, ``norm_after``: x + norm(attn(x)) instead of x + attn(norm(x))), and a
 head narrower than the embedding (``head_vocab_size``: Molmo's extra image-token
 rows the head never emits).
 
-so the generic FMS wrapper (vllm_accel/model/fms_causal_lm.py) can drive it:
-``base_model(x, position_ids=..., past_key_value_states=..., use_cache=True,
-attn_name=...)`` with ``x`` token ids [1, T] or embeddings [1, T, emb_dim].
+The generic FMS wrapper (vllm_accel/model/fms_causal_lm.py) drives it as it
+drives FMS's own decoders: ``base_model(x, position_ids=...,
+past_key_value_states=..., use_cache=True, attn_name=...)`` with ``x`` token
+ids [1, T] or embeddings [1, T, emb_dim].
 
 Rotary embedding follows HF's "rotate half" convention, so checkpoint q/k
 weights load unpermuted (FMS's RotaryEmbedding pairs adjacent dims and needs a
@@ -31,12 +32,12 @@ weight permutation; it also cannot take multi-axis positions). With
 axis: the first mrope_section[0] frequencies from t, the next
 mrope_section[1] from h, the rest from w. Without it, positions are [B, T].
 
-Nothing here registers anything at import time; see ``register_qwen2``.
+It is the decoder of our Qwen2.5-VL and Molmo ports, which register with FMS
+(``FMS_PORT`` in their modules); plain Qwen2 checkpoints are not served.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -48,12 +49,8 @@ from fms.modules.feedforward import GatedLinearUnit
 from fms.modules.head import LinearClassificationHead
 from fms.modules.layernorm import LayerNormParameterized
 from fms.modules.positions import PositionEncoder
-from fms.utils import serialization
 from fms.utils.activation import str_to_activation
 from fms.utils.config import ModelConfig
-
-ARCHITECTURE = "qwen2"
-
 
 @dataclass
 class Qwen2Config(ModelConfig):
@@ -200,8 +197,6 @@ class Qwen2Block(nn.Module):
         )
         assert self.ff_sub_layer.hidden_dim == c.hidden_dim
 
-    # No keyword-only parameters: compile.py's per-engine copy of this
-    # function keeps __defaults__ but not __kwdefaults__.
     def forward(self, x, position_ids=None, past_key_value_state=None, use_cache=False,
                 **attn_kwargs):
         residual = x
@@ -279,6 +274,22 @@ class Qwen2(nn.Module):
         return (logits, cache) if use_cache else logits
 
 
+class Qwen2VisionLanguageModel(nn.Module):
+    """Base of our composite FMS models whose text side is this decoder
+    (``language_model``: what the generic wrapper drives, fed embeddings)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.language_model = Qwen2(config.text_config)
+
+    def get_config(self):
+        return self.config
+
+    def post_init(self):
+        self.language_model.post_init()
+
+
 # ---------------------------------------------------------------------------
 # HF config and checkpoint -> FMS
 # ---------------------------------------------------------------------------
@@ -311,18 +322,14 @@ def qwen2_config_from_hf(text_config) -> Qwen2Config:
     )
 
 
-# HF decoder-layer names -> ours; applied to keys already relative to a layer.
-_LAYER_RENAMES = [
-    (r"self_attn\.q_proj\.", "attn.in_proj.query."),
-    (r"self_attn\.k_proj\.", "attn.in_proj.key."),
-    (r"self_attn\.v_proj\.", "attn.in_proj.value."),
-    (r"self_attn\.o_proj\.", "attn.dense."),
-    (r"mlp\.gate_proj\.", "ff_sub_layer.wg."),
-    (r"mlp\.up_proj\.", "ff_sub_layer.w1."),
-    (r"mlp\.down_proj\.", "ff_sub_layer.w2."),
-    (r"input_layernorm\.", "ln."),
-    (r"post_attention_layernorm\.", "ff_ln."),
-]
+# HF decoder-layer module names -> ours (inside "layers.N.").
+_LAYER_RENAMES = {
+    "self_attn.q_proj.": "attn.in_proj.query.", "self_attn.k_proj.": "attn.in_proj.key.",
+    "self_attn.v_proj.": "attn.in_proj.value.", "self_attn.o_proj.": "attn.dense.",
+    "mlp.gate_proj.": "ff_sub_layer.wg.", "mlp.up_proj.": "ff_sub_layer.w1.",
+    "mlp.down_proj.": "ff_sub_layer.w2.",
+    "input_layernorm.": "ln.", "post_attention_layernorm.": "ff_ln.",
+}
 
 
 def rename_hf_text_key(name: str, hf_prefix: str = "model.", fms_prefix: str = "") -> str | None:
@@ -339,49 +346,7 @@ def rename_hf_text_key(name: str, hf_prefix: str = "model.", fms_prefix: str = "
     if rest.startswith("norm."):
         return fms_prefix + "base_model.dec_norm." + rest[len("norm."):]
     if rest.startswith("layers."):
-        for pattern, repl in _LAYER_RENAMES:
-            rest = re.sub(pattern, repl, rest)
+        for hf_name, name in _LAYER_RENAMES.items():
+            rest = rest.replace("." + hf_name, "." + name)
         return fms_prefix + "base_model." + rest
     return None
-
-
-def fuse_text_weights(sd: Mapping[str, Any], fused: bool) -> Mapping[str, Any]:
-    """Concatenate q/k/v (weights and biases) and gate/up like FMS's LLaMA does."""
-    if not fused:
-        return sd
-    return serialization._mlp_glu_unfused_to_fused_adapter_step(
-        serialization._attn_unfused_to_fused_step(sd)
-    )
-
-
-def _hf_to_fms_names(sd: Mapping[str, Any], **_) -> dict:
-    out = {}
-    for name, tensor in sd.items():
-        out[rename_hf_text_key(name) or name] = tensor
-    return out
-
-
-def _weight_fusion(sd: Mapping[str, Any], model_config: Optional[Qwen2Config] = None, **_):
-    return fuse_text_weights(sd, model_config is None or model_config.fused_weights)
-
-
-_registered = False
-
-
-def register_qwen2() -> None:
-    """Make ``get_model("hf_pretrained", ...)`` load Qwen2ForCausalLM
-    checkpoints as :class:`Qwen2`. Idempotent; FMS refuses re-registration."""
-    global _registered
-    if _registered:
-        return
-    from fms import models
-    from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY
-
-    models.register_model(ARCHITECTURE, "hf", lambda **kw: Qwen2(**kw))
-    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_names", _hf_to_fms_names)
-    serialization.register_adapter_step(ARCHITECTURE, "weight_fusion", _weight_fusion)
-    serialization.register_adapter(ARCHITECTURE, "hf", ["hf_to_fms_names", "weight_fusion"])
-    _FMS_MODEL_CONFIG_REGISTRY.register_model_arch_info(
-        "Qwen2ForCausalLM", ARCHITECTURE, lambda hf_config: {"config": qwen2_config_from_hf(hf_config)}
-    )
-    _registered = True

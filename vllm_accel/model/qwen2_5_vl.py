@@ -23,7 +23,8 @@ blocks differ only in the mask they get. Padding rows form their own
 attention segment (real patches never see them) and their own merged rows
 (pad counts are multiples of 4), which are dropped before returning.
 
-Registration with FMS happens only when ``register_qwen2_5_vl()`` is called.
+``FMS_PORT`` tells FMS how to load the hub checkpoint (registered by the
+loader, ``model/ports.py``, not at import).
 """
 
 from __future__ import annotations
@@ -37,14 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fms.modules.feedforward import GatedLinearUnit
-from fms.utils import serialization
 from fms.utils.activation import str_to_activation
 from fms.utils.config import ModelConfig
 
+from vllm_accel.model.ports import FmsPort
 from vllm_accel.model.qwen2 import (
-    Qwen2,
     Qwen2Config,
-    fuse_text_weights,
+    Qwen2VisionLanguageModel,
     qwen2_config_from_hf,
     rename_hf_text_key,
     rms_norm,
@@ -272,38 +272,17 @@ class Qwen2_5_VisionTransformer(nn.Module):
 # ---------------------------------------------------------------------------
 
 
-class Qwen2_5_VL(nn.Module):
+class Qwen2_5_VL(Qwen2VisionLanguageModel):
     """The text model our generic wrapper drives is ``language_model``; the
     caller runs ``visual`` on each image and writes its rows into the prompt
-    embeddings at the image-token positions (``merge_image_features``)."""
+    embeddings at the image-token positions."""
 
     def __init__(self, config: Optional[Qwen2_5_VLConfig] = None, vision_only: bool = False,
                  **kwargs):
-        super().__init__()
         if vision_only:
             raise NotImplementedError("Qwen2_5_VL has no vision-only mode")
-        self.config = (config or Qwen2_5_VLConfig()).updated(**kwargs)
-        self.language_model = Qwen2(self.config.text_config)
+        super().__init__((config or Qwen2_5_VLConfig()).updated(**kwargs))
         self.visual = Qwen2_5_VisionTransformer(self.config.vision_config)
-
-    def get_config(self) -> Qwen2_5_VLConfig:
-        return self.config
-
-    def post_init(self):
-        self.language_model.post_init()
-
-    def merge_image_features(self, input_ids: torch.Tensor,
-                             image_features: Optional[torch.Tensor]) -> torch.Tensor:
-        """input_ids [B, T] -> embeddings [B, T, emb_dim], image-token rows
-        replaced in order by image_features [num_image_tokens, emb_dim]."""
-        embeds = self.language_model.base_model.embedding(input_ids)
-        if image_features is not None:
-            is_image = input_ids == self.config.image_token_id
-            if int(is_image.sum()) != image_features.shape[0]:
-                raise ValueError(f"{int(is_image.sum())} image tokens but "
-                                 f"{image_features.shape[0]} image feature rows")
-            embeds = embeds.masked_scatter(is_image[..., None], image_features.to(embeds.dtype))
-        return embeds
 
 
 def mrope_positions(
@@ -414,32 +393,8 @@ def _hf_to_fms_names(sd: Mapping[str, Any], **_) -> dict:
     return out
 
 
-def _weight_fusion(sd: Mapping[str, Any], model_config: Optional[Qwen2_5_VLConfig] = None, **_):
-    fused = model_config is None or model_config.text_config.fused_weights
-    text = {k: v for k, v in sd.items() if k.startswith("language_model.")}
-    rest = {k: v for k, v in sd.items() if not k.startswith("language_model.")}
-    return {**fuse_text_weights(text, fused), **rest}
-
-
-_registered = False
-
-
-def register_qwen2_5_vl() -> None:
-    """Make ``fms.models.get_model("hf_pretrained", model_path=...)`` load
-    Qwen2_5_VLForConditionalGeneration checkpoints as :class:`Qwen2_5_VL`.
-    Idempotent (FMS refuses duplicate registrations)."""
-    global _registered
-    if _registered:
-        return
-    from fms import models
-    from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY
-
-    models.register_model(ARCHITECTURE, "hf", lambda **kw: Qwen2_5_VL(**kw))
-    serialization.register_adapter_step(ARCHITECTURE, "hf_to_fms_names", _hf_to_fms_names)
-    serialization.register_adapter_step(ARCHITECTURE, "weight_fusion", _weight_fusion)
-    serialization.register_adapter(ARCHITECTURE, "hf", ["hf_to_fms_names", "weight_fusion"])
-    _FMS_MODEL_CONFIG_REGISTRY.register_model_arch_info(
-        HF_ARCHITECTURE, ARCHITECTURE,
-        lambda hf_config: {"config": qwen2_5_vl_config_from_hf(hf_config)},
-    )
-    _registered = True
+FMS_PORT = FmsPort(
+    fms_architecture=ARCHITECTURE, hf_architecture=HF_ARCHITECTURE, model_class=Qwen2_5_VL,
+    config_from_hf=qwen2_5_vl_config_from_hf, hf_to_fms_names=_hf_to_fms_names,
+    fused_prefix="language_model.", text_config_attr="text_config",
+)

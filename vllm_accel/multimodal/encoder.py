@@ -1,16 +1,16 @@
 """The vision machinery every architecture shares: static-shape padding and
 compilation of the encoder, encoding with a count, and merging image rows
 into the text embeddings. What differs per architecture comes from its
-``MultiModalUtils`` (mm_mappings)."""
+``VisionAdapter`` (mm_mappings)."""
 
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree as pytree
 
 from vllm_accel.buckets import fit_bucket, make_buckets
+from vllm_accel.compat import map_tensors
 from vllm_accel.model.compile import compile_shared_forward
-from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.settings import env_var_name
 
 
@@ -22,21 +22,21 @@ class VisionEncoder:
     outputs sliced back to the real rows), through forward hooks on the module.
     """
 
-    def __init__(self, utils: MultiModalUtils, compile_backend: str | None = None,
+    def __init__(self, adapter: VisionAdapter, compile_backend: str | None = None,
                  bucket_spec: str = ""):
         """``bucket_spec``: the multimodal_buckets setting ("" = the util's own
         buckets, whose smallest and largest also fill in a range spec)."""
-        self.utils = utils
-        derived = utils.vision_buckets()
+        self.adapter = adapter
+        derived = adapter.vision_buckets()
         buckets = make_buckets(bucket_spec, derived[0], derived[-1]) if bucket_spec else derived
-        multiple = utils.vision_bucket_multiple
+        multiple = adapter.vision_bucket_multiple
         self.buckets = sorted({-(-b // multiple) * multiple for b in buckets})
         self.images_encoded = 0
         self._real_rows: int | None = None
         if compile_backend is not None:
-            compile_shared_forward(utils.vision_compile_units(), compile_backend,
+            compile_shared_forward(adapter.vision_compile_units(), compile_backend,
                                    len(self.buckets))
-            module = utils.vision_module
+            module = adapter.vision_module
             module.register_forward_pre_hook(self._pad_to_bucket, with_kwargs=True)
             module.register_forward_hook(self._slice_to_real_rows)
 
@@ -45,12 +45,12 @@ class VisionEncoder:
         """Per image: its embeddings [num_embeds, hidden], in item order."""
         outputs = []
         for item in items:
-            outputs.append(self.utils.encode_item(item))
+            outputs.append(self.adapter.encode_item(item))
             self.images_encoded += 1
         return outputs
 
     def _pad_to_bucket(self, module, args, kwargs):
-        count = self.utils.vision_padded_args
+        count = self.adapter.vision_padded_args
         padded, rest = list(args[:count]), args[count:]
         rows = padded[0].shape[0]
         if len(padded) != count or any(t.shape[0] != rows for t in padded):
@@ -65,7 +65,7 @@ class VisionEncoder:
 
     def _slice_to_real_rows(self, module, args, output):
         rows, self._real_rows = self._real_rows, None
-        return pytree.tree_map_only(torch.Tensor, lambda t: t[:rows], output)
+        return map_tensors(lambda t: t[:rows], output)
 
 
 def merge_embeddings(inputs_embeds: torch.Tensor, mm_embeds: torch.Tensor,

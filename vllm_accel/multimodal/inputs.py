@@ -43,15 +43,16 @@ def warmup_image(width: int, height: int, seed: int = 0):
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def processor_items(processor_dir: str,
-                    image_sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
+def processor_items(processor_dir: str, image_sizes: list[tuple[int, int]],
+                    trust_remote_code: bool = False) -> list[dict[str, torch.Tensor]]:
     """Noise images of the given (width, height) sizes through the model's own
     HF image processor, one item per image as ``item_tensors`` gives them, for
     processors whose outputs are batched per image (vLLM's
     ``MultiModalFieldConfig.batched``)."""
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True)
+    processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True,
+                                              trust_remote_code=trust_remote_code)
     items = []
     for seed, (width, height) in enumerate(image_sizes):
         out = processor.image_processor(images=[warmup_image(width, height, seed)],

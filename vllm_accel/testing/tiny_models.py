@@ -5,22 +5,18 @@ fast tokenizer, chat template, generation config) without network access.
 Everything here is built from scratch: a byte-level BPE tokenizer trained on
 a small built-in corpus, and random weights drawn from a seeded generator.
 
-"qwen2_5_vl" (written by tiny_qwen2_5_vl.py) is a Qwen2_5_VLForConditionalGeneration.
+Qwen2.5-VL and Molmo fixtures have modules of their own (tiny_qwen2_5_vl.py,
+tiny_molmo.py); ``fixtures.make_tiny_model`` makes any of them.
 "llava_next" is a Granite-Vision-like LlavaNextForConditionalGeneration
 (SigLIP vision tower + Granite text model, multi-layer vision features, anyres
 tiling) with its image processor, processor config and a chat template that
 renders OpenAI-style content lists; it needs no torchvision.
 
-Usage:
-    from vllm_accel.testing.tiny_models import make_tiny_model
-    path = make_tiny_model("llama", tmp_path / "tiny-llama", seed=0)
-
-    python -m vllm_accel.testing.tiny_models llama /tmp/tiny-llama --seed 0
+Usage: see fixtures.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -28,12 +24,8 @@ import pathlib
 import torch
 from safetensors.torch import save_file
 
-# SUPPORTED_ARCHS: the text-only causal LMs (plain "model.*"/"lm_head.*"
-# checkpoints; tests are parametrised over it). VISION_ARCHS: vision-language
-# models. ALL_ARCHS: everything make_tiny_model and the CLI accept.
-SUPPORTED_ARCHS = ("llama", "granite")
-VISION_ARCHS = ("llava_next", "qwen2_5_vl")
-ALL_ARCHS = SUPPORTED_ARCHS + VISION_ARCHS
+# The fixtures this module writes (fixtures.py dispatches every architecture).
+ARCHS = ("llama", "granite", "llava_next")
 
 # Shapes: small enough to build/run in well under a second, but with GQA
 # (4 query heads sharing 2 KV heads) and head_dim 64 so parity tests exercise
@@ -444,7 +436,7 @@ def _make_llava_next(out: pathlib.Path, *, seed: int, printable_only: bool) -> p
     return out
 
 
-def make_tiny_model(
+def make_tiny_checkpoint(
     arch: str, out_dir: str | os.PathLike, *, seed: int = 0, printable_only: bool = True
 ) -> pathlib.Path:
     """Write a complete tiny HF checkpoint for ``arch`` into ``out_dir``.
@@ -458,16 +450,12 @@ def make_tiny_model(
     clean ASCII text that always runs to max_tokens (no early eos), and text
     from incremental detokenization matches a one-shot decode.
     """
-    if arch not in ALL_ARCHS:
-        raise ValueError(f"unsupported arch {arch!r}; choose from {ALL_ARCHS}")
+    if arch not in ARCHS:
+        raise ValueError(f"unsupported arch {arch!r}; choose from {ARCHS}")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if arch == "llava_next":
         return _make_llava_next(out, seed=seed, printable_only=printable_only)
-    if arch == "qwen2_5_vl":  # its own module: a different tokenizer and layout
-        from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
-
-        return make_tiny_qwen2_5_vl(out, seed=seed, printable_only=printable_only)
 
     tokenizer = build_tokenizer()
     _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
@@ -485,24 +473,3 @@ def make_tiny_model(
     )
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("arch", choices=ALL_ARCHS)
-    parser.add_argument("out_dir")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--allow-unprintable",
-        action="store_true",
-        help="do not shrink lm_head rows of special/non-printable tokens",
-    )
-    args = parser.parse_args(argv)
-    path = make_tiny_model(
-        args.arch, args.out_dir, seed=args.seed, printable_only=not args.allow_unprintable
-    )
-    print(path)
-
-
-if __name__ == "__main__":
-    main()

@@ -293,7 +293,7 @@ def make_tiny_molmo(
 
     Byte-for-byte identical for the same (seed, decoder) and library versions.
     ``printable_only`` shrinks the head rows of special, padding and
-    non-printable byte tokens, as tiny_models.make_tiny_model does.
+    non-printable byte tokens, as tiny_models.make_tiny_checkpoint does.
     """
     if decoder not in DECODERS:
         raise ValueError(f"unsupported decoder {decoder!r}; choose from {DECODERS}")

@@ -8,32 +8,18 @@ recompile: the thing an accelerator user must never pay for while serving.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from pathlib import Path
 
-from torch._dynamo.utils import counters, get_compilation_metrics
-from vllm.logger import init_logger
+from vllm_accel.compat import dynamo_graph_count, inductor_cache_counts, last_compiled_functions
+from vllm_accel.log import get_logger
 
-# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
-logger = init_logger(f"vllm.{__name__}")
-
-
-def _graphs() -> int:
-    return counters["stats"]["unique_graphs"]
-
-
-def _cache_hits() -> tuple[int, int]:
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-
-
-_INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+logger = get_logger(__name__)
 
 
 class CompileStats:
     def __init__(self) -> None:
-        self._start = self._seen = _graphs()
-        self._start_hits = _cache_hits()
+        self._start = self._seen = dynamo_graph_count()
+        self._start_hits = inductor_cache_counts()
         self.warmup_graphs = 0
         self.runtime_compiles = 0
         self.warmed_up = False
@@ -41,45 +27,28 @@ class CompileStats:
 
     @property
     def graphs_compiled(self) -> int:
-        return _graphs() - self._start
+        return dynamo_graph_count() - self._start
 
     @property
     def cache_hits(self) -> tuple[int, int]:
-        hits, misses = _cache_hits()
+        hits, misses = inductor_cache_counts()
         return hits - self._start_hits[0], misses - self._start_hits[1]
 
     def configure(self, cache_dir: Path) -> None:
-        """Persist this engine's compiled graphs under cache_dir."""
+        """Persist this engine's compiled graphs under cache_dir (inductor
+        uses it while the engine's model runs: patches.inductor_cache_dir)."""
         self.cache_dir = cache_dir / "inductor"
         logger.info("vllm_accel compile cache: %s", self.cache_dir)
 
-    @contextlib.contextmanager
-    def cache_scope(self):
-        """Inductor reads its cache directory from the environment at each
-        compile; point it at ours only while our model runs (a compile can
-        happen in any step), so other code in the process keeps its own."""
-        if self.cache_dir is None:
-            yield
-            return
-        previous = os.environ.get(_INDUCTOR_CACHE_ENV)
-        os.environ[_INDUCTOR_CACHE_ENV] = str(self.cache_dir)
-        try:
-            yield
-        finally:
-            if previous is None:
-                os.environ.pop(_INDUCTOR_CACHE_ENV, None)
-            else:
-                os.environ[_INDUCTOR_CACHE_ENV] = previous
-
     def finish_warmup(self) -> None:
         self.warmup_graphs = self.graphs_compiled
-        self._seen = _graphs()
+        self._seen = dynamo_graph_count()
         self.warmed_up = True
 
     def after_step(self, what: str) -> None:
         """Count graphs compiled since the last call; after warmup each one is
         a recompile, logged with the function dynamo compiled and ``what`` ran."""
-        now = _graphs()
+        now = dynamo_graph_count()
         if now == self._seen:
             return
         new, self._seen = now - self._seen, now
@@ -87,13 +56,7 @@ class CompileStats:
             self.runtime_compiles += new
             logger.warning(
                 "vllm_accel recompile at run time: %d new graph(s) during %s, compiling %s "
-                "(runtime recompiles: %d)", new, what, _compiled_functions(new),
+                "(runtime recompiles: %d)", new, what, last_compiled_functions(new),
                 self.runtime_compiles,
             )
 
-
-def _compiled_functions(count: int) -> str:
-    """Name and place of the functions behind dynamo's last ``count`` compiles."""
-    metrics = list(get_compilation_metrics())[-count:]
-    return ", ".join(f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})" for m in metrics) \
-        or "unknown functions"

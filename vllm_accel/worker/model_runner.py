@@ -2,8 +2,9 @@
 
 One runner does it all (continuous batching, chunked prefill, prefix caching):
 vLLM's scheduler and KV cache manager decide what runs and where its KV lives;
-we keep the per-request state in vLLM's own ``InputBatch`` (which also builds
-the sampling metadata and runs logits processors), pack the step's tokens into
+``request_state`` mirrors the requests into vLLM's own ``InputBatch`` (which
+also builds the sampling metadata and runs logits processors); the runner packs
+the step's tokens into
 one sequence, run it through the FMS model as one or more forwards padded to
 token buckets (``step_layout``) and sample with vLLM's ``Sampler``.
 
@@ -19,8 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from vllm.config import VllmConfig
-from vllm.logger import init_logger
-from vllm.sampling_params import SamplingType
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
@@ -28,53 +27,39 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRun
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
-from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.gpu_input_batch import InputBatch
 
-from vllm_accel.buckets import fit_bucket, half_octave_buckets, make_buckets, plan_forwards
+from vllm_accel.buckets import (
+    FORWARD_COST_IN_TOKENS,
+    context_buckets,
+    fit_bucket,
+    plan_forwards,
+    token_buckets,
+)
+from vllm_accel.compat import compile_sampler_logprob_ranks
 from vllm_accel.devices import DeviceBackend
-from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
+from vllm_accel.log import get_logger
 from vllm_accel.model import decode_kernel
-from vllm_accel.model.paged_attention import attention_context, use_decode_kernel
+from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
+from vllm_accel.model.paged_attention import attention_context
 from vllm_accel.multimodal.encoder import VisionEncoder, merge_embeddings
 from vllm_accel.multimodal.inputs import item_tensors
-from vllm_accel.multimodal.mm_mappings import get_mm_utils_cls
-from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+from vllm_accel.multimodal.mm_mappings import vision_adapter_class
+from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
+from vllm_accel.patches import inductor_cache_dir
 from vllm_accel.settings import AccelSettings, env_var_name
 from vllm_accel.worker.compile_stats import CompileStats
-from vllm_accel.worker.warmup import compile_sampler_helpers
+from vllm_accel.worker.kv_cache import allocate_kv_caches, kv_cache_bytes, zero_blocks
+from vllm_accel.worker.prompt_logprobs import plan_chunk
+from vllm_accel.worker.request_state import RequestStates
 from vllm_accel.worker.step_layout import (
-    Forward,
-    Placeholder,
-    RopePositions,
+    BucketedForward,
     StepLayout,
     pack_step,
     placeholder_rows,
 )
 
-# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
-logger = init_logger(f"vllm.{__name__}")
-
-# What one more forward costs, in padded tokens (its fixed per-call work:
-# Python, one pass over the weights, attention set-up), for cutting a step into
-# forwards: a rough estimate from profiles of the tiny and ~90M Llamas on 2
-# cores, not tuned.
-FORWARD_COST_IN_TOKENS = 32
-# Default token buckets, each a graph to compile at start-up (~3 s cold on 2
-# cores). Small steps are mostly decodes, one row per running request: they
-# double from 8 to 64 so that a decode batch pads at most 2x (the ~90M Llama at
-# 32 requests: 1.63x native padded to 64, 2.00x with these buckets). A lone
-# decode keeps its own bucket (29 ms as one row, 62-74 ms padded to 8, same
-# model). Bigger steps run as forwards of 512 and smaller ones (plan_forwards).
-DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 512)
-
-
-def token_buckets(spec: str, max_step: int) -> list[int]:
-    """The token buckets for a spec ("" = the defaults), none above the
-    largest step the scheduler can send."""
-    top = min(max_step, DEFAULT_TOKEN_BUCKETS[-1])
-    buckets = (make_buckets(spec, 1, top) if spec
-               else [b for b in DEFAULT_TOKEN_BUCKETS if b < top] + [top])
-    return [b for b in buckets if b <= max_step] or [max_step]
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -111,11 +96,7 @@ class AccelModelRunner:
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
         self.token_buckets = token_buckets(settings.token_buckets, max_step)
-        # Decode attention runs outside the compiled graphs, so context buckets
-        # cost no graphs: by default they step by half octaves, to pad less.
-        self.context_buckets = (
-            make_buckets(settings.context_buckets, 1, self.max_blocks_per_req)
-            if settings.context_buckets else half_octave_buckets(1, self.max_blocks_per_req))
+        self.context_buckets = context_buckets(settings.context_buckets, self.max_blocks_per_req)
         logger.info(
             "vllm_accel buckets: tokens %s, context blocks %s (block size %d)",
             self.token_buckets, self.context_buckets, self.block_size,
@@ -123,20 +104,13 @@ class AccelModelRunner:
 
         self.model: FmsCausalLM | None = None
         self.decode_kernel: decode_kernel.DecodeAttentionKernel | None = None  # cpu only
-        # Vision-language models only: the architecture's util and the encoder.
-        self.mm_utils: MultiModalUtils | None = None
+        # Vision-language models only: the architecture's adapter and the encoder.
+        self.vision: VisionAdapter | None = None
         self.vision_encoder: VisionEncoder | None = None
         self.encoder_cache: dict[str, torch.Tensor] = {}  # image identifier -> embeddings
-        # Per request, for models with 3-D positions (M-RoPE) only.
-        self.rope_positions: dict[str, RopePositions] = {}
-        # Per request with images: their prompt spans, converted once.
-        self.placeholders: dict[str, list[Placeholder]] = {}
-        # Requests that asked for prompt logprobs and whose prompt is not done.
-        self.num_prompt_logprobs: dict[str, int] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        compile_sampler_helpers(self.model_config.get_vocab_size())  # before counting ours
+        compile_sampler_logprob_ranks(self.model_config.get_vocab_size())  # before counting ours
         self.compile_stats = CompileStats()
-        self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -147,6 +121,7 @@ class AccelModelRunner:
             max_num_blocks_per_req=[self.max_blocks_per_req],
             logitsprocs=build_logitsprocs(vllm_config, self.device, False, False),
         )
+        self.requests = RequestStates(self.input_batch, self.device)
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.pending: PendingSample | None = None
 
@@ -163,10 +138,11 @@ class AccelModelRunner:
                                    self.backend.device,
                                    trust_remote_code=self.model_config.trust_remote_code,
                                    tp_group=tp_group)
-        mm_utils_cls = get_mm_utils_cls(hf_config)
-        if mm_utils_cls is not None:
-            self.mm_utils = mm_utils_cls(hf_config, fms_model, self.model_config.model)
-            fms_model = self.mm_utils.text_model
+        adapter_class = vision_adapter_class(hf_config)
+        if adapter_class is not None:
+            self.vision = adapter_class(self.model_config, fms_model)
+            self.requests.vision = self.vision
+            fms_model = self.vision.text_model
         self.model = FmsCausalLM(fms_model)
         if self.tp_size > 1 and not self.model.head_replicated:
             # Only the driver computes logits: a sharded head would need every rank.
@@ -176,13 +152,12 @@ class AccelModelRunner:
         # The kernel is the cpu device's own (the graphs stay device-neutral).
         self.decode_kernel = (decode_kernel.load(self.settings.cache_dir / "kernels")
                               if self.backend.device == "cpu" else None)
-        use_decode_kernel(self.decode_kernel)
         compile_backend = self.backend.compile_backend if self.backend.compiles else None
         if compile_backend is not None:
             self.compile_stats.configure(self.settings.cache_dir)
             self.model.compile_layers(compile_backend, len(self.token_buckets))
-        if self.mm_utils is not None:
-            self.vision_encoder = VisionEncoder(self.mm_utils, compile_backend,
+        if self.vision is not None:
+            self.vision_encoder = VisionEncoder(self.vision, compile_backend,
                                                 self.settings.multimodal_buckets)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -202,28 +177,27 @@ class AccelModelRunner:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         assert self.model is not None
         self.num_blocks = kv_cache_config.num_blocks
-        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        self.kv_caches = [
-            (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
-            for _ in range(self.model.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(
+            self.model.num_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
+            self.model.head_dim, self.dtype, self.device)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
-            self.num_blocks,
-            self.block_size,
-            self.num_blocks * self.block_size,
-            2 * sum(k.numel() * k.element_size() for k, _ in self.kv_caches) / 2**30,
+            self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+            kv_cache_bytes(self.kv_caches) / 2**30,
         )
 
     # ---- per step -----------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        self._update_states(scheduler_output)
+        self.requests.update(scheduler_output)
+        if scheduler_output.new_block_ids_to_zero:
+            zero_blocks(self.kv_caches, scheduler_output.new_block_ids_to_zero)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
 
         batch = self.input_batch
+        states = self.requests.in_batch_order()
         num_scheduled = np.array(
             [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64
         )
@@ -231,11 +205,12 @@ class AccelModelRunner:
         step = pack_step(
             batch.token_ids_cpu, batch.block_table[0].get_numpy_array(), num_scheduled, start,
             self.block_size, self._plan_forwards, self._context_bucket,
-            [self.rope_positions[r] for r in batch.req_ids] if self.rope_positions else None,
+            [s.rope_positions for s in states] if self.vision and self.vision.uses_3d_positions
+            else None,
         )
-        with self.compile_stats.cache_scope():
+        with inductor_cache_dir(self.compile_stats.cache_dir):
             inputs = step.input_ids.to(self.device)
-            if self.mm_utils is not None:
+            if self.vision is not None:
                 self._encode_scheduled_images(scheduler_output)
                 inputs = self._merged_embeddings(step, inputs)
             parts = [self._run_forward(fwd, inputs) for fwd in step.forwards]
@@ -245,7 +220,7 @@ class AccelModelRunner:
             logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)]).cpu()
             prompt_logprobs = self._prompt_logprobs(step, hidden, scheduler_output)
 
-        num_tokens = np.array([self.requests[r].num_tokens for r in batch.req_ids])
+        num_tokens = np.array([s.num_tokens for s in states])
         self.pending = PendingSample(
             scheduler_output=scheduler_output,
             logits=logits,
@@ -254,7 +229,7 @@ class AccelModelRunner:
         )
         return None
 
-    def _run_forward(self, forward: Forward, inputs: torch.Tensor) -> torch.Tensor:
+    def _run_forward(self, forward: BucketedForward, inputs: torch.Tensor) -> torch.Tensor:
         """Hidden states of the step's tokens [forward.begin, forward.end);
         ``inputs`` holds the whole step's token ids or embeddings."""
         tokens = inputs
@@ -263,49 +238,44 @@ class AccelModelRunner:
             # assume (and guard on) aligned inputs.
             tokens = inputs.new_zeros((1, forward.bucket) + inputs.shape[2:])
             tokens[:, : forward.end - forward.begin] = inputs[:, forward.begin : forward.end]
-        with attention_context(forward.attn_metadata):
+        with attention_context(forward.attn_metadata, self.decode_kernel):
             hidden = self.model(tokens, forward.positions.to(self.device), self.kv_caches)
         self.compile_stats.after_step(f"a forward of {forward.bucket} tokens")
         return hidden[:, : forward.end - forward.begin]
 
     def _prompt_logprobs(self, step: StepLayout, hidden: torch.Tensor,
                          scheduler_output: SchedulerOutput) -> dict[str, LogprobsTensors]:
-        """Logprobs of each prompt token given the ones before it, filled in
-        chunk by chunk; returned for a request once its whole prompt is done
-        (vLLM's semantics; such requests never read the prefix cache)."""
+        """Prompt logprobs filled in chunk by chunk (prompt_logprobs.py);
+        returned for a request once its whole prompt is done. Driver only."""
         finished = {}
-        # Driver only (see __init__); other ranks drop the bookkeeping.
-        for req_id, num_logprobs in list(self.num_prompt_logprobs.items()):
-            count = scheduler_output.num_scheduled_tokens.get(req_id)
-            if count is None:  # not scheduled this step
-                continue
+        for req_id, count in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[req_id]
+            num_logprobs = state.prompt_logprobs_pending
+            if num_logprobs is None:
+                continue
             prompt = state.prompt_token_ids
             if state.in_progress_prompt_logprobs_cpu is None:
                 state.in_progress_prompt_logprobs_cpu = LogprobsTensors.empty_cpu(
                     len(prompt) - 1, num_logprobs + 1)
             tensors = state.in_progress_prompt_logprobs_cpu
-            start = state.num_computed_tokens
-            # Position i predicts prompt token i + 1: the last prompt token predicts none.
-            num_logits = min(count, len(prompt) - 1 - start)
-            if count > len(prompt) - 1 - start:
+            chunk = plan_chunk(prompt, state.num_computed_tokens, count)
+            if chunk.finished:
                 finished[req_id] = tensors
-                del self.num_prompt_logprobs[req_id]
+                state.prompt_logprobs_pending = None
                 state.in_progress_prompt_logprobs_cpu = None
-            if num_logits <= 0:
+            if chunk.num_logits == 0:
                 continue
             row = self.input_batch.req_id_to_index[req_id]
-            first = int(step.firsts[np.flatnonzero(step.rows == row)[0]])
-            logits = self.model.compute_logits(hidden[0, first : first + num_logits])
+            first = int(step.first_tokens[np.flatnonzero(step.rows == row)[0]])
+            logits = self.model.compute_logits(hidden[0, first : first + chunk.num_logits])
             if self.model_config.logprobs_mode not in ("raw_logits", "processed_logits"):
                 logits = self.sampler.compute_logprobs(logits)
-            targets = torch.tensor(prompt[start + 1 : start + 1 + num_logits], device=logits.device)
+            targets = torch.tensor(chunk.targets, device=logits.device)
             token_ids, logprobs, ranks, *_ = self.sampler.gather_logprobs(
                 logits, num_logprobs, targets)
-            chunk = slice(start, start + num_logits)
-            tensors.logprob_token_ids[chunk] = token_ids.cpu()
-            tensors.logprobs[chunk] = logprobs.cpu()
-            tensors.selected_token_ranks[chunk] = ranks.cpu()
+            tensors.logprob_token_ids[chunk.positions] = token_ids.cpu()
+            tensors.logprobs[chunk.positions] = logprobs.cpu()
+            tensors.selected_token_ranks[chunk.positions] = ranks.cpu()
         return finished
 
     @torch.inference_mode()
@@ -381,9 +351,9 @@ class AccelModelRunner:
     def _merged_embeddings(self, step: StepLayout, input_ids: torch.Tensor) -> torch.Tensor:
         """Text embeddings with image rows at the placeholder positions this
         step covers (see step_layout.placeholder_rows)."""
-        placeholders = [self.placeholders.get(req_id, []) for req_id in self.input_batch.req_ids]
+        placeholders = [s.placeholders for s in self.requests.in_batch_order()]
         is_mm, slices = placeholder_rows(step, placeholders)
-        embeds = self.mm_utils.embed_tokens(input_ids)
+        embeds = self.vision.embed_tokens(input_ids)
         if not slices:
             return embeds
         rows = torch.cat([self.encoder_cache[key][lo:hi] for key, lo, hi in slices])
@@ -391,6 +361,15 @@ class AccelModelRunner:
 
     def reset_encoder_cache(self) -> None:
         self.encoder_cache.clear()
+
+    def state_sizes(self) -> dict[str, int]:
+        """Sizes of the per-request and per-image state, and run-time compiles."""
+        return {
+            **self.requests.sizes(),
+            "encoder_cache_entries": len(self.encoder_cache),
+            "encoder_cache_rows": sum(int(t.shape[0]) for t in self.encoder_cache.values()),
+            "runtime_compiles": self.compile_stats.runtime_compiles,
+        }
 
     # ---- helpers ------------------------------------------------------------
 
@@ -400,102 +379,3 @@ class AccelModelRunner:
     def _context_bucket(self, blocks: int) -> int:
         return fit_bucket(self.context_buckets, blocks, "context blocks",
                           env_var_name("context_buckets"))
-
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        """Mirror the scheduler's view of the requests into the InputBatch."""
-        batch = self.input_batch
-        for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
-            self.rope_positions.pop(req_id, None)
-            self.placeholders.pop(req_id, None)
-            self.num_prompt_logprobs.pop(req_id, None)
-            batch.remove_request(req_id)
-
-        if scheduler_output.new_block_ids_to_zero:
-            ids = torch.tensor(scheduler_output.new_block_ids_to_zero)
-            for key_cache, value_cache in self.kv_caches:
-                key_cache[ids] = 0
-                value_cache[ids] = 0
-
-        # Requests not scheduled this step (preempted or waiting) leave the batch
-        # but keep their state.
-        cached = scheduler_output.scheduled_cached_reqs
-        scheduled = scheduler_output.num_scheduled_tokens.keys()
-        for req_id in set(batch.req_id_to_index) - (scheduled - cached.resumed_req_ids):
-            batch.remove_request(req_id)
-
-        to_add: list[CachedRequestState] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
-            state = CachedRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
-                prompt_embeds=new.prompt_embeds,
-                prompt_is_token_ids=new.prompt_is_token_ids,
-                mm_features=new.mm_features,
-                sampling_params=params,
-                pooling_params=None,
-                generator=generator,
-                block_ids=new.block_ids,
-                num_computed_tokens=new.num_computed_tokens,
-                output_token_ids=[],
-                lora_request=new.lora_request,
-            )
-            self.requests[new.req_id] = state
-            if params is not None and params.prompt_logprobs is not None:
-                # -1: the whole vocabulary.
-                self.num_prompt_logprobs[new.req_id] = (
-                    self.input_batch.vocab_size if params.prompt_logprobs == -1
-                    else params.prompt_logprobs)
-            if new.mm_features:
-                self.placeholders[new.req_id] = [_placeholder(f) for f in new.mm_features]
-            if self.mm_utils is not None and self.mm_utils.uses_3d_positions:
-                self.rope_positions[new.req_id] = RopePositions(*self.mm_utils.rope_positions(
-                    new.prompt_token_ids, [item_tensors(f.data) for f in new.mm_features]))
-            to_add.append(state)
-
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_block_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = new_block_ids
-            elif new_block_ids is not None:
-                for ids, new_ids in zip(state.block_ids, new_block_ids):
-                    ids.extend(new_ids)
-
-            index = batch.req_id_to_index.get(req_id)
-            if index is None:  # resumed, or back after a step without tokens
-                to_add.append(state)
-                continue
-            batch.num_computed_tokens_cpu[index] = state.num_computed_tokens
-            if new_block_ids is not None:
-                batch.block_table.append_row(new_block_ids, index)
-
-        for state in to_add:
-            batch.add_request(state)
-        batch.condense()
-        batch.refresh_metadata()
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On the CPU from calloc'd memory, which the OS zero-fills
-    page by page on first touch: a 4 GiB KV cache then costs nothing at start-up
-    (torch.zeros writes every byte first: 1-2 s for 4 GiB on a quiet 2-core machine)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    memory = np.zeros(nbytes + 64, dtype=np.uint8)
-    offset = -memory.ctypes.data % 64  # cache-line aligned, as torch allocates
-    return torch.from_numpy(memory[offset : offset + nbytes]).view(dtype).view(shape)
-
-
-def _placeholder(feature) -> Placeholder:
-    """A vLLM ``MultiModalFeatureSpec``'s prompt span."""
-    place = feature.mm_position
-    is_embed = None if place.is_embed is None else place.is_embed.cpu().numpy().astype(bool)
-    return Placeholder(feature.identifier, place.offset, place.length, is_embed)

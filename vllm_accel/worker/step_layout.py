@@ -29,7 +29,7 @@ from vllm_accel.model.paged_attention import (
 
 
 @dataclass
-class Forward:
+class BucketedForward:
     """One model call: tokens [begin, end) of the step's packed sequence,
     padded to ``bucket`` tokens (padding sits at position 0 and writes its
     keys/values into block 0, vLLM's null block)."""
@@ -48,12 +48,12 @@ class StepLayout:
     """One step's tokens packed into one sequence, run as one or more forwards."""
 
     input_ids: torch.Tensor  # [1, tokens], unpadded
-    forwards: list[Forward]  # consecutive slices of the sequence, in order
+    forwards: list[BucketedForward]  # consecutive slices of the sequence, in order
     last_token: torch.Tensor  # [num_reqs] packed index of each request's last token, by row
-    # Per packed request (decodes first): batch row, first packed token,
-    # number of tokens, and the position of its first token in its sequence.
+    # Per packed request (decodes first): batch row, packed index of its first
+    # token, number of tokens, and the position of its first token in its sequence.
     rows: np.ndarray
-    firsts: np.ndarray
+    first_tokens: np.ndarray
     counts: np.ndarray
     starts: np.ndarray
 
@@ -82,19 +82,19 @@ def pack_step(
     order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
     counts = num_scheduled[order]
     ends = np.cumsum(counts)
-    firsts = ends - counts
+    first_tokens = ends - counts
     total = int(ends[-1])
 
     row_of_token = np.repeat(order, counts)
-    pos = start[row_of_token] + np.arange(total) - np.repeat(firsts, counts)
+    pos = start[row_of_token] + np.arange(total) - np.repeat(first_tokens, counts)
     slots = block_table[row_of_token, pos // bs] * bs + pos % bs
     last_token = np.empty(len(order), dtype=np.int64)
     last_token[order] = ends - 1
     rotary = pos[None]
     if rope_positions is not None:
-        rotary = _rope_positions(rope_positions, order, firsts, counts, start, total)
+        rotary = _rope_positions(rope_positions, order, first_tokens, counts, start, total)
 
-    packed = _Packed(order, firsts, counts, int(is_decode.sum()), pos, slots, rotary)
+    packed = _Packed(order, first_tokens, counts, int(is_decode.sum()), pos, slots, rotary)
     forwards, begin = [], 0
     for bucket in plan_forwards(total):
         end = min(total, begin + bucket)
@@ -106,7 +106,7 @@ def pack_step(
         forwards=forwards,
         last_token=torch.from_numpy(last_token),
         rows=order,
-        firsts=firsts,
+        first_tokens=first_tokens,
         counts=counts,
         starts=start[order],
     )
@@ -117,7 +117,7 @@ class _Packed:
     """The packed sequence, unpadded: what each forward takes its slice of."""
 
     order: np.ndarray  # batch row of each packed request (decodes first)
-    firsts: np.ndarray
+    first_tokens: np.ndarray
     counts: np.ndarray
     num_decodes: int  # packed requests [0, num_decodes) decode one token each
     pos: np.ndarray  # [tokens] position of each token in its sequence
@@ -126,7 +126,7 @@ class _Packed:
 
 
 def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np.ndarray,
-             bs: int, context_bucket: Callable[[int], int]) -> Forward:
+             bs: int, context_bucket: Callable[[int], int]) -> BucketedForward:
     """The forward over packed tokens [begin, end), padded to ``bucket``."""
     pos = packed.pos
     # Decodes are the first packed tokens, one per request.
@@ -137,8 +137,8 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
     prefills = []
     for i in range(packed.num_decodes, len(packed.order)):
         # The part of request i's chunk inside this forward (if any).
-        lo = max(int(packed.firsts[i]), begin)
-        hi = min(int(packed.firsts[i] + packed.counts[i]), end)
+        lo = max(int(packed.first_tokens[i]), begin)
+        hi = min(int(packed.first_tokens[i] + packed.counts[i]), end)
         if lo >= hi:
             continue
         row = packed.order[i]
@@ -165,7 +165,7 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
     positions = torch.from_numpy(positions)
     # [1, bucket] for 1-D positions, [3, 1, bucket] for 3-D ones.
     positions = positions if packed.rotary.shape[0] == 1 else positions[:, None]
-    return Forward(begin, end, bucket, positions, metadata)
+    return BucketedForward(begin, end, bucket, positions, metadata)
 
 
 @dataclass(frozen=True)
@@ -188,9 +188,9 @@ class RopePositions:
         return out
 
 
-def _rope_positions(rope_positions, order, firsts, counts, start, total) -> np.ndarray:
+def _rope_positions(rope_positions, order, first_tokens, counts, start, total) -> np.ndarray:
     out = np.zeros((3, total), dtype=np.int64)
-    for row, first, count in zip(order, firsts, counts):
+    for row, first, count in zip(order, first_tokens, counts):
         out[:, first : first + count] = rope_positions[row].at(int(start[row]), int(count))
     return out
 
@@ -220,7 +220,7 @@ def placeholder_rows(
     """
     is_mm = np.zeros(layout.input_ids.shape[1], dtype=bool)
     slices = []
-    for row, first, count, start in zip(layout.rows, layout.firsts, layout.counts,
+    for row, first, count, start in zip(layout.rows, layout.first_tokens, layout.counts,
                                         layout.starts):
         end = start + count
         for item in placeholders[row]:

@@ -12,38 +12,23 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+from vllm_accel.log import get_logger
+from vllm_accel.patches import inductor_cache_dir
 
 if TYPE_CHECKING:
     from vllm_accel.worker.model_runner import AccelModelRunner
 
-# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
-logger = init_logger(f"vllm.{__name__}")
+logger = get_logger(__name__)
 
 # Greedy, then random sampling with top-k/top-p: the sampler's two main paths,
-# with logprobs (see compile_sampler_helpers).
+# with logprobs.
 _SAMPLING = [
     SamplingParams(temperature=0.0, max_tokens=2, logprobs=1),
     SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0, max_tokens=2, logprobs=1),
 ]
-
-
-def compile_sampler_helpers(vocab_size: int) -> None:
-    """vLLM's sampler ranks logprobs with a torch.compile'd helper
-    (``batched_count_greater_than``, vLLM 0.33; one graph per process, its batch
-    size marked unbacked). Compile it now, called as the sampler calls it, so
-    that no request does - whether or not warmup asked for logprobs."""
-    import torch
-    from torch._dynamo.decorators import mark_unbacked
-    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
-
-    with torch.inference_mode():  # as sampling runs (dynamo guards on it)
-        logprobs, values = torch.zeros(2, vocab_size), torch.zeros(2, 1)
-        mark_unbacked(logprobs, 0)
-        mark_unbacked(values, 0)
-        batched_count_greater_than(logprobs, values)
 
 
 def _prompt_lengths(num_tokens: int, max_prompt: int, max_reqs: int) -> list[int]:
@@ -108,13 +93,13 @@ def warm_up(runner: AccelModelRunner) -> None:
             "vllm_accel warmup: bucket %d/%d (%d tokens) in %.1f s",
             index + 1, len(buckets), bucket, time.perf_counter() - bucket_start,
         )
-    mm = runner.mm_utils
-    if mm is not None:
+    vision = runner.vision
+    if vision is not None:
         # Real images through the model's own processor, one per vision bucket.
         encoder_start = time.perf_counter()
-        sizes = mm.warmup_image_sizes(runner.vision_encoder.buckets)
-        with stats.cache_scope():
-            runner.vision_encoder.encode(mm.warmup_items(sizes))
+        sizes = vision.warmup_image_sizes(runner.vision_encoder.buckets)
+        with inductor_cache_dir(stats.cache_dir):
+            runner.vision_encoder.encode(vision.warmup_items(sizes))
         logger.info(
             "vllm_accel warmup: vision encoder, %d image sizes %s in %.1f s",
             len(sizes), sizes, time.perf_counter() - encoder_start,

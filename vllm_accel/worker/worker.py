@@ -13,10 +13,9 @@ import os
 import time
 
 import torch
-import torch._inductor.config
 from vllm.config import VllmConfig
 from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-from vllm.logger import init_logger
+from vllm_accel.log import get_logger
 from vllm.utils.torch_utils import (
     OMP_NUM_THREADS_SET_BY_VLLM,
     available_cpu_count,
@@ -27,12 +26,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_accel.devices import select_backend
+from vllm_accel.patches import set_worker_threads
 from vllm_accel.settings import env_var_name, load_settings
 from vllm_accel.worker.model_runner import AccelModelRunner
 from vllm_accel.worker.warmup import warm_up
 
-# A child of the "vllm" logger: same handler, format and VLLM_LOGGING_LEVEL.
-logger = init_logger(f"vllm.{__name__}")
+logger = get_logger(__name__)
 
 
 def worker_threads(setting: int, local_workers: int) -> int:
@@ -72,15 +71,9 @@ class AccelWorker(WorkerBase):
     def init_device(self) -> None:
         self.device = torch.device(self.backend.device)
         parallel = self.parallel_config
-        threads = worker_threads(self.settings.num_threads, parallel.local_world_size)
-        if threads and threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        if self.backend.compile_backend == "inductor":
-            # vLLM sets TORCHINDUCTOR_COMPILE_THREADS=1 at import (against
-            # inductor's subprocess pools); inductor builds CPU kernels in a
-            # thread pool instead, so let g++ use this worker's cores: cold
-            # warmup of the tiny Llama 25.8 -> 17.9 s on 2 cores.
-            torch._inductor.config.compile_threads = torch.get_num_threads()
+        # Torch threads, and inductor's kernel builds on them (patches.py, 5).
+        set_worker_threads(worker_threads(self.settings.num_threads, parallel.local_world_size),
+                           inductor=self.backend.compile_backend == "inductor")
         logger.info(
             "vllm-accel worker (rank %d of %d) on device backend '%s', compile backend "
             "'%s', %d torch threads",
@@ -189,16 +182,9 @@ class AccelWorker(WorkerBase):
         run-time compiles: what a soak test checks once the server is idle.
         Read-only; reachable as ``collective_rpc("runner_state")`` (with
         ``VLLM_SERVER_DEV_MODE=1``, ``POST /collective_rpc`` of `vllm serve`)."""
-        runner = self.model_runner
         return {
-            "requests": len(runner.requests),
-            "batch_requests": runner.input_batch.num_reqs,
-            "prompt_logprobs_pending": len(runner.num_prompt_logprobs),
-            "rope_positions": len(runner.rope_positions),
-            "encoder_cache_entries": len(runner.encoder_cache),
-            "encoder_cache_rows": sum(int(t.shape[0]) for t in runner.encoder_cache.values()),
+            **self.model_runner.state_sizes(),
             "encoder_cache_capacity": self.vllm_config.scheduler_config.encoder_cache_size,
-            "runtime_compiles": runner.compile_stats.runtime_compiles,
         }
 
     def shutdown(self) -> None:

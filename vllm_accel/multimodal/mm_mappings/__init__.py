@@ -1,48 +1,30 @@
-"""Multimodal mappings: HF ``model_type`` -> the util class that runs that
-architecture's vision side (see ``base.MultiModalUtils`` for the contract).
+"""Multimodal mappings: each vision-language architecture's vision adapter
+(``base.VisionAdapter`` is the contract with the runner), one module each.
 
-Nothing is imported here: a mapping module (and FMS, torch, vLLM behind it)
-loads only when ``get_mm_utils_cls`` is asked for its model type. Adding an
-architecture = one module in this package + one line in ``_REGISTRY``.
+Which adapter serves which HF ``model_type`` is a field of the architecture
+table (``vllm_accel/architectures.py``); nothing is imported here, so an
+adapter module (and FMS, torch, vLLM behind it) loads only when its model is
+served. Adding an architecture = one module in this package + its table entry.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from vllm_accel.architectures import by_model_type, load_object
+
 if TYPE_CHECKING:
-    from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
-
-# HF config.model_type -> "module:Class"
-_REGISTRY: dict[str, str] = {
-    "llava_next": "vllm_accel.multimodal.mm_mappings.llava_next:LlavaNextUtils",
-    "qwen2_5_vl": "vllm_accel.multimodal.mm_mappings.qwen2_5_vl:Qwen2_5_VLUtils",
-    "molmo": "vllm_accel.multimodal.mm_mappings.molmo:MolmoUtils",
-}
+    from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 
-def register_mm_utils(model_type: str, dotted_path: str) -> None:
-    """Map a model_type to "package.module:ClassName" (imported on first use)."""
-    module, sep, name = dotted_path.partition(":")
-    if not (module and sep and name):
-        raise ValueError(f"expected 'package.module:ClassName', got {dotted_path!r}")
-    _REGISTRY[model_type] = dotted_path
-
-
-def registered_model_types() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get_mm_utils_cls(hf_config: Any) -> type[MultiModalUtils] | None:
-    """The util class for this HF config, or None for a text-only model type."""
-    path = _REGISTRY.get(getattr(hf_config, "model_type", None))
-    if path is None:
+def vision_adapter_class(hf_config: Any) -> type[VisionAdapter] | None:
+    """The vision adapter for this HF config, or None for a text-only model."""
+    arch = by_model_type(getattr(hf_config, "model_type", None))
+    if arch is None or arch.vision_adapter is None:
         return None
-    from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+    from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
-    module, _, name = path.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    if not (isinstance(cls, type) and issubclass(cls, MultiModalUtils)):
-        raise TypeError(f"{path} is not a MultiModalUtils subclass")
+    cls = load_object(arch.vision_adapter)
+    if not (isinstance(cls, type) and issubclass(cls, VisionAdapter)):
+        raise TypeError(f"{arch.vision_adapter} is not a VisionAdapter subclass")
     return cls

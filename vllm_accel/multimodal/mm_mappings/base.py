@@ -1,4 +1,4 @@
-"""What one vision-language architecture must tell the runner.
+"""What one vision-language architecture must tell the runner: its vision adapter.
 
 The runner drives a multimodal FMS model as a text model (``text_model``: an
 FMS decoder whose ``base_model`` runs the layers and ``head`` the LM head) fed
@@ -35,7 +35,7 @@ from torch import nn
 from vllm_accel.multimodal.inputs import processor_items
 
 
-class MultiModalUtils(ABC):
+class VisionAdapter(ABC):
     # Vision buckets are rounded up to a multiple of this (rows that must stay
     # together, e.g. the 2x2 patches Qwen2.5-VL merges into one token).
     vision_bucket_multiple: int = 1
@@ -47,26 +47,30 @@ class MultiModalUtils(ABC):
     uses_3d_positions: bool = False
     unsupported_modalities: tuple[str, ...] = ()
 
-    def __init__(self, hf_config: Any, fms_model: nn.Module, model_dir: str):
-        self.hf_config = hf_config
+    def __init__(self, model_config: Any, fms_model: nn.Module):
+        """``model_config``: vLLM's ModelConfig of the served model."""
+        self.hf_config = model_config.hf_config
         self.fms_model = fms_model
-        self.model_dir = model_dir  # the checkpoint, with the model's own processor files
+        self.model_dir = model_config.model  # the checkpoint, with its processor files
+        self.trust_remote_code = model_config.trust_remote_code  # the user's consent
 
     # ---- text side ------------------------------------------------------
 
     @classmethod
-    def image_token_id(cls, hf_config: Any) -> int | None:
+    def image_token_id(cls, model_config: Any) -> int | None:
         """The token every image placeholder position holds in the prompt (the
-        front end checks that the text itself adds none)."""
+        front end checks that the text itself adds none); ``model_config`` is
+        vLLM's."""
         for name in ("image_token_index", "image_token_id"):
-            if getattr(hf_config, name, None) is not None:
-                return int(getattr(hf_config, name))
+            if getattr(model_config.hf_config, name, None) is not None:
+                return int(getattr(model_config.hf_config, name))
         return None
 
     @property
-    @abstractmethod
     def text_model(self) -> nn.Module:
-        """The FMS language model (``.base_model`` decoder, ``.head`` LM head)."""
+        """The FMS language model (``.base_model`` decoder, ``.head`` LM head);
+        our ports and FMS's LlavaNext all call it ``language_model``."""
+        return self.fms_model.language_model
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[1, T] ids -> [1, T, hidden] raw embeddings (FMS multiplies later)."""
@@ -112,7 +116,7 @@ class MultiModalUtils(ABC):
         """Images of those sizes through the model's own processor, in the form
         ``encode_item`` takes. The default suits processors whose outputs are
         batched per image; flat layouts override this."""
-        return processor_items(self.model_dir, image_sizes)
+        return processor_items(self.model_dir, image_sizes, self.trust_remote_code)
 
     @property
     def device(self) -> torch.device:

@@ -27,16 +27,12 @@ import torch
 from torch import nn
 
 from vllm_accel.buckets import thin_buckets
-from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 DEFAULT_VISION_BUCKETS = 3
 
 
-class LlavaNextUtils(MultiModalUtils):
-    @property
-    def text_model(self) -> nn.Module:
-        return self.fms_model.language_model
-
+class LlavaNextVisionAdapter(VisionAdapter):
     @property
     def vision_module(self) -> nn.Module:
         return self.fms_model.vision_tower
@@ -55,8 +51,8 @@ class LlavaNextUtils(MultiModalUtils):
 
     def vision_buckets(self) -> list[int]:
         # Tile counts the grid pinpoints give (base tile + grid), at most
-        # DEFAULT_VISION_BUCKETS of them: each is a graph to compile (~4 s cold
-        # on 2 cores); an image between two kept counts pads up to the next.
+        # DEFAULT_VISION_BUCKETS of them: each is a graph to compile at
+        # start-up; an image between two kept counts pads up to the next.
         tile = self._tile()
         counts = [1 + math.ceil(h / tile) * math.ceil(w / tile)
                   for h, w in self.fms_model.config.image_grid_pinpoints]

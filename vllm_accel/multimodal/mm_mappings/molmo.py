@@ -24,34 +24,32 @@ from torch import nn
 
 from vllm_accel.model.molmo import image_embed_order
 from vllm_accel.multimodal.inputs import warmup_image
-from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 IMAGE_PATCH_TOKEN = "<im_patch>"
 
 
-class MolmoUtils(MultiModalUtils):
+class MolmoVisionAdapter(VisionAdapter):
     vision_padded_args = 2  # backbone(images, image_masks): both have crops first
 
-    def __init__(self, hf_config, fms_model: nn.Module, model_dir: str):
-        super().__init__(hf_config, fms_model, model_dir)
+    def __init__(self, model_config, fms_model: nn.Module):
+        super().__init__(model_config, fms_model)
         self._processor = None
 
     @classmethod
-    def image_token_id(cls, hf_config) -> int | None:
+    def image_token_id(cls, model_config) -> int | None:
         """``<im_patch>``: the token at every embedding position of an image
-        (Molmo's config does not name it; its tokenizer does)."""
+        (Molmo's config does not name it; its tokenizer does). The tokenizer
+        is the one vLLM serves with, under the user's --trust-remote-code."""
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(hf_config._name_or_path,
-                                                  trust_remote_code=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer, revision=model_config.tokenizer_revision,
+            trust_remote_code=model_config.trust_remote_code)
         token_id = tokenizer.convert_tokens_to_ids(IMAGE_PATCH_TOKEN)
         if token_id is None or token_id == tokenizer.unk_token_id:
             raise ValueError(f"Molmo tokenizer has no {IMAGE_PATCH_TOKEN} token")
         return int(token_id)
-
-    @property
-    def text_model(self) -> nn.Module:
-        return self.fms_model.language_model
 
     @property
     def vision_module(self) -> nn.Module:
@@ -81,7 +79,7 @@ class MolmoUtils(MultiModalUtils):
             from transformers import AutoProcessor
 
             self._processor = AutoProcessor.from_pretrained(
-                self.model_dir, trust_remote_code=True, local_files_only=True)
+                self.model_dir, trust_remote_code=self.trust_remote_code, local_files_only=True)
         return self._processor
 
     def vision_buckets(self) -> list[int]:

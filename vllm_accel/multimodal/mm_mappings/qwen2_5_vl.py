@@ -24,22 +24,18 @@ from torch import nn
 from vllm_accel.buckets import exponential_buckets
 from vllm_accel.model.qwen2_5_vl import mrope_positions
 from vllm_accel.multimodal.inputs import warmup_image
-from vllm_accel.multimodal.mm_mappings.base import MultiModalUtils
+from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 
-class Qwen2_5_VLUtils(MultiModalUtils):
+class Qwen2_5_VLVisionAdapter(VisionAdapter):
     uses_3d_positions = True
     unsupported_modalities = ("video",)
 
-    def __init__(self, hf_config, fms_model: nn.Module, model_dir: str):
-        super().__init__(hf_config, fms_model, model_dir)
-        merge = hf_config.vision_config.spatial_merge_size
+    def __init__(self, model_config, fms_model: nn.Module):
+        super().__init__(model_config, fms_model)
+        merge = self.hf_config.vision_config.spatial_merge_size
         self.vision_bucket_multiple = merge * merge  # patches merged into one token
         self._image_processor = None
-
-    @property
-    def text_model(self) -> nn.Module:
-        return self.fms_model.language_model
 
     @property
     def vision_module(self) -> nn.Module:

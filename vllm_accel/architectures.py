@@ -1,0 +1,90 @@
+"""Every architecture vllm-accel serves, described once.
+
+One entry per architecture: the HF names vLLM reports for it, its HF
+``model_type``, our FMS port when FMS lacks the model, its vision adapter
+(``multimodal/mm_mappings``), whether FMS can shard it for tensor parallelism,
+and whether its HF config is remote code. The platform, the model loader, the
+vision-adapter lookup and the test fixtures all read this table.
+
+Adding an architecture: one module (an FMS port under ``model/`` exposing
+``FMS_PORT``, and/or a vision adapter under ``multimodal/mm_mappings/``) plus
+one entry below. Nothing is imported here: ports and adapters are named by
+dotted path and load only when their model is served (a leaf module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    hf_names: tuple[str, ...]  # HF config.architectures values
+    model_type: str  # HF config.model_type (also the tiny test fixture's name)
+    # "module:FMS_PORT" of our FMS-style port (model/ports.FmsPort); None when
+    # FMS has the model itself.
+    fms_port: str | None = None
+    # "module:Class" of the vision adapter (mm_mappings); None for text models.
+    vision_adapter: str | None = None
+    # FMS's TensorParallelStrategy can shard it (heads and MLP split; FMS
+    # keeps embeddings, LM head and a vision tower whole on every rank).
+    tensor_parallel: bool = False
+    # Its HF config is remote code: the user must pass --trust-remote-code.
+    remote_code: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.hf_names[0]
+
+
+_ADAPTERS = "vllm_accel.multimodal.mm_mappings"
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture(("LlamaForCausalLM",), "llama", tensor_parallel=True),
+    Architecture(("GraniteForCausalLM",), "granite", tensor_parallel=True),
+    Architecture(
+        ("LlavaNextForConditionalGeneration",), "llava_next",
+        vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
+    ),
+    Architecture(
+        ("Qwen2_5_VLForConditionalGeneration",), "qwen2_5_vl",
+        fms_port="vllm_accel.model.qwen2_5_vl:FMS_PORT",
+        vision_adapter=f"{_ADAPTERS}.qwen2_5_vl:Qwen2_5_VLVisionAdapter",
+    ),
+    Architecture(
+        ("MolmoForCausalLM",), "molmo",
+        fms_port="vllm_accel.model.molmo:FMS_PORT",
+        vision_adapter=f"{_ADAPTERS}.molmo:MolmoVisionAdapter", remote_code=True,
+    ),
+)
+
+
+def find_architecture(hf_names: list[str] | None) -> Architecture:
+    """The entry for a config's ``architectures``, or fail naming what is supported."""
+    for name in hf_names or []:
+        for arch in ARCHITECTURES:
+            if name in arch.hf_names:
+                return arch
+    supported = sorted(name for arch in ARCHITECTURES for name in arch.hf_names)
+    raise ValueError(
+        f"vllm-accel cannot run model architecture {hf_names}: its FMS model "
+        f"wrapper supports {', '.join(supported)}."
+    )
+
+
+def by_model_type(model_type: str | None) -> Architecture | None:
+    return next((arch for arch in ARCHITECTURES if arch.model_type == model_type), None)
+
+
+def tensor_parallel_names() -> list[str]:
+    return [arch.name for arch in ARCHITECTURES if arch.tensor_parallel]
+
+
+def load_object(dotted_path: str):
+    """``"package.module:name"`` -> that object (imported now)."""
+    import importlib
+
+    module, sep, name = dotted_path.partition(":")
+    if not (module and sep and name):
+        raise ValueError(f"expected 'package.module:name', got {dotted_path!r}")
+    return getattr(importlib.import_module(module), name)

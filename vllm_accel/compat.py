@@ -1,0 +1,94 @@
+"""Every use of a private vLLM, FMS or torch API, in one file.
+
+Pinned to what ``scripts/install.sh`` installs: vLLM 0.33.0, ibm-fms 1.13.1,
+torch 2.13.0. An upgrade of any of them audits this file (and ``patches.py``,
+which changes their behaviour); the rest of the package uses public names.
+Imports are local to each function: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# ---- ibm-fms 1.13.1 ---------------------------------------------------------
+
+
+def register_fms_config_mapping(hf_architecture: str, fms_architecture: str,
+                                config_from_hf: Callable[[Any], Any]) -> None:
+    """Let ``get_model("hf_pretrained", ...)`` map an HF config of this
+    architecture to our FMS config. FMS has no public hook for it:
+    ``_FMS_MODEL_CONFIG_REGISTRY`` is what its own models register in."""
+    from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY
+
+    _FMS_MODEL_CONFIG_REGISTRY.register_model_arch_info(
+        hf_architecture, fms_architecture, lambda hf_config: {"config": config_from_hf(hf_config)})
+
+
+def fuse_unfused_weights(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Concatenate q/k/v (weights and biases) and an MLP's gate/up into FMS's
+    fused layout, with the adapter steps FMS's LLaMA uses (private in FMS)."""
+    from fms.utils import serialization
+
+    return serialization._mlp_glu_unfused_to_fused_adapter_step(
+        serialization._attn_unfused_to_fused_step(state_dict))
+
+
+# ---- vLLM 0.33.0 ------------------------------------------------------------
+
+
+def limit_modality_to_zero(mm_config, modality: str) -> None:
+    """Set a modality's per-prompt limit to 0 the way vLLM parses
+    ``--limit-mm-per-prompt '{"video": 0}'`` (its private validator builds the
+    options object it keeps)."""
+    mm_config.limit_per_prompt.update(type(mm_config)._validate_limit_per_prompt({modality: 0}))
+
+
+def compile_sampler_logprob_ranks(vocab_size: int) -> None:
+    """vLLM's sampler ranks logprobs with a torch.compile'd helper,
+    ``batched_count_greater_than`` (one graph per process, its batch size
+    marked unbacked): compile it now, called as the sampler calls it, so that
+    no request pays for it - whether or not warmup asked for logprobs."""
+    import torch
+    from torch._dynamo.decorators import mark_unbacked
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    with torch.inference_mode():  # as sampling runs (dynamo guards on it)
+        logprobs, values = torch.zeros(2, vocab_size), torch.zeros(2, 1)
+        mark_unbacked(logprobs, 0)
+        mark_unbacked(values, 0)
+        batched_count_greater_than(logprobs, values)
+
+
+# ---- torch 2.13.0 -----------------------------------------------------------
+
+
+def map_tensors(function, tree):
+    """``tree`` (nested tuples/lists/dicts) with ``function`` applied to each tensor."""
+    import torch
+    from torch.utils import _pytree
+
+    return _pytree.tree_map_only(torch.Tensor, function, tree)
+
+
+def dynamo_graph_count() -> int:
+    """Graphs dynamo compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def inductor_cache_counts() -> tuple[int, int]:
+    """Inductor FX-graph cache (hits, misses) in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+def last_compiled_functions(count: int) -> str:
+    """Name and place of the functions behind dynamo's last ``count`` compiles."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    metrics = list(get_compilation_metrics())[-count:]
+    return ", ".join(f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})" for m in metrics) \
+        or "unknown functions"

@@ -1,0 +1,42 @@
+"""The paged KV cache's memory: one (keys, values) pair of tensors per layer,
+each ``[num_blocks, block_size, num_kv_heads, head_dim]``, the layout the
+attention op reads (vLLM's KV cache manager hands out the block ids)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype, device: torch.device) -> KVCaches:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(zero_filled(shape, dtype, device), zero_filled(shape, dtype, device))
+            for _ in range(num_layers)]
+
+
+def kv_cache_bytes(kv_caches: KVCaches) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
+
+
+def zero_blocks(kv_caches: KVCaches, block_ids: list[int]) -> None:
+    """Zero blocks freshly allocated from vLLM's pool, as its scheduler asks,
+    so that no stale (NaN) data from an earlier request reaches attention."""
+    ids = torch.tensor(block_ids)
+    for key_cache, value_cache in kv_caches:
+        key_cache[ids] = 0
+        value_cache[ids] = 0
+
+
+def zero_filled(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU from calloc'd memory, which the OS
+    zero-fills page by page on first touch, so a large cache costs nothing at
+    start-up (torch.zeros writes every byte first)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    memory = np.zeros(nbytes + 64, dtype=np.uint8)
+    offset = -memory.ctypes.data % 64  # cache-line aligned, as torch allocates
+    return torch.from_numpy(memory[offset : offset + nbytes]).view(dtype).view(shape)
