@@ -63,6 +63,37 @@ def compile_sampler_logprob_ranks(vocab_size: int) -> None:
 # ---- torch 2.13.0 -----------------------------------------------------------
 
 
+def stateless_process_group(dist_backend: str, prefix_store, rank: int, size: int, timeout):
+    """A ``ProcessGroup`` of ``dist_backend`` ("gloo" or "nccl") over
+    ``prefix_store``, outside torch.distributed's global state. torch builds
+    such groups only through private ``ProcessGroup`` methods."""
+    import torch
+    from torch.distributed import ProcessGroup
+
+    group = ProcessGroup(prefix_store, rank, size)
+    if dist_backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        backend = ProcessGroupGloo(prefix_store, rank, size, timeout=timeout)
+        backend_type, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    elif dist_backend == "nccl":
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend = ProcessGroupNCCL(prefix_store, rank, size, options)
+        backend_type, device = ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    else:
+        raise NotImplementedError(
+            f"vllm-accel cannot build a stateless '{dist_backend}' process group "
+            "(used by data and elastic expert parallelism): gloo (cpu) and nccl (cuda) only.")
+    group._set_default_backend(backend_type)
+    backend._set_sequence_number_for_group()
+    group._register_backend(device, backend_type, backend)
+    return group
+
+
+
 def map_tensors(function, tree):
     """``tree`` (nested tuples/lists/dicts) with ``function`` applied to each tensor."""
     import torch

@@ -1,11 +1,16 @@
-"""Device backends: where the model runs and how it is compiled.
+"""Device backends: where the model runs, how it is compiled, and what vLLM
+asks of each.
 
 - ``cpu``: the simulated accelerator, on the host CPU; compile backend
   ``inductor`` (default) or ``eager`` (the same bucketed shapes, not compiled).
 - ``hpu``: Intel Gaudi, chosen automatically when ``habana_frameworks.torch``
   is importable; compile backend ``hpu_backend`` (default) or ``eager``.
+- ``cuda``: an NVIDIA GPU (``VLLM_ACCEL_DEVICE=cuda``; never chosen by
+  ``auto``); compile backend ``inductor`` (Triton kernels, default) or
+  ``eager``; decode steps replay CUDA graphs captured at warmup.
 
-Tensor-parallel workers talk over ``gloo`` on cpu and ``hccl`` on hpu.
+Tensor-parallel workers talk over ``gloo`` on cpu, ``hccl`` on hpu and
+``nccl`` on cuda.
 """
 
 from __future__ import annotations
@@ -13,16 +18,19 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+import torch
+
 from vllm_accel.settings import AccelSettings, env_var_name, resolve_device
 
-_COMPILE_BACKENDS = {"cpu": ("inductor", "eager"), "hpu": ("hpu_backend", "eager")}
+_COMPILE_BACKENDS = {"cpu": ("inductor", "eager"), "hpu": ("hpu_backend", "eager"),
+                     "cuda": ("inductor", "eager")}
 # torch.distributed backend of the tensor-parallel workers' device group.
-_DIST_BACKENDS = {"cpu": "gloo", "hpu": "hccl"}
+_DIST_BACKENDS = {"cpu": "gloo", "hpu": "hccl", "cuda": "nccl"}
 
 
 @dataclass(frozen=True)
 class DeviceBackend:
-    device: str  # "cpu" or "hpu": also the torch device type
+    device: str  # "cpu", "hpu" or "cuda": also the torch device type
     compile_backend: str  # a torch.compile backend name, or "eager"
 
     @property
@@ -48,4 +56,65 @@ def select_backend(settings: AccelSettings) -> DeviceBackend:
     if device == "hpu":
         # Importing it registers the "hpu" device and the "hpu_backend" compiler.
         importlib.import_module("habana_frameworks.torch")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{env_var_name('device')}=cuda, but torch {torch.__version__} sees no CUDA "
+            "device here: use a CUDA build of torch on a host with an NVIDIA GPU, or "
+            "device cpu."
+        )
     return DeviceBackend(device=device, compile_backend=backend)
+
+
+# ---- what vLLM's Platform asks, per device ----------------------------------
+
+
+def total_memory(device: str, device_id: int = 0) -> int:
+    if device == "cuda":
+        return torch.cuda.get_device_properties(device_id).total_memory
+    import psutil
+
+    return psutil.virtual_memory().total  # cpu; hpu keeps its weights in host memory too
+
+
+def memory_in_use(device: str) -> float:
+    if device == "cuda":
+        return float(torch.cuda.memory_allocated())
+    import psutil
+
+    return float(psutil.Process().memory_info().rss)
+
+
+def compute_units(device: str, device_id: int = 0) -> int:
+    """NVIDIA SMs on cuda; on the host CPU, the threads torch computes with."""
+    if device == "cuda":
+        return torch.cuda.get_device_properties(device_id).multi_processor_count
+    return torch.get_num_threads()
+
+
+def device_uuid(device: str, device_id: int = 0) -> str:
+    if device == "cuda":
+        return str(torch.cuda.get_device_properties(device_id).uuid)
+    import platform
+    import socket
+
+    # One host CPU: the same id for every "device" of this machine.
+    return f"{device}-{socket.gethostname()}-{platform.machine()}"
+
+
+def pci_bus_ids(device: str) -> dict[int, str]:
+    """Device index -> PCI bus id (vLLM's VLLM_GPU_NIC_PCIE_MAPPING)."""
+    if device == "cuda":
+        def bus_id(props) -> str:  # the form nvidia-smi and NVML print
+            return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+
+        return {i: bus_id(torch.cuda.get_device_properties(i))
+                for i in range(torch.cuda.device_count())}
+    raise NotImplementedError(
+        f"VLLM_GPU_NIC_PCIE_MAPPING (NIC selection by PCI bus) is not supported by "
+        f"vllm-accel's '{device}' device: it has no PCI device of its own.")
+
+
+def check_dtype(device: str, dtype: torch.dtype) -> None:
+    if device == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"{torch.cuda.get_device_name()} does not support bfloat16: "
+                         "use --dtype float16 or float32.")

@@ -1,6 +1,6 @@
 """Every change vllm-accel makes to process-wide state - torch, vLLM and
 transformers behaviour, environment variables, global settings - in one
-place, each with why. Patches 1-3 are applied by ``apply_patches`` (our
+place, each with why. Patches 1-3 and 9 are applied by ``apply_patches`` (our
 ``vllm.general_plugins`` entry point, once in every vLLM process); 4-8 are
 functions called where the change is needed, named here so that one file lists
 them all. None edits a file on disk; each is idempotent.
@@ -64,16 +64,24 @@ them all. None edits a file on disk; each is idempotent.
    memory FMS leaves uninitialised (weights it did not load) with NaN, for
    the duration of ``get_model``, so a skipped checkpoint key is visible.
 
+9. vLLM 0.33 with a CUDA build of torch (Triton importable): its top-k/top-p
+   masking (``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p``) takes
+   its Triton kernel for every tensor, and Triton cannot read host memory
+   ("Pointer argument cannot be accessed from Triton (cpu tensor?)"): our
+   cpu device samples on the host. When that module is imported, its function
+   is wrapped so that host tensors take vLLM's own PyTorch path (as vLLM's CPU
+   build does); device tensors keep the Triton kernel.
+
 Not a patch but process-wide all the same: ``model/paged_attention.py`` keeps
 the current step's attention layout in a module variable while a forward runs
 (``attention_context``): the attention op is opaque to the compiler and takes
 only tensors, so the per-step layout cannot be one of its arguments.
 
 Patches 1 and 2 act only when torchvision is unavailable (by transformers' own
-test, so they agree with the image-processor backend transformers picks) and
-stay dormant until the module they concern is imported: applying them only
-appends one finder to ``sys.meta_path`` (importing the modules eagerly would
-cost every vLLM process seconds).
+test, so they agree with the image-processor backend transformers picks), 9
+only when Triton is; all three stay dormant until the module they concern is
+imported: applying them only appends one finder to ``sys.meta_path``
+(importing the modules eagerly would cost every vLLM process seconds).
 """
 
 from __future__ import annotations
@@ -94,6 +102,7 @@ TORCHVISION_TO_PIL_MODULES = {
         "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
 }
 VIDEO_AUTO_MODULE = "transformers.models.auto.video_processing_auto"
+TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"  # patch 9
 # (config module, config class) whose video processor is Qwen2VLVideoProcessor.
 _QWEN_VIDEO_CONFIGS = (
     ("transformers.models.qwen2_vl.configuration_qwen2_vl", "Qwen2VLConfig"),
@@ -121,9 +130,11 @@ def apply_patches() -> None:
         if _finder is None:
             _finder = _ShimFinder()
             sys.meta_path.insert(0, _finder)
-    # The video module may already be loaded (e.g. shims installed late).
+    # The modules may already be loaded (e.g. shims installed late).
     if VIDEO_AUTO_MODULE in sys.modules:
         _register_video_stubs()
+    if TOPK_TOPP_MODULE in sys.modules:
+        _host_top_k_top_p()
 
 
 def _make_accelerator_cache_calls_noops() -> None:
@@ -147,12 +158,13 @@ class _ShimFinder(importlib.abc.MetaPathFinder):
                 return None
             pil_module = TORCHVISION_TO_PIL_MODULES[fullname]
             return importlib.util.spec_from_loader(fullname, _AliasLoader(pil_module))
-        if fullname == VIDEO_AUTO_MODULE:
-            if torchvision_available():
+        hooks = {VIDEO_AUTO_MODULE: _register_video_stubs, TOPK_TOPP_MODULE: _host_top_k_top_p}
+        if fullname in hooks:
+            if fullname == VIDEO_AUTO_MODULE and torchvision_available():
                 return None
             spec = _find_spec_elsewhere(self, fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _PostImportLoader(spec.loader, _register_video_stubs)
+                spec.loader = _PostImportLoader(spec.loader, hooks[fullname])
             return spec
         return None
 
@@ -206,6 +218,22 @@ class _PostImportLoader(importlib.abc.Loader):
 
     def __getattr__(self, name):  # get_source, get_filename, is_package, ...
         return getattr(self._loader, name)
+
+
+def _host_top_k_top_p() -> None:
+    """Patch 9 (idempotent)."""
+    module = sys.modules[TOPK_TOPP_MODULE]
+    triton_path = module.apply_top_k_top_p
+    if getattr(triton_path, "_vllm_accel_host_path", False) or not module.HAS_TRITON:
+        return
+
+    def apply_top_k_top_p(logits, k, p, *args, **kwargs):
+        if logits.device.type == "cpu":
+            return module.apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=True)
+        return triton_path(logits, k, p, *args, **kwargs)
+
+    apply_top_k_top_p._vllm_accel_host_path = True
+    module.apply_top_k_top_p = apply_top_k_top_p
 
 
 def _register_video_stubs() -> None:

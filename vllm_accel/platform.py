@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-import psutil
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_accel.architectures import find_architecture, tensor_parallel_names
 from vllm_accel.compat import limit_modality_to_zero
+from vllm_accel import devices
 from vllm_accel.devices import select_backend
 from vllm_accel.log import get_logger
 from vllm_accel.patches import use_spawn_for_workers
@@ -46,31 +46,78 @@ class AccelPlatform(Platform):
     def supported_dtypes(self) -> list[torch.dtype]:
         return [torch.float32, torch.bfloat16, torch.float16]
 
-    # ---- device queries -----------------------------------------------------
+    # ---- device queries ---------------------------------------------------
+    # vLLM calls these as class methods, in any process, often before a model
+    # is configured: they answer for the device backend the settings select.
 
     @classmethod
-    def get_device_name(cls, device_id: int = 0) -> str:
+    def _device(cls) -> str:
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
-        settings = load_settings(config.additional_config if config is not None else None)
-        return f"vllm-accel ({resolve_device(settings)})"
+        return resolve_device(load_settings(config.additional_config if config else None))
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        device = cls._device()
+        if device == "cuda":
+            return f"vllm-accel (cuda: {torch.cuda.get_device_name(device_id)})"
+        return f"vllm-accel ({device})"
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
-        return psutil.virtual_memory().total
+        return devices.total_memory(cls._device(), device_id)
 
     @classmethod
     def get_current_memory_usage(cls, device=None) -> float:
-        return float(psutil.Process().memory_info().rss)
+        return devices.memory_in_use(cls._device())
+
+    @classmethod
+    def num_compute_units(cls, device_id: int = 0) -> int:
+        return devices.compute_units(cls._device(), device_id)
+
+    @classmethod
+    def get_device_uuid(cls, device_id: int = 0) -> str:
+        return devices.device_uuid(cls._device(), device_id)
+
+    @classmethod
+    def get_all_gpu_pci_bus_ids(cls) -> dict[int, str]:
+        return devices.pci_bus_ids(cls._device())
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
+        devices.check_dtype(cls._device(), dtype)
 
     @classmethod
     def set_device(cls, device: torch.device) -> None:
-        pass
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
 
     @classmethod
     def manual_seed_all(cls, seed: int) -> None:
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # seeds every CUDA device too
+
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        """Our runner keeps one KV cache per decoder layer of a decoder-only
+        model; encoder-decoder models (two attention layers per index) are
+        refused at start-up, so nothing here can share an index."""
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        raise NotImplementedError(
+            "vllm-accel does not support LoRA adapters (--enable-lora): its FMS "
+            "models have no LoRA layers.")
+
+    @classmethod
+    def stateless_init_device_torch_dist_pg(cls, backend, prefix_store, group_rank,
+                                            group_size, timeout):
+        """A process group outside torch.distributed's global state (vLLM uses
+        them for data parallelism and elastic expert parallelism)."""
+        from vllm_accel.compat import stateless_process_group
+
+        return stateless_process_group(select_backend(load_settings()).dist_backend,
+                                       prefix_store, group_rank, group_size, timeout)
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:

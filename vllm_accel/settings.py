@@ -34,7 +34,8 @@ class AccelSettings:
     # Memory for the paged KV cache, in GiB (like vLLM CPU's VLLM_CPU_KVCACHE_SPACE).
     kvcache_space: float = 4.0
     # Which device runs the model: "auto" picks "hpu" when habana_frameworks is
-    # importable, else the CPU simulated accelerator.
+    # importable, else the CPU simulated accelerator; "cuda" (an NVIDIA GPU) is
+    # chosen explicitly.
     device: str = "auto"
     # How the model is compiled: "auto" is "inductor" on cpu, "hpu_backend" on hpu;
     # "eager" runs the same bucketed shapes without compiling.
@@ -57,6 +58,9 @@ class AccelSettings:
     compile_cache_dir: str = ""
     # Threads the worker's torch ops may use; 0 leaves torch's default.
     num_threads: int = 0
+    # cuda: replay decode-only steps from CUDA graphs captured at warmup (one
+    # per token bucket); false runs them as compiled kernels launched one by one.
+    cuda_graphs: bool = True
 
     @property
     def cache_dir(self) -> Path:
@@ -67,7 +71,7 @@ class AccelSettings:
 
 
 _ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
-    "device": ("auto", "cpu", "hpu"),
+    "device": ("auto", "cpu", "hpu", "cuda"),
     "compile_backend": ("auto", "eager", "inductor", "hpu_backend"),
 }
 
@@ -75,6 +79,7 @@ _DESCRIPTIONS: dict[str, str] = {
     "kvcache_space": "KV cache size in GiB (a number > 0)",
     "num_threads": "worker torch threads (an integer >= 0, 0 = torch default)",
     "skip_warmup": "true or false",
+    "cuda_graphs": "true or false",
 }
 
 _TRUE = ("1", "true", "yes", "on")
@@ -157,7 +162,7 @@ def _parse_settings(env: tuple[tuple[str, str], ...], overrides_json: str) -> Ac
 
 
 def resolve_device(settings: AccelSettings) -> str:
-    """The device backend in use: "hpu" or "cpu"."""
+    """The device backend in use: "cpu", "hpu" or "cuda"."""
     if settings.device != "auto":
         return settings.device
     return "hpu" if importlib.util.find_spec("habana_frameworks") else "cpu"
