@@ -106,6 +106,7 @@ class FmsCausalLM(nn.Module):
                     if isinstance(m, MultiHeadAttention))
         self.num_kv_heads: int = attn.kvheads
         self.head_dim: int = config.emb_dim // config.nheads
+        self.hidden_size: int = config.emb_dim
         # FMS shards the head for some architectures (a TP module), not for these.
         self.head_replicated: bool = not isinstance(fms_model.head, TPModule)
         # Granite divides its logits by this; other models have no such field.

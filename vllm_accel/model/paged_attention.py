@@ -51,6 +51,18 @@ class PagedAttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes] int64: tokens each decode sees
     prefills: list[PrefillChunk] = field(default_factory=list)
 
+    def to(self, device: torch.device) -> PagedAttentionMetadata:
+        """The same layout with its tensors on ``device`` (built on the host;
+        a GPU's attention reads them there: no host round trip per layer)."""
+        if self.slot_mapping.device == device:
+            return self
+        return PagedAttentionMetadata(
+            self.slot_mapping.to(device), self.num_decodes, self.decode_block_table.to(device),
+            self.decode_context_lens.to(device),
+            [PrefillChunk(c.start, c.end, c.block_table.to(device), c.mask.to(device))
+             for c in self.prefills],
+        )
+
 
 # The layout of the forward now running, and the decode kernel to use (None:
 # PyTorch): the op takes only tensors, so it reads these here (see patches.py,
@@ -129,7 +141,7 @@ def _attend_decodes(query, key_cache, value_cache, md, scale):
     rows, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     width = block_table.shape[1] * key_cache.shape[1]
-    mask = torch.arange(width)[None, :] < context_lens[:, None]
+    mask = torch.arange(width, device=context_lens.device)[None, :] < context_lens[:, None]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
     out = _attend(grouped, key_cache, value_cache, block_table, mask[:, None, None, :], scale)
     return out.reshape(rows, heads, head_dim)

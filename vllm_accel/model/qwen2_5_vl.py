@@ -181,9 +181,11 @@ class VisionLayout:
 
 
 def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]],
-                  num_padded: int, dtype: torch.dtype = torch.float32) -> VisionLayout:
+                  num_padded: int, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> VisionLayout:
     """grid_thw: per image (frames t, patch rows h, patch columns w), as the
-    image processor returns. num_padded: total patch rows including padding."""
+    image processor returns. num_padded: total patch rows including padding.
+    Built on the host, returned on ``device`` (where the tower runs)."""
     m = config.spatial_merge_size
     unit = m * m
     win = config.window_size // m // config.patch_size  # window side in merged tokens
@@ -232,12 +234,12 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
     freqs = torch.cat([freqs, freqs.new_zeros(num_pad, freqs.shape[1])])
     angles = torch.cat([freqs, freqs], dim=-1)
     return VisionLayout(
-        order=order,
-        restore=torch.argsort(window_index),
-        cos=angles.cos().to(dtype),
-        sin=angles.sin().to(dtype),
-        full_mask=same(torch.cat(frame_seg)),
-        window_mask=same(torch.cat(window_seg)),
+        order=order.to(device),
+        restore=torch.argsort(window_index).to(device),
+        cos=angles.cos().to(device, dtype),
+        sin=angles.sin().to(device, dtype),
+        full_mask=same(torch.cat(frame_seg)).to(device),
+        window_mask=same(torch.cat(window_seg)).to(device),
     )
 
 
@@ -258,7 +260,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         Returns [N_real / merge**2, out_dim]: the image tokens, in prompt order."""
         if layout is None:
             layout = vision_layout(self.config, torch.as_tensor(grid_thw).tolist(),
-                                   pixel_values.shape[0], pixel_values.dtype)
+                                   pixel_values.shape[0], pixel_values.dtype,
+                                   pixel_values.device)
         full = set(self.config.fullatt_block_indexes)
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))[layout.order]
         for i, layer in enumerate(self.layers):

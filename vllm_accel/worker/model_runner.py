@@ -49,6 +49,7 @@ from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.patches import inductor_cache_dir
 from vllm_accel.settings import AccelSettings, env_var_name
 from vllm_accel.worker.compile_stats import CompileStats
+from vllm_accel.worker.cuda_graphs import DecodeGraphs
 from vllm_accel.worker.kv_cache import allocate_kv_caches, kv_cache_bytes, zero_blocks
 from vllm_accel.worker.prompt_logprobs import plan_chunk
 from vllm_accel.worker.request_state import RequestStates
@@ -104,6 +105,7 @@ class AccelModelRunner:
 
         self.model: FmsCausalLM | None = None
         self.decode_kernel: decode_kernel.DecodeAttentionKernel | None = None  # cpu only
+        self.decode_graphs: DecodeGraphs | None = None  # cuda only, after warmup
         # Vision-language models only: the architecture's adapter and the encoder.
         self.vision: VisionAdapter | None = None
         self.vision_encoder: VisionEncoder | None = None
@@ -217,7 +219,8 @@ class AccelModelRunner:
             hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         logits, prompt_logprobs = None, {}
         if self.is_driver:
-            logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)]).cpu()
+            # On the runner's device, where the InputBatch keeps sampling state.
+            logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)])
             prompt_logprobs = self._prompt_logprobs(step, hidden, scheduler_output)
 
         num_tokens = np.array([s.num_tokens for s in states])
@@ -238,10 +241,17 @@ class AccelModelRunner:
             # assume (and guard on) aligned inputs.
             tokens = inputs.new_zeros((1, forward.bucket) + inputs.shape[2:])
             tokens[:, : forward.end - forward.begin] = inputs[:, forward.begin : forward.end]
-        with attention_context(forward.attn_metadata, self.decode_kernel):
-            hidden = self.model(tokens, forward.positions.to(self.device), self.kv_caches)
+        count = forward.end - forward.begin
+        metadata = forward.attn_metadata.to(self.device)
+        positions = forward.positions.to(self.device)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_replay(forward.bucket, metadata, count):
+            # A copy: the graph's output tensor is overwritten by its next replay.
+            return graphs.replay(forward.bucket, tokens, positions, metadata)[:, :count].clone()
+        with attention_context(metadata, self.decode_kernel):
+            hidden = self.model(tokens, positions, self.kv_caches)
         self.compile_stats.after_step(f"a forward of {forward.bucket} tokens")
-        return hidden[:, : forward.end - forward.begin]
+        return hidden[:, :count]
 
     def _prompt_logprobs(self, step: StepLayout, hidden: torch.Tensor,
                          scheduler_output: SchedulerOutput) -> dict[str, LogprobsTensors]:
@@ -289,11 +299,13 @@ class AccelModelRunner:
             output = self._sample(pending, grammar_output)
             sampled_ids = output.sampled_token_ids.to(torch.int64)
         else:
-            sampled_ids = torch.empty((batch.num_reqs, 1), dtype=torch.int64)
+            sampled_ids = torch.empty((batch.num_reqs, 1), dtype=torch.int64, device=self.device)
         if self.tp_size > 1:
             from vllm.distributed import get_tp_group
 
-            sampled_ids = get_tp_group().broadcast(sampled_ids.contiguous(), src=0)
+            # On the device: the group's backend (gloo, nccl) reads it there.
+            sampled_ids = get_tp_group().broadcast(sampled_ids.to(self.device).contiguous(),
+                                                   src=0)
 
         sampled = sampled_ids.tolist()
         for i in np.flatnonzero(pending.discard):

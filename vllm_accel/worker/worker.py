@@ -9,6 +9,7 @@ forwards each engine step to it. vLLM calls, in order: ``init_device``,
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -28,6 +29,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from vllm_accel.devices import select_backend
 from vllm_accel.patches import set_worker_threads
 from vllm_accel.settings import env_var_name, load_settings
+from vllm_accel.worker.cuda import capture_decode_graphs, profile_peak_memory
 from vllm_accel.worker.model_runner import AccelModelRunner
 from vllm_accel.worker.warmup import warm_up
 
@@ -70,6 +72,15 @@ class AccelWorker(WorkerBase):
 
     def init_device(self) -> None:
         self.device = torch.device(self.backend.device)
+        if self.backend.device == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+            # What an engine shut down earlier in this process left in torch's
+            # allocator cache is free too: hand it back before measuring.
+            gc.collect()
+            torch.cuda.empty_cache()
+            self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
+            self._check_gpu_memory_utilization()
         parallel = self.parallel_config
         # Torch threads, and inductor's kernel builds on them (patches.py, 5).
         set_worker_threads(worker_threads(self.settings.num_threads, parallel.local_world_size),
@@ -112,20 +123,48 @@ class AccelWorker(WorkerBase):
         # Each layer's cache is [blocks, tokens per block, kv heads, head dim].
         return [KVCacheLayout.LBNHC.name]
 
+    def _check_gpu_memory_utilization(self) -> None:
+        requested = self.cache_config.gpu_memory_utilization * self.total_memory
+        if self.free_at_start < requested:
+            raise ValueError(
+                f"Free memory on {self.device} ({self.free_at_start / 2**30:.2f} GiB) is less "
+                f"than --gpu-memory-utilization={self.cache_config.gpu_memory_utilization} of "
+                f"its {self.total_memory / 2**30:.2f} GiB: lower it, or free the device.")
+
     def determine_available_memory(self) -> int:
-        """The KV cache budget is a setting, checked against one full-length
-        sequence so that a too-small budget fails here, naming the setting."""
-        budget = int(self.settings.kvcache_space * 2**30)
+        """The KV cache budget: on cuda, as vLLM's GPU worker sizes it, the
+        share ``--gpu-memory-utilization`` of the device minus what this worker
+        took since it started (weights, workspaces) and the peak of a forward
+        of the largest token bucket (CUDA graphs, captured later, take theirs
+        from what is left); elsewhere the ``kvcache_space`` setting. Checked
+        against one full-length sequence, so a too-small budget fails here."""
+        if self.backend.device == "cuda":
+            budget, name = self._gpu_kv_budget(), "--gpu-memory-utilization"
+            setting = (f"{name}={self.cache_config.gpu_memory_utilization} "
+                       f"({budget / 2**30:.3f} GiB left for it)")
+        else:
+            budget, name = int(self.settings.kvcache_space * 2**30), env_var_name("kvcache_space")
+            setting = f"{name}={self.settings.kvcache_space} GiB"
         needed = self.model_runner.kv_cache_bytes_per_token() * self.model_config.max_model_len
         if budget < needed:
             raise ValueError(
-                f"The KV cache budget {env_var_name('kvcache_space')}="
-                f"{self.settings.kvcache_space} GiB is too small for one sequence of "
+                f"The KV cache budget {setting} is too small for one sequence of "
                 f"max_model_len={self.model_config.max_model_len} tokens, which needs "
-                f"{needed / 2**30:.3f} GiB. Raise {env_var_name('kvcache_space')} or "
-                "lower --max-model-len."
+                f"{needed / 2**30:.3f} GiB. Raise {name} or lower --max-model-len."
             )
         return budget
+
+    def _gpu_kv_budget(self) -> int:
+        peak = profile_peak_memory(self.model_runner)
+        free_now, _ = torch.cuda.mem_get_info()
+        used = self.free_at_start - free_now + peak  # weights, workspaces, the forward's peak
+        budget = int(self.cache_config.gpu_memory_utilization * self.total_memory - used)
+        logger.info(
+            "vllm_accel GPU memory: %.2f GiB total, %.2f GiB used before start, %.2f GiB by "
+            "the model and a forward's peak: %.2f GiB for the KV cache",
+            self.total_memory / 2**30, (self.total_memory - self.free_at_start) / 2**30,
+            used / 2**30, max(budget, 0) / 2**30)
+        return max(budget, 0)
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         started = time.perf_counter()
@@ -142,6 +181,12 @@ class AccelWorker(WorkerBase):
             )
         else:
             warm_up(self.model_runner)
+            if self.backend.device == "cuda" and self.settings.cuda_graphs:
+                captured = time.perf_counter()
+                self.model_runner.decode_graphs = capture_decode_graphs(self.model_runner)
+                logger.info("vllm_accel captured %d CUDA graphs (decode steps) in %.1f s",
+                            len(self.model_runner.token_buckets),
+                            time.perf_counter() - captured)
         # Warmup sampled with seeds: start serving from the configured seed.
         set_random_seed(self.model_config.seed)
         warmup_s = time.perf_counter() - started
@@ -189,4 +234,9 @@ class AccelWorker(WorkerBase):
 
     def shutdown(self) -> None:
         self.model_runner = None
+        if self.backend.device == "cuda":
+            # Give the KV cache, weights and graph pools back to the device,
+            # not just to torch's allocator: another engine may start here.
+            gc.collect()
+            torch.cuda.empty_cache()
 

@@ -1,0 +1,278 @@
+"""vllm-accel's cuda backend against HF transformers' own batched `generate`,
+side by side in one process on one GPU (run on the accelerator host).
+
+    python benchmarks/gpu.py [--out results.json] [--rounds 3]
+
+- Throughput: a ~1B Llama-shaped model with random weights (hidden 2048, 16
+  layers, 32 heads, 8 KV heads, intermediate 5632, vocab 32000; bfloat16),
+  64 prompts of 128 random tokens, 64 output tokens each (no early stop),
+  greedy. Rounds alternate HF / vllm-accel; each timed run is repeated until
+  it lasts >= 10 s; medians with min-max. vllm-accel with CUDA graphs and
+  without, each against HF in its own alternation.
+- Decode step time at batch 1 and 32 (one engine step of decodes, from the
+  difference of two output lengths) against the weight-read floor: weight
+  bytes / the GPU's measured read bandwidth (a large bfloat16 sum).
+- Engine start, cold (empty compile cache) and warm.
+- Vision TTFT: one 336x336 image on the tiny LlavaNext fixture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
+NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 64, 128, 64
+MIN_TIMED_S = 10.0
+
+
+def make_model(out: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_accel.testing.tiny_models import CHAT_TEMPLATE, _save_tokenizer, build_tokenizer
+
+    config = LlamaConfig(**SHAPE, max_position_embeddings=4096, tie_word_embeddings=False,
+                         rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, dtype="bfloat16")
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(out)
+    _save_tokenizer(build_tokenizer(), out, CHAT_TEMPLATE)  # ids are sent directly
+    return out
+
+
+def timed(run) -> tuple[float, int]:
+    """(seconds per run, runs): repeated until the total lasts >= MIN_TIMED_S."""
+    runs, started = 0, time.perf_counter()
+    while True:
+        run()
+        torch.cuda.synchronize()
+        runs += 1
+        elapsed = time.perf_counter() - started
+        if elapsed >= MIN_TIMED_S:
+            return elapsed / runs, runs
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def engine(model: Path, cache: Path, graphs: bool, **kwargs):
+    from vllm import LLM
+
+    config = {"accel": {"device": "cuda", "compile_backend": "inductor",
+                        "cuda_graphs": graphs, "compile_cache_dir": str(cache)}}
+    options = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=NUM_PROMPTS,
+                   gpu_memory_utilization=0.35, seed=0, additional_config=config)
+    options.update(kwargs)
+    return LLM(model=str(model), **options)
+
+
+def shutdown(llm) -> None:
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor(prompts, device="cuda")
+
+    def run_hf():
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_LEN,
+                        min_new_tokens=OUTPUT_LEN, do_sample=False, pad_token_id=0)
+
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    results = {}
+    tokens = NUM_PROMPTS * OUTPUT_LEN
+    for graphs in (True, False):
+        llm = engine(model, cache, graphs)
+
+        def run_accel():
+            outs = llm.generate(requests, params, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == OUTPUT_LEN for o in outs)
+
+        run_accel()  # first batch outside the timing (allocator, graph pools)
+        hf_tps, accel_tps = [], []
+        for _ in range(rounds):
+            seconds, _ = timed(run_hf)
+            hf_tps.append(tokens / seconds)
+            seconds, _ = timed(run_accel)
+            accel_tps.append(tokens / seconds)
+        name = "cuda_graphs" if graphs else "no_cuda_graphs"
+        results[name] = {
+            "accel_output_tok_s": summary(accel_tps), "hf_output_tok_s": summary(hf_tps),
+            "ratio_median": statistics.median(accel_tps) / statistics.median(hf_tps),
+            "runtime_compiles": llm.collective_rpc("runner_state")[0]["runtime_compiles"],
+        }
+        print(name, json.dumps(results[name]), flush=True)
+        if graphs:
+            results["decode_step"] = decode_steps(llm, prompts)
+        shutdown(llm)
+    del hf
+    torch.cuda.empty_cache()
+    return results
+
+
+def decode_steps(llm, prompts) -> dict:
+    """Seconds per decode step at batch 1 and 32: (t(long) - t(short)) / extra tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def seconds(batch: int, out_len: int) -> float:
+        reqs = [TokensPrompt(prompt_token_ids=p[:16]) for p in prompts[:batch]]
+        params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+        started = time.perf_counter()
+        llm.generate(reqs, params, use_tqdm=False)
+        return time.perf_counter() - started
+
+    out = {}
+    for batch in (1, 32):
+        seconds(batch, 8)
+        steps = [(seconds(batch, 264) - seconds(batch, 8)) / 256 for _ in range(3)]
+        out[f"batch_{batch}_s"] = summary(steps)
+    return out
+
+
+def weight_read_floor(model: Path) -> dict:
+    from safetensors import safe_open
+
+    weight_bytes = 0  # bfloat16: 2 bytes a weight
+    for path in model.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            weight_bytes += sum(2 * math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    x = torch.empty(4 * 2**30 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    x.sum()
+    torch.cuda.synchronize()
+    started, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        x.sum()
+    torch.cuda.synchronize()
+    bandwidth = reps * x.numel() * 2 / (time.perf_counter() - started)
+    del x
+    return {"weight_bytes": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
+            "floor_s": weight_bytes / bandwidth}
+
+
+def start_times(model: Path, root: Path) -> dict:
+    out = {}
+    cache = root / "start-cache"
+    for label in ("cold", "warm"):
+        started = time.perf_counter()
+        llm = engine(model, cache, True)
+        out[f"{label}_s"] = time.perf_counter() - started
+        shutdown(llm)
+    return out
+
+
+def vision_ttft_llava(root: Path, rounds: int = 10) -> dict:
+    import numpy as np
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    from vllm_accel.testing.fixtures import make_tiny_model
+
+    path = make_tiny_model("llava_next", root / "llava")
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (336, 336, 3),
+                                                              dtype=np.uint8))
+    config = {"accel": {"device": "cuda", "compile_backend": "inductor",
+                        "compile_cache_dir": str(root / "vision-cache")}}
+    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, seed=0,
+              gpu_memory_utilization=0.2, limit_mm_per_prompt={"image": 1},
+              additional_config=config)
+    prompt = {"prompt": "<|start_header_id|>user<|end_header_id|>\n\n<image>\nDescribe."
+                        "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+              "multi_modal_data": {"image": image}}
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([prompt], params, use_tqdm=False)
+    times = []
+    for i in range(rounds):
+        # A new image each time: no encoder or prefix cache hit.
+        prompt["multi_modal_data"]["image"] = Image.fromarray(
+            np.random.default_rng(i + 1).integers(0, 256, (336, 336, 3), dtype=np.uint8))
+        started = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        times.append(time.perf_counter() - started)
+    shutdown(llm)
+    return {"ttft_s": summary(times)}
+
+
+def profile_decode(model: Path, prompts: list[list[int]], cache: Path) -> None:
+    """Where a decode-heavy batch's time goes on the host (cProfile, top functions)."""
+    import cProfile
+    import pstats
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engine(model, cache, True)
+    reqs = [TokensPrompt(prompt_token_ids=p[:16]) for p in prompts[:32]]
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    llm.generate(reqs, params, use_tqdm=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(reqs, params, use_tqdm=False)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+    shutdown(llm)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="gpu_results.json")
+    parser.add_argument("--parts", default="throughput,floor,start,vision")
+    parser.add_argument("--in-process", action="store_true",
+                        help="engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
+                             "no overlap of vLLM's output processing with the engine's steps")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "engine_core": "in process" if args.in_process else "own process (vLLM's default)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = make_model(root / "llama-1b")
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(2, SHAPE["vocab_size"], (NUM_PROMPTS, PROMPT_LEN),
+                                generator=gen).tolist()
+        if "floor" in parts:
+            results["weight_read_floor"] = weight_read_floor(model)
+            print("floor", results["weight_read_floor"], flush=True)
+        if "start" in parts:
+            results["engine_start"] = start_times(model, root)
+            print("start", results["engine_start"], flush=True)
+        if "throughput" in parts:
+            results.update(throughput(model, prompts, args.rounds, root / "cache"))
+        if "profile" in parts:
+            profile_decode(model, prompts, root / "cache")
+        if "vision" in parts:
+            results["vision"] = vision_ttft_llava(root)
+            print("vision", results["vision"], flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

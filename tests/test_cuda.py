@@ -1,0 +1,173 @@
+"""The cuda device backend on a real NVIDIA GPU: greedy output token for token
+equal to HF transformers' own model classes on the same GPU (float32), no
+compiles after warmup under mixed traffic, decode steps replayed from CUDA
+graphs; and the cpu backend on a host with a CUDA build of torch.
+
+Skipped without a CUDA device (CI has none); run on the accelerator host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import chat_prompt, model_runner, noise_image, running_llm, vision_greedy
+from vision_cases import ARCHS as VISION_ARCHS
+from vllm_accel.patches import apply_patches
+from vllm_accel.testing.fixtures import SUPPORTED_ARCHS, make_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (the cuda backend's tests)")
+
+CUDA = {"accel": {"device": "cuda", "compile_backend": "inductor"}}
+# Each engine takes a share of the GPU for its KV cache (HF's models take some too).
+GPU_SHARE = dict(gpu_memory_utilization=0.3)
+MAX_TOKENS = 12
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, a fox",
+           "1, 2, 3, 4,", "Tell me a story about the sea and the stars that shine"]
+
+
+def greedy(llm, prompts, max_tokens=MAX_TOKENS, **kwargs):
+    from vllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def hf_cuda_greedy(model_dir, prompts, max_tokens=MAX_TOKENS):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    out = []
+    with torch.no_grad():
+        for text in prompts:
+            ids = tokenizer(text, return_tensors="pt").input_ids.cuda()
+            gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+            out.append(gen[0, ids.shape[1]:].tolist())
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+@pytest.fixture(scope="module", params=SUPPORTED_ARCHS)
+def text_model(request, tmp_path_factory):
+    return make_tiny_model(request.param, tmp_path_factory.mktemp("cuda") / request.param)
+
+
+def test_text_parity_batch_chunked_and_prefix_hit(text_model, tmp_path):
+    expected = hf_cuda_greedy(text_model, PROMPTS)
+    config = {"accel": {**CUDA["accel"], "compile_cache_dir": str(tmp_path)}}
+    with running_llm(text_model, additional_config=config, max_num_seqs=8,
+                     max_num_batched_tokens=16, enable_prefix_caching=True, **GPU_SHARE) as llm:
+        runner = model_runner(llm)
+        assert runner.device.type == "cuda" and runner.kv_caches[0][0].is_cuda
+        assert greedy(llm, PROMPTS) == expected  # a batch, prompts cut into 16-token chunks
+        assert greedy(llm, PROMPTS[:1]) == expected[:1]  # a prefix-cache hit
+        assert runner.decode_graphs is not None and runner.decode_graphs.replays > 0
+        assert runner.compile_stats.runtime_compiles == 0
+
+
+def test_mixed_traffic_compiles_nothing_after_warmup(tmp_path):
+    from vllm import SamplingParams
+
+    model = make_tiny_model("llama", tmp_path / "llama")
+    config = {"accel": {**CUDA["accel"], "compile_cache_dir": str(tmp_path / "cache")}}
+    with running_llm(model, additional_config=config, max_num_seqs=8, **GPU_SHARE) as llm:
+        runner = model_runner(llm)
+        llm.generate(PROMPTS, [
+            SamplingParams(temperature=0, max_tokens=8, logprobs=3),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8),
+            SamplingParams(temperature=1.0, top_k=5, n=3, max_tokens=6),
+            SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2),
+            SamplingParams(temperature=0.7, max_tokens=8, seed=7),
+        ], use_tqdm=False)
+        assert runner.compile_stats.runtime_compiles == 0
+        replays = runner.decode_graphs.replays
+        assert replays > 0
+        # Seeded sampling is reproducible through the graphs.
+        seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=8)
+        first = llm.generate(PROMPTS[:2], seeded, use_tqdm=False)
+        again = llm.generate(PROMPTS[:2], seeded, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+
+
+def test_graphs_off_gives_the_same_tokens(tmp_path):
+    model = make_tiny_model("granite", tmp_path / "granite")
+    outputs = []
+    for graphs in (True, False):
+        config = {"accel": {**CUDA["accel"], "cuda_graphs": graphs,
+                            "compile_cache_dir": str(tmp_path / "cache")}}
+        with running_llm(model, additional_config=config, max_num_seqs=8, **GPU_SHARE) as llm:
+            outputs.append(greedy(llm, PROMPTS))
+            assert (model_runner(llm).decode_graphs is not None) == graphs
+    assert outputs[0] == outputs[1]
+
+
+@pytest.fixture(scope="module", params=VISION_ARCHS, ids=lambda arch: arch.name)
+def vision(request, tmp_path_factory):
+    """(arch, checkpoint, HF processor, HF model on the GPU)."""
+    import transformers
+    from transformers import AutoProcessor
+
+    arch = request.param
+    path = arch.make(tmp_path_factory.mktemp("cuda") / arch.name)
+    if arch.patch_before_processor:
+        apply_patches()
+    model = getattr(transformers, arch.hf_class).from_pretrained(path, dtype=torch.float32)
+    return arch, path, AutoProcessor.from_pretrained(path), model.cuda().eval()
+
+
+def test_vision_parity_two_images_and_a_chunk_inside_an_image(vision, tmp_path):
+    arch, path, processor, hf_model = vision
+    cases = [(chat_prompt(processor, 1, f"Describe picture {i}."), [noise_image(*size)])
+             for i, size in enumerate(arch.sizes)]
+    cases.append((chat_prompt(processor, 2, "Compare them."),
+                  [noise_image(*size) for size in arch.two_images]))
+    expected = []
+    with torch.no_grad():
+        for prompt, images in cases:
+            inputs = processor(text=prompt, images=images, return_tensors="pt").to("cuda")
+            out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+            expected.append(out[0, inputs.input_ids.shape[1]:].tolist())
+    config = {"accel": {**CUDA["accel"], "compile_cache_dir": str(tmp_path)}}
+    with running_llm(path, additional_config=config, max_num_batched_tokens=arch.chunk_tokens,
+                     **arch.engine, **GPU_SHARE) as llm:
+        runner = model_runner(llm)
+        assert next(runner.vision.fms_model.parameters()).is_cuda
+        assert vision_greedy(llm, cases, MAX_TOKENS) == expected
+        assert runner.compile_stats.runtime_compiles == 0
+
+
+def test_molmo_on_cuda_equals_the_cpu_backend(tmp_path):
+    """Molmo is not in transformers: the cpu backend's output (checked against
+    vLLM's own Molmo in test_molmo.py) is the reference here."""
+    import os
+
+    os.environ["HF_HOME"] = str(tmp_path / "hf")  # remote code copies land here
+    path = make_tiny_model("molmo", tmp_path / "molmo")
+    prompts = [{"prompt": "User: Describe this. Assistant:",
+                "multi_modal_data": {"image": [noise_image(112, 80)]}},
+               {"prompt": "User: Tell me a story. Assistant:"}]
+    outputs = []
+    for device in ("cpu", "cuda"):
+        config = {"accel": {"device": device, "compile_backend": "eager"}}
+        with running_llm(path, additional_config=config, trust_remote_code=True,
+                         max_model_len=2048, limit_mm_per_prompt={"image": 1},
+                         **GPU_SHARE) as llm:
+            outputs.append(greedy(llm, prompts))
+    assert outputs[0] == outputs[1]
+
+
+def test_cpu_backend_on_a_cuda_host(tmp_path):
+    """vLLM asks num_compute_units and takes its Triton top-k/top-p for host
+    tensors when Triton is importable: the cpu device must still serve."""
+    from vllm import SamplingParams
+
+    model = make_tiny_model("llama", tmp_path / "llama")
+    config = {"accel": {"device": "cpu", "compile_backend": "eager"}}
+    with running_llm(model, additional_config=config) as llm:
+        assert model_runner(llm).device.type == "cpu"
+        out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.8, top_k=5, top_p=0.9,
+                                                       seed=0, max_tokens=6), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out)

@@ -1,0 +1,81 @@
+"""The cuda device's start-up work for the runner: the memory profile that
+sizes the KV cache, and capturing the decode CUDA graphs (cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.utils.math_utils import cdiv
+
+from vllm_accel.model.paged_attention import (
+    PagedAttentionMetadata,
+    PrefillChunk,
+    causal_context_mask,
+)
+from vllm_accel.patches import inductor_cache_dir
+from vllm_accel.worker.cuda_graphs import DecodeGraphs, run_with_metadata
+from vllm_accel.worker.kv_cache import allocate_kv_caches
+
+if TYPE_CHECKING:
+    from vllm_accel.worker.model_runner import AccelModelRunner
+
+
+def dummy_inputs(runner: AccelModelRunner, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero inputs and positions of a forward of ``bucket`` tokens, as the
+    runner feeds its model (embeddings for a vision model, 3-D positions for
+    M-RoPE)."""
+    device, vision = runner.device, runner.vision
+    positions = torch.arange(bucket, device=device)[None]
+    if vision is not None and vision.uses_3d_positions:
+        positions = positions[None].expand(3, 1, bucket).contiguous()
+    if vision is not None:  # a vision model always runs on embeddings
+        inputs = torch.zeros(1, bucket, runner.model.hidden_size, dtype=runner.dtype,
+                             device=device)
+    else:
+        inputs = torch.zeros(1, bucket, dtype=torch.int64, device=device)
+    return inputs, positions
+
+
+def profile_peak_memory(runner: AccelModelRunner) -> int:
+    """Bytes a prefill forward of the largest token bucket allocates beyond
+    what is held before it (its activations), with a KV cache of just the
+    blocks it needs; the memory is freed again."""
+    bucket, bs, model, device = runner.token_buckets[-1], runner.block_size, runner.model, \
+        runner.device
+    blocks = cdiv(bucket, bs) + 1  # block 0 is never a request's
+    kv_caches = allocate_kv_caches(model.num_layers, blocks, bs, model.num_kv_heads,
+                                   model.head_dim, runner.dtype, device)
+    positions = torch.arange(bucket)
+    metadata = PagedAttentionMetadata(
+        slot_mapping=positions + bs, num_decodes=0,
+        decode_block_table=torch.zeros(0, 1, dtype=torch.int64),
+        decode_context_lens=torch.zeros(0, dtype=torch.int64),
+        prefills=[PrefillChunk(0, bucket, torch.arange(1, blocks)[None], causal_context_mask(
+            positions[None], torch.tensor([bucket]), (blocks - 1) * bs))],
+    ).to(device)
+    inputs, positions = dummy_inputs(runner, bucket)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode(), inductor_cache_dir(runner.compile_stats.cache_dir):
+        run_with_metadata(model, kv_caches)(inputs, positions, metadata)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del kv_caches
+    torch.cuda.empty_cache()
+    return peak
+
+
+@torch.inference_mode()
+def capture_decode_graphs(runner: AccelModelRunner) -> DecodeGraphs:
+    """One graph per token bucket, after warmup compiled every bucket."""
+    graphs = DecodeGraphs(width=runner.context_buckets[-1])
+    call = run_with_metadata(runner.model, runner.kv_caches)
+    with inductor_cache_dir(runner.compile_stats.cache_dir):
+        for bucket in runner.token_buckets:
+            graphs.capture(bucket, *dummy_inputs(runner, bucket), call)
+    runner.compile_stats.after_step("capturing CUDA graphs")
+    return graphs
+
+
