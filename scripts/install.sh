@@ -9,7 +9,8 @@ venv="$repo/.venv"
 py="$venv/bin/python"
 pip=("$py" -m pip install --disable-pip-version-check -q)
 marker="$venv/.vllm-accel-installed"
-fingerprint=$(cat "$repo/scripts/install.sh" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)
+fingerprint=$(cat "$repo/scripts/install.sh" "$repo/scripts/vllm_source.sh" "$repo/pyproject.toml" |
+  sha256sum | cut -d' ' -f1)
 
 if [[ -f "$marker" && "$(cat "$marker")" == "$fingerprint" ]]; then
   echo "install: .venv is complete (delete $marker to force a re-install)"
@@ -31,10 +32,9 @@ step "build tools for vLLM"
 "${pip[@]}" "setuptools>=77.0.3,<81" "setuptools-scm>=8" "setuptools-rust>=1.9" \
   wheel jinja2 "packaging>=24.2" ninja cmake
 
-# vLLM 0.33.0's requirements/common.txt asks for certifi>=2026.10.19, a release
-# the registry does not have (newest: 2026.10.18). We relax that one line in
-# the unpacked source before building, so the installed vLLM's metadata says
-# what is really installed and pip's dependency check agrees with it.
+# vllm_build_env and vllm_source (certifi relaxed, cargo kept off PATH).
+source "$repo/scripts/vllm_source.sh"
+
 vllm_built_here() {
   "$py" - <<'EOF'
 import importlib.metadata as md
@@ -49,24 +49,10 @@ EOF
 }
 
 if ! vllm_built_here; then
-  # Hardware plugins build vLLM from source with no device code. Its optional
-  # Rust part needs crates.io, which is unreachable: keep cargo off PATH.
-  # (pip download runs setup.py for the metadata too: same environment.)
   step "vLLM 0.33.0 from source (VLLM_TARGET_DEVICE=empty, certifi relaxed, ~1-2 min)"
-  no_cargo_path=$(tr ':' '\n' <<<"$PATH" | grep -v -e cargo -e rustup | paste -sd: -)
-  vllm_env=(env PATH="$no_cargo_path" VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1)
   src=$(mktemp -d)
-  "${vllm_env[@]}" "$py" -m pip download --disable-pip-version-check -q \
-    --no-deps --no-binary :all: --no-build-isolation -d "$src" vllm==0.33.0
-  tar -xzf "$src/vllm-0.33.0.tar.gz" -C "$src"
-  common="$src/vllm-0.33.0/requirements/common.txt"
-  sed -i -E 's/^certifi *>= *2026\.10\.19 *$/certifi/' "$common"
-  if ! grep -qx certifi "$common"; then
-    echo "install: vLLM's requirements/common.txt no longer has the expected" \
-      "'certifi >= 2026.10.19' line; update scripts/install.sh" >&2
-    exit 1
-  fi
-  "${vllm_env[@]}" "${pip[@]}" --no-build-isolation --no-deps --force-reinstall "$src/vllm-0.33.0"
+  vllm_source "$py" "$src" install
+  "${vllm_build_env[@]}" "${pip[@]}" --no-build-isolation --no-deps --force-reinstall "$src/vllm-0.33.0"
   rm -rf "$src"
   if ! vllm_built_here; then
     echo "install: the built vLLM is not 0.33.0 with a relaxed certifi requirement" >&2
