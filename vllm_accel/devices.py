@@ -25,7 +25,7 @@ from vllm_accel.settings import AccelSettings, env_var_name, resolve_device
 _COMPILE_BACKENDS = {"cpu": ("inductor", "eager"), "hpu": ("hpu_backend", "eager"),
                      "cuda": ("inductor", "eager")}
 # torch.distributed backend of the tensor-parallel workers' device group.
-_DIST_BACKENDS = {"cpu": "gloo", "hpu": "hccl", "cuda": "nccl"}
+DIST_BACKENDS = {"cpu": "gloo", "hpu": "hccl", "cuda": "nccl"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class DeviceBackend:
     @property
     def dist_backend(self) -> str:
         """torch.distributed backend the tensor-parallel workers use."""
-        return _DIST_BACKENDS[self.device]
+        return DIST_BACKENDS[self.device]
 
 
 def select_backend(settings: AccelSettings) -> DeviceBackend:
@@ -92,8 +92,8 @@ def compute_units(device: str, device_id: int = 0) -> int:
 
 
 def device_uuid(device: str, device_id: int = 0) -> str:
-    if device == "cuda":
-        return str(torch.cuda.get_device_properties(device_id).uuid)
+    if device == "cuda":  # NVML's form, as vLLM's CUDA platform and nvidia-smi give it
+        return f"GPU-{torch.cuda.get_device_properties(device_id).uuid}"
     import platform
     import socket
 

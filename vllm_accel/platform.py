@@ -116,7 +116,7 @@ class AccelPlatform(Platform):
         them for data parallelism and elastic expert parallelism)."""
         from vllm_accel.compat import stateless_process_group
 
-        return stateless_process_group(select_backend(load_settings()).dist_backend,
+        return stateless_process_group(devices.DIST_BACKENDS[cls._device()],
                                        prefix_store, group_rank, group_size, timeout)
 
     @classmethod
