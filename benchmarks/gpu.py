@@ -128,9 +128,7 @@ def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path) 
         if graphs:
             results["decode_step"] = decode_steps(llm, prompts)
         shutdown(llm)
-    del hf
-    torch.cuda.empty_cache()
-    return results
+    return results  # HF's model goes with this frame
 
 
 def decode_steps(llm, prompts) -> dict:

@@ -39,7 +39,7 @@ It is the decoder of our Qwen2.5-VL and Molmo ports, which register with FMS
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 import torch
 from torch import nn
