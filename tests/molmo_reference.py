@@ -37,7 +37,10 @@ import socket
 import torch
 import torch.nn.functional as F
 
-from vllm_accel.testing.tiny_molmo import VISION_BACKBONE
+from vllm_accel.testing.tiny_molmo import EMBEDDING_SIZE, VISION_BACKBONE
+
+IM_PATCH = EMBEDDING_SIZE + 2
+ENDOFTEXT = EMBEDDING_SIZE - 8
 
 
 _modules_cache: str | None = None
@@ -238,3 +241,38 @@ def molmo_checkpoint(tmp_path_factory):
 
     isolate_remote_code_cache(tmp_path_factory.getbasetemp() / "hf_modules")
     return make_tiny_molmo(tmp_path_factory.mktemp("molmo") / "m")
+
+
+def reference_greedy(reference, text, images, max_tokens: int):
+    """(prompt ids, generated ids, logprob of each generated token, per-step
+    logits [steps, vocab]) from vLLM's own Molmo, full recompute each step."""
+    from vllm.multimodal.inputs import MultiModalKwargsItems
+
+    model, processor, tokenizer = reference
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if images:
+        out = processor(ids, processor.info.parse_mm_data({"image": images}))
+        prompt_ids = torch.tensor(out["prompt_token_ids"])
+    else:  # vLLM runs no multimodal processing for a text-only prompt (no bos added)
+        prompt_ids = torch.tensor(ids)
+    with torch.no_grad(), plain_causal_attention():
+        embeds = []
+        if images:
+            items = list(out["mm_kwargs"]["image"])
+            embeds = list(model.embed_multimodal(**MultiModalKwargsItems({"image": items})
+                                                 .get_data()))
+        prompt_embeds = model.embed_input_ids(prompt_ids, embeds,
+                                              is_multimodal=prompt_ids == IM_PATCH)
+        generated, logprobs, logits_seen = [], [], []
+        for _ in range(max_tokens):
+            new = torch.tensor(generated, dtype=torch.long)
+            x = torch.cat([prompt_embeds, model.embed_input_ids(new)])
+            hidden = model(None, torch.arange(x.shape[0]), inputs_embeds=x)
+            logits = model.compute_logits(hidden[-1:])[0].float()
+            token = int(logits.argmax())
+            generated.append(token)
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            logits_seen.append(logits)
+            if token == ENDOFTEXT:
+                break
+    return prompt_ids.tolist(), generated, logprobs, torch.stack(logits_seen)

@@ -14,6 +14,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import molmo_reference
 from molmo_reference import (
     build_vllm_molmo,
     image,
@@ -31,8 +32,7 @@ MAX_TOKENS = 8
 # matmuls, FMS vs vLLM RMSNorm); logprobs are compared with room to spare.
 LOGIT_ATOL = 1e-4
 LOGPROB_ATOL = 1e-4
-IM_PATCH = EMBEDDING_SIZE + 2
-ENDOFTEXT = EMBEDDING_SIZE - 8
+IM_PATCH = molmo_reference.IM_PATCH
 # (width, height) -> crops (tiles + the global crop): every count 2..7.
 SIZES = {(40, 40): 2, (80, 40): 3, (112, 40): 4, (80, 80): 5, (176, 40): 6, (112, 80): 7,
          (30, 120): 5}
@@ -66,38 +66,7 @@ def cases():
 
 
 def reference_greedy(reference, text, images, max_tokens=MAX_TOKENS):
-    """(prompt ids, generated ids, logprob of each generated token, per-step
-    logits [steps, vocab]) from vLLM's own Molmo, full recompute each step."""
-    from vllm.multimodal.inputs import MultiModalKwargsItems
-
-    model, processor, tokenizer = reference
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if images:
-        out = processor(ids, processor.info.parse_mm_data({"image": images}))
-        prompt_ids = torch.tensor(out["prompt_token_ids"])
-    else:  # vLLM runs no multimodal processing for a text-only prompt (no bos added)
-        prompt_ids = torch.tensor(ids)
-    with torch.no_grad(), plain_causal_attention():
-        embeds = []
-        if images:
-            items = list(out["mm_kwargs"]["image"])
-            embeds = list(model.embed_multimodal(**MultiModalKwargsItems({"image": items})
-                                                 .get_data()))
-        prompt_embeds = model.embed_input_ids(prompt_ids, embeds,
-                                              is_multimodal=prompt_ids == IM_PATCH)
-        generated, logprobs, logits_seen = [], [], []
-        for _ in range(max_tokens):
-            new = torch.tensor(generated, dtype=torch.long)
-            x = torch.cat([prompt_embeds, model.embed_input_ids(new)])
-            hidden = model(None, torch.arange(x.shape[0]), inputs_embeds=x)
-            logits = model.compute_logits(hidden[-1:])[0].float()
-            token = int(logits.argmax())
-            generated.append(token)
-            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-            logits_seen.append(logits)
-            if token == ENDOFTEXT:
-                break
-    return prompt_ids.tolist(), generated, logprobs, torch.stack(logits_seen)
+    return molmo_reference.reference_greedy(reference, text, images, max_tokens)
 
 
 # An image no other test sends (nothing cached for it).

@@ -117,6 +117,10 @@ def _worker_pid(worker) -> int:
     return os.getpid()
 
 
+def _images_encoded(worker) -> int:
+    return worker.model_runner.vision_encoder.images_encoded
+
+
 def test_pipeline_parallel_rejected_naming_the_setting(tiny_models):
     from vllm import LLM
 
@@ -177,7 +181,7 @@ def test_serve_tp2_answers_then_exits_when_a_worker_dies(tiny_models, tmp_path):
 
 def test_llava_next_tp2_matches_tp1(tmp_path_factory):
     """LlavaNext: FMS shards the Granite text model and keeps the SigLIP vision
-    tower whole on each rank (every rank encodes the images it needs)."""
+    tower whole on each rank; each image is encoded on one rank only."""
     from transformers import AutoProcessor
 
     from helpers import chat_prompt, noise_image, vision_greedy
@@ -193,6 +197,9 @@ def test_llava_next_tp2_matches_tp1(tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
             with running_llm(model_dir, tensor_parallel_size=tp, **options) as llm:
+                before = llm.collective_rpc(_images_encoded)  # warmup encodes too
                 got[tp] = vision_greedy(llm, cases, MAX_TOKENS)
+                encoded = [a - b for a, b in zip(llm.collective_rpc(_images_encoded), before)]
+                assert sum(encoded) == 1, encoded  # one image, one rank
         torch.set_num_threads(threads)  # see tp_llm
     assert got[2] == got[1]

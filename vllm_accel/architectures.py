@@ -26,8 +26,8 @@ class Architecture:
     fms_port: str | None = None
     # "module:Class" of the vision adapter (mm_mappings); None for text models.
     vision_adapter: str | None = None
-    # FMS's TensorParallelStrategy can shard it (heads and MLP split; FMS
-    # keeps embeddings, LM head and a vision tower whole on every rank).
+    # FMS's TensorParallelStrategy can shard it (the decoder's heads and MLP
+    # split; embeddings, LM head and the vision side whole on every rank).
     tensor_parallel: bool = False
     # Its HF config is remote code: the user must pass --trust-remote-code.
     remote_code: bool = False
@@ -49,12 +49,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         ("Qwen2_5_VLForConditionalGeneration",), "qwen2_5_vl",
         fms_port="vllm_accel.model.qwen2_5_vl:FMS_PORT",
-        vision_adapter=f"{_ADAPTERS}.qwen2_5_vl:Qwen2_5_VLVisionAdapter",
+        vision_adapter=f"{_ADAPTERS}.qwen2_5_vl:Qwen2_5_VLVisionAdapter", tensor_parallel=True,
     ),
     Architecture(
         ("MolmoForCausalLM",), "molmo",
         fms_port="vllm_accel.model.molmo:FMS_PORT",
-        vision_adapter=f"{_ADAPTERS}.molmo:MolmoVisionAdapter", remote_code=True,
+        vision_adapter=f"{_ADAPTERS}.molmo:MolmoVisionAdapter", tensor_parallel=True,
+        remote_code=True,
     ),
 )
 

@@ -72,6 +72,15 @@ them all. None edits a file on disk; each is idempotent.
    is wrapped so that host tensors take vLLM's own PyTorch path (as vLLM's CPU
    build does); device tensors keep the Triton kernel.
 
+10. vLLM 0.33, Molmo checkpoints whose config says ``"num_key_value_heads":
+   null`` (Molmo-7B-O: multi-head attention): vLLM's generic
+   ``ModelArchConfigConvertor`` returns that None as the KV head count and
+   ``ModelConfig`` fails validation before any platform hook runs (its own
+   Molmo model reads ``num_key_value_heads or num_attention_heads``). A
+   convertor for ``model_type`` "molmo" with that same fallback is added to
+   ``MODEL_ARCH_CONFIG_CONVERTORS`` when that module is imported (or now, if
+   it already is); a convertor vLLM registers itself for "molmo" is kept.
+
 Not a patch but process-wide all the same: ``model/paged_attention.py`` keeps
 the current step's attention layout in a module variable while a forward runs
 (``attention_context``): the attention op is opaque to the compiler and takes
@@ -79,7 +88,7 @@ only tensors, so the per-step layout cannot be one of its arguments.
 
 Patches 1 and 2 act only when torchvision is unavailable (by transformers' own
 test, so they agree with the image-processor backend transformers picks), 9
-only when Triton is; all three stay dormant until the module they concern is
+only when Triton is; these and 10 stay dormant until the module they concern is
 imported: applying them only appends one finder to ``sys.meta_path``
 (importing the modules eagerly would cost every vLLM process seconds).
 """
@@ -103,6 +112,7 @@ TORCHVISION_TO_PIL_MODULES = {
 }
 VIDEO_AUTO_MODULE = "transformers.models.auto.video_processing_auto"
 TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"  # patch 9
+ARCH_CONVERTOR_MODULE = "vllm.transformers_utils.model_arch_config_convertor"  # patch 10
 # (config module, config class) whose video processor is Qwen2VLVideoProcessor.
 _QWEN_VIDEO_CONFIGS = (
     ("transformers.models.qwen2_vl.configuration_qwen2_vl", "Qwen2VLConfig"),
@@ -135,6 +145,8 @@ def apply_patches() -> None:
         _register_video_stubs()
     if TOPK_TOPP_MODULE in sys.modules:
         _host_top_k_top_p()
+    if ARCH_CONVERTOR_MODULE in sys.modules:
+        _molmo_kv_heads_fallback()
 
 
 def _make_accelerator_cache_calls_noops() -> None:
@@ -158,7 +170,8 @@ class _ShimFinder(importlib.abc.MetaPathFinder):
                 return None
             pil_module = TORCHVISION_TO_PIL_MODULES[fullname]
             return importlib.util.spec_from_loader(fullname, _AliasLoader(pil_module))
-        hooks = {VIDEO_AUTO_MODULE: _register_video_stubs, TOPK_TOPP_MODULE: _host_top_k_top_p}
+        hooks = {VIDEO_AUTO_MODULE: _register_video_stubs, TOPK_TOPP_MODULE: _host_top_k_top_p,
+                 ARCH_CONVERTOR_MODULE: _molmo_kv_heads_fallback}
         if fullname in hooks:
             if fullname == VIDEO_AUTO_MODULE and torchvision_available():
                 return None
@@ -234,6 +247,20 @@ def _host_top_k_top_p() -> None:
 
     apply_top_k_top_p._vllm_accel_host_path = True
     module.apply_top_k_top_p = apply_top_k_top_p
+
+
+def _molmo_kv_heads_fallback() -> None:
+    """Patch 10 (idempotent)."""
+    module = sys.modules[ARCH_CONVERTOR_MODULE]
+    if "molmo" in module.MODEL_ARCH_CONFIG_CONVERTORS:
+        return
+
+    class MolmoModelArchConfigConvertor(module.ModelArchConfigConvertorBase):
+        def get_total_num_kv_heads(self) -> int:
+            config = self.hf_text_config
+            return config.num_key_value_heads or config.num_attention_heads
+
+    module.MODEL_ARCH_CONFIG_CONVERTORS["molmo"] = MolmoModelArchConfigConvertor
 
 
 def _register_video_stubs() -> None:

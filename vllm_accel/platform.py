@@ -201,6 +201,8 @@ class AccelPlatform(Platform):
                 f"tensor_parallel_size must be 1 for it "
                 f"(tensor parallelism supports {', '.join(tensor_parallel_names())})."
             )
+        if parallel.tensor_parallel_size > 1:
+            _check_head_split(model_config, parallel.tensor_parallel_size)
         from vllm_accel.multimodal.mm_mappings import vision_adapter_class
 
         adapter_class = vision_adapter_class(model_config.hf_config)
@@ -267,6 +269,28 @@ def _check_parallelism(parallel) -> None:
                 "it must be 1. To split a model across workers use "
                 "--tensor-parallel-size."
             )
+
+
+def _check_head_split(model_config, tp_size: int) -> None:
+    """FMS splits attention heads evenly over the ranks and KV heads evenly,
+    or replicates them when there are fewer KV heads than ranks (each rank
+    then needs exactly one): fail now, naming the sizes that work, rather
+    than in an assertion inside every worker. (vLLM itself already refuses a
+    size that does not divide the attention heads.)"""
+    heads = model_config.model_arch_config.total_num_attention_heads
+    kv_heads = model_config.get_total_num_kv_heads()
+
+    def splits(size: int) -> bool:
+        kv_ok = kv_heads % size == 0 if kv_heads >= size else size % kv_heads == 0
+        return heads % size == 0 and kv_ok
+
+    if not splits(tp_size):
+        working = [size for size in range(1, heads + 1) if splits(size)]
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} (--tensor-parallel-size) cannot split "
+            f"{model_config.architectures[0]}'s {heads} attention heads and {kv_heads} "
+            f"KV heads evenly: use one of {working}."
+        )
 
 
 def _disable_modalities(model_config, modalities: tuple[str, ...]) -> None:

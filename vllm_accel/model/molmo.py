@@ -30,6 +30,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fms.distributed.strategy import DistributedStrategy, NoOpStrategy
 from fms.utils.config import ModelConfig
 
 from vllm_accel.model.ports import FmsPort
@@ -278,9 +279,10 @@ class Molmo(Qwen2VisionLanguageModel):
     ``vision`` turns an image's crops into its ``<im_patch>`` embeddings
     (then ``image_embed_order``), which the caller writes at those positions."""
 
-    def __init__(self, config: MolmoConfig | None = None, **kwargs):
+    def __init__(self, config: MolmoConfig | None = None,
+                 distributed_strategy: DistributedStrategy = NoOpStrategy, **kwargs):
         kwargs.pop("trust_remote_code", None)  # FMS passes get_model's kwargs on
-        super().__init__((config or MolmoConfig()).updated(**kwargs))
+        super().__init__((config or MolmoConfig()).updated(**kwargs), distributed_strategy)
         self.vision = MolmoVisionBackbone(self.config.vision_config)
 
 

@@ -32,6 +32,14 @@ weight permutation; it also cannot take multi-axis positions). With
 axis: the first mrope_section[0] frequencies from t, the next
 mrope_section[1] from h, the rest from w. Without it, positions are [B, T].
 
+Tensor parallelism goes through FMS's own strategy, as in FMS's LLaMA: each
+block passes through ``distributed_strategy.distribute_layer``, which swaps
+attention and MLP for FMS's TP modules (heads and MLP rows split across ranks,
+outputs all-reduced; KV heads split, or replicated when fewer than ranks).
+``Qwen2Attention.to_tp`` keeps Qwen2's q/k/v bias and the whole-width q/k norm
+(the norm's mean of squares all-reduced over the ranks' slices). Embedding,
+final norm and LM head stay whole on every rank, as FMS's LLaMA keeps them.
+
 It is the decoder of our Qwen2.5-VL and Molmo ports, which register with FMS
 (``FMS_PORT`` in their modules); plain Qwen2 checkpoints are not served.
 """
@@ -44,8 +52,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fms.modules.attention import FusedQKV, MultiHeadAttention, UnfusedQKV
-from fms.modules.feedforward import GatedLinearUnit
+from fms.distributed.strategy import DistributedStrategy, NoOpStrategy
+from fms.distributed.tensorparallel import reduce_from_tensor_model_parallel_region
+from fms.modules.attention import (
+    FusedQKV,
+    MultiHeadAttention,
+    TPMultiHeadAttention,
+    UnfusedQKV,
+)
+from fms.modules.feedforward import GatedLinearUnit, TPGatedLinearUnit
 from fms.modules.head import LinearClassificationHead
 from fms.modules.layernorm import LayerNormParameterized
 from fms.modules.positions import PositionEncoder
@@ -137,13 +152,38 @@ class Qwen2Rotary(PositionEncoder):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a width split across tensor-parallel ranks: each rank holds
+    its slice of the input and of the weight; the sum of squares is
+    all-reduced. Same float32 math as ``rms_norm``. Slices replicated on
+    several ranks (KV heads fewer than ranks) are counted once per holder on
+    both sides of the mean: it divides by local width x ranks."""
+
+    def __init__(self, local_dim: int, eps: float, group):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(local_dim))
+        self.eps = eps
+        self.group = group
+        self.total_dim = local_dim * group.size()
+
+    def forward(self, x):
+        xf = x.float()
+        sum_sq = reduce_from_tensor_model_parallel_region(
+            xf.pow(2).sum(-1, keepdim=True), self.group)
+        xf = xf * torch.rsqrt(sum_sq / self.total_dim + self.eps)
+        return self.weight * xf.type_as(x)
+
+
 class _WholeWidthQKNorm:
     """Mixin for FMS's QKV projections: RMSNorm over the full query width and
     the full key width (not per head, unlike FMS's apply_norm_per_head)."""
 
-    def _add_qk_norm(self, eps: float) -> None:
-        self.q_norm = rms_norm(self.nheads * self.emb_kq_per_head, eps)
-        self.k_norm = rms_norm(self.kvheads * self.emb_kq_per_head, eps)
+    def _add_qk_norm(self, eps: float, group=None) -> None:
+        widths = (self.nheads * self.emb_kq_per_head, self.kvheads * self.emb_kq_per_head)
+        if group is None:
+            self.q_norm, self.k_norm = (rms_norm(w, eps) for w in widths)
+        else:
+            self.q_norm, self.k_norm = (ShardedRMSNorm(w, eps, group) for w in widths)
 
     def forward(self, q, k, v):
         queries, keys, values = super().forward(q, k, v)
@@ -158,14 +198,83 @@ class QKNormUnfusedQKV(_WholeWidthQKNorm, UnfusedQKV):
     pass
 
 
-def qkv_projection(c: Qwen2Config, kvheads: int) -> nn.Module:
+def qkv_projection(c: Qwen2Config, nheads: int, kvheads: int, group=None) -> nn.Module:
+    """Qwen2's q/k/v projection for ``nheads``/``kvheads`` heads (this rank's,
+    under tensor parallelism: ``group``)."""
+    fused = c.fused_weights
     if c.qk_norm:
-        proj = (QKNormFusedQKV if c.fused_weights else QKNormUnfusedQKV)(
-            c.emb_dim, c.nheads, kvheads, c.head_dim, c.head_dim, use_bias=c.attn_bias)
-        proj._add_qk_norm(c.norm_eps)
+        proj = (QKNormFusedQKV if fused else QKNormUnfusedQKV)(
+            c.emb_dim, nheads, kvheads, c.head_dim, c.head_dim, use_bias=c.attn_bias)
+        proj._add_qk_norm(c.norm_eps, group)
         return proj
-    return (FusedQKV if c.fused_weights else UnfusedQKV)(
-        c.emb_dim, c.nheads, kvheads, c.head_dim, c.head_dim, use_bias=c.attn_bias)
+    return (FusedQKV if fused else UnfusedQKV)(
+        c.emb_dim, nheads, kvheads, c.head_dim, c.head_dim, use_bias=c.attn_bias)
+
+
+class Qwen2Attention(MultiHeadAttention):
+    """FMS's attention with Qwen2's q/k/v projection. MultiHeadAttention's
+    use_bias covers q/k/v *and* the output projection; Qwen2 has bias on q/k/v
+    only. Built bias-free, then the q/k/v projection is swapped for one with
+    bias: every parameter is then one checkpoint tensor, nothing is invented."""
+
+    def __init__(self, config: Qwen2Config, rotary: "Qwen2Rotary"):
+        c = config
+        super().__init__(c.emb_dim, c.head_dim, c.head_dim, c.nheads, c.kvheads or c.nheads,
+                         use_bias=False, position_encoder=rotary, fused=c.fused_weights)
+        self.config = c
+        self.in_proj = qkv_projection(c, self.nheads, self.kvheads)
+
+    def to_tp(self, group) -> "TPQwen2Attention":
+        """FMS's TensorParallelStrategy calls this (fms.utils.tp_wrapping)."""
+        return TPQwen2Attention(self, group)
+
+
+class TPQwen2Attention(TPMultiHeadAttention):
+    """This rank's heads of a Qwen2Attention: FMS's TP attention (q/k/v rows
+    and bias sharded by head, output projection by column, all-reduced) with
+    Qwen2's projection; the q/k norm weights sharded like their heads."""
+
+    def __init__(self, attn: Qwen2Attention, group):
+        super().__init__(
+            emb_dim=attn.emb_dim, emb_kq=attn.emb_kq_per_head, emb_v=attn.emb_v_per_head,
+            nheads=attn.nheads, kvheads=attn.kvheads, use_bias=False,
+            position_encoder=attn.position_encoder, fused=attn.fused, group=group,
+        )
+        self.config = attn.config
+        self.in_proj = qkv_projection(attn.config, self.nheads, self.kvheads, group)
+
+    def load_weights(self, tensor_values: dict[str, torch.Tensor]):
+        if self.config.qk_norm:
+            used: set[str] = set()
+            for name, heads in (("q_norm", self.pre_tp_nheads), ("k_norm", self.pre_tp_kvheads)):
+                value = self._get_sd_weight(tensor_values, used, [name, "weight"])
+                self.sharded_copy(getattr(self.in_proj, name).weight, value, 0, [heads])
+            tensor_values = {k: v for k, v in tensor_values.items() if k not in used}
+        return super().load_weights(tensor_values)
+
+
+class Qwen2MLP(GatedLinearUnit):
+    """FMS's gated MLP with an exact inner width (``hidden_dim``)."""
+
+    def __init__(self, config: Qwen2Config):
+        c = config
+        # int() in GatedLinearUnit truncates emb_dim * factor: +0.5 makes the
+        # float round-trip land on hidden_dim exactly.
+        super().__init__(c.emb_dim, hidden_grow_factor=(c.hidden_dim + 0.5) / c.emb_dim,
+                         activation_fn=str_to_activation(c.activation_fn), p_dropout=0.0,
+                         use_bias=False, fused=c.fused_weights)
+        assert self.hidden_dim == c.hidden_dim
+
+    def to_tp(self, group) -> TPGatedLinearUnit:
+        """FMS's own import_module passes hidden_dim / width, which int()
+        can truncate by one; the +0.5 keeps each rank's share exact."""
+        tp = TPGatedLinearUnit(
+            self.width, hidden_grow_factor=(self.hidden_dim + 0.5) / self.width,
+            activation_fn=self.a, p_dropout=self.p_dropout, use_bias=self.use_bias,
+            group=group, fused=self.fused, linear_config=self.linear_config,
+        )
+        assert tp.hidden_dim * tp.world_size == self.hidden_dim
+        return tp
 
 
 class Qwen2Block(nn.Module):
@@ -174,28 +283,11 @@ class Qwen2Block(nn.Module):
 
     def __init__(self, config: Qwen2Config, rotary: Qwen2Rotary):
         super().__init__()
-        c = config
-        kvheads = c.kvheads or c.nheads
-        self.ln = rms_norm(c.emb_dim, c.norm_eps)
-        self.ff_ln = rms_norm(c.emb_dim, c.norm_eps)
-        # MultiHeadAttention's use_bias covers q/k/v *and* the output
-        # projection; Qwen2 has bias on q/k/v only. Build it bias-free, then
-        # swap in a q/k/v projection with bias: every parameter is then one
-        # checkpoint tensor, nothing is invented.
-        self.attn = MultiHeadAttention(
-            c.emb_dim, c.head_dim, c.head_dim, c.nheads, kvheads,
-            use_bias=False, position_encoder=rotary, fused=c.fused_weights,
-        )
-        self.attn.in_proj = qkv_projection(c, kvheads)
-        self.norm_after = c.norm_after
-        # int() in GatedLinearUnit truncates emb_dim * factor: +0.5 makes the
-        # float round-trip land on hidden_dim exactly.
-        self.ff_sub_layer = GatedLinearUnit(
-            c.emb_dim, hidden_grow_factor=(c.hidden_dim + 0.5) / c.emb_dim,
-            activation_fn=str_to_activation(c.activation_fn), p_dropout=0.0,
-            use_bias=False, fused=c.fused_weights,
-        )
-        assert self.ff_sub_layer.hidden_dim == c.hidden_dim
+        self.ln = rms_norm(config.emb_dim, config.norm_eps)
+        self.ff_ln = rms_norm(config.emb_dim, config.norm_eps)
+        self.attn = Qwen2Attention(config, rotary)
+        self.norm_after = config.norm_after
+        self.ff_sub_layer = Qwen2MLP(config)
 
     def forward(self, x, position_ids=None, past_key_value_state=None, use_cache=False,
                 **attn_kwargs):
@@ -217,12 +309,15 @@ class Qwen2Block(nn.Module):
 
 
 class Qwen2Headless(nn.Module):
-    def __init__(self, config: Qwen2Config):
+    def __init__(self, config: Qwen2Config,
+                 distributed_strategy: DistributedStrategy = NoOpStrategy):
         super().__init__()
         self.config = config
         self.embedding = nn.Embedding(config.src_vocab_size, config.emb_dim)
         self.rotary = Qwen2Rotary(config.head_dim, config.rope_theta, config.mrope_section)
-        self.layers = nn.ModuleList(Qwen2Block(config, self.rotary) for _ in range(config.nlayers))
+        self.layers = nn.ModuleList(
+            distributed_strategy.distribute_layer(Qwen2Block(config, self.rotary), i)
+            for i in range(config.nlayers))
         self.dec_norm = rms_norm(config.emb_dim, config.norm_eps)
 
     def forward(self, x, position_ids=None, past_key_value_states=None, use_cache=False,
@@ -246,10 +341,11 @@ class Qwen2Headless(nn.Module):
 
 
 class Qwen2(nn.Module):
-    def __init__(self, config: Optional[Qwen2Config] = None, **kwargs):
+    def __init__(self, config: Optional[Qwen2Config] = None,
+                 distributed_strategy: DistributedStrategy = NoOpStrategy, **kwargs):
         super().__init__()
         self.config = (config or Qwen2Config()).updated(**kwargs)
-        self.base_model = Qwen2Headless(self.config)
+        self.base_model = Qwen2Headless(self.config, distributed_strategy)
         self.head = LinearClassificationHead(
             self.config.emb_dim, self.config.head_vocab_size or self.config.src_vocab_size,
             bias=False)
@@ -278,10 +374,12 @@ class Qwen2VisionLanguageModel(nn.Module):
     """Base of our composite FMS models whose text side is this decoder
     (``language_model``: what the generic wrapper drives, fed embeddings)."""
 
-    def __init__(self, config):
+    def __init__(self, config, distributed_strategy: DistributedStrategy = NoOpStrategy):
         super().__init__()
         self.config = config
-        self.language_model = Qwen2(config.text_config)
+        # Only the decoder is sharded; the vision side stays whole on every
+        # rank (the runner encodes each image on one rank and shares it).
+        self.language_model = Qwen2(config.text_config, distributed_strategy)
 
     def get_config(self):
         return self.config

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fms.distributed.strategy import DistributedStrategy, NoOpStrategy
 from fms.modules.feedforward import GatedLinearUnit
 from fms.utils.activation import str_to_activation
 from fms.utils.config import ModelConfig
@@ -281,10 +282,10 @@ class Qwen2_5_VL(Qwen2VisionLanguageModel):
     embeddings at the image-token positions."""
 
     def __init__(self, config: Optional[Qwen2_5_VLConfig] = None, vision_only: bool = False,
-                 **kwargs):
+                 distributed_strategy: DistributedStrategy = NoOpStrategy, **kwargs):
         if vision_only:
             raise NotImplementedError("Qwen2_5_VL has no vision-only mode")
-        super().__init__((config or Qwen2_5_VLConfig()).updated(**kwargs))
+        super().__init__((config or Qwen2_5_VLConfig()).updated(**kwargs), distributed_strategy)
         self.visual = Qwen2_5_VisionTransformer(self.config.vision_config)
 
 

@@ -167,10 +167,9 @@ def _config(decoder: str, tokenizer) -> dict:
         cfg.update(attention_layer_norm=False, norm_after=False, num_key_value_heads=KV_HEADS,
                    qkv_bias=True, rope_theta=1000000.0, vocab_size=EMBEDDING_SIZE)
     else:  # Molmo-7B-O-0924: OLMo-7B-1024 (q/k norm, norms after attn/MLP, MHA)
-        # MHA spelled out: with "num_key_value_heads": null vLLM 0.33's
-        # ModelConfig fails validation (it reads the None instead of falling
-        # back to num_attention_heads).
-        cfg.update(attention_layer_norm=True, norm_after=True, num_key_value_heads=HEADS,
+        # "num_key_value_heads": null as published (multi-head attention);
+        # vLLM 0.33 needs patches.py's patch 10 to read it.
+        cfg.update(attention_layer_norm=True, norm_after=True, num_key_value_heads=None,
                    qkv_bias=False, rope_theta=500000.0,
                    vocab_size=eos + 1)  # text tokens only (< embedding_size), as in 7B-O
     return cfg

@@ -9,8 +9,9 @@ one sequence, run it through the FMS model as one or more forwards padded to
 token buckets (``step_layout``) and sample with vLLM's ``Sampler``.
 
 A vision-language model always runs on embeddings: images scheduled this step
-are encoded (once each, cached by their identifier until vLLM frees them) and
-their rows merged at the placeholder positions the step covers.
+are encoded (once each, on one rank under tensor parallelism, cached by their
+identifier until vLLM frees them) and their rows merged at the placeholder
+positions the step covers.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class AccelModelRunner:
         self.vision: VisionAdapter | None = None
         self.vision_encoder: VisionEncoder | None = None
         self.encoder_cache: dict[str, torch.Tensor] = {}  # image identifier -> embeddings
+        self.images_scheduled = 0  # new images so far: whose turn to encode (TP)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         compile_sampler_logprob_ranks(self.model_config.get_vocab_size())  # before counting ours
         self.compile_stats = CompileStats()
@@ -350,15 +352,38 @@ class AccelModelRunner:
         each once: vLLM schedules an image again only after freeing it."""
         for image_id in scheduler_output.free_encoder_mm_hashes:
             self.encoder_cache.pop(image_id, None)
-        ids, items = [], []
+        features = {}  # identifier -> feature, each new image once, in schedule order
         for req_id, indices in scheduler_output.scheduled_encoder_inputs.items():
             for index in indices:
                 feature = self.requests[req_id].mm_features[index]
-                if feature.identifier not in self.encoder_cache and feature.identifier not in ids:
-                    ids.append(feature.identifier)
-                    items.append(item_tensors(feature.data))
-        if items:
-            self.encoder_cache.update(zip(ids, self.vision_encoder.encode(items)))
+                if feature.identifier not in self.encoder_cache:
+                    features.setdefault(feature.identifier, feature)
+        if not features:
+            return
+        if self.tp_size == 1:
+            items = [item_tensors(f.data) for f in features.values()]
+            self.encoder_cache.update(zip(features, self.vision_encoder.encode(items)))
+            return
+        # Tensor parallel: every rank holds the whole vision side; each image
+        # is encoded on one rank (the ranks take turns, image by image, so a
+        # step's images encode in parallel) and broadcast to the others, which
+        # know its size from its placeholder. Every rank sees the same
+        # schedules, so all agree on whose turn it is.
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        rank, size = group.rank_in_group, group.world_size
+        owners = [(self.images_scheduled + i) % size for i in range(len(features))]
+        self.images_scheduled += len(features)
+        mine = iter(self.vision_encoder.encode(
+            [item_tensors(f.data) for f, owner in zip(features.values(), owners) if owner == rank]))
+        for feature, owner in zip(features.values(), owners):
+            if owner == rank:
+                embeds = next(mine).to(self.device, self.dtype).contiguous()
+            else:
+                embeds = torch.empty((feature.mm_position.get_num_embeds(), self.model.hidden_size),
+                                     dtype=self.dtype, device=self.device)
+            self.encoder_cache[feature.identifier] = group.broadcast(embeds, src=owner)
 
     def _merged_embeddings(self, step: StepLayout, input_ids: torch.Tensor) -> torch.Tensor:
         """Text embeddings with image rows at the placeholder positions this
