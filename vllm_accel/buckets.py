@@ -32,12 +32,15 @@ logger = get_logger(__name__)
 _STRATEGIES = {"exp": ("min", "max", "limit"), "lin": ("min", "step", "max")}
 DEFAULT_LIMIT = 8
 
-# Default token buckets, each a graph to compile at start-up. Small steps are
-# mostly decodes, one row per running request: they double from 8 to 64 so
-# that a decode batch pads at most 2x; a lone decode keeps its own bucket
-# (padded to 8 rows it took twice as long). Bigger steps run as forwards of
-# 512 and smaller ones (plan_forwards). Measurements: benchmarks/README.md.
-DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 512)
+# Default token buckets, each a graph to compile at start-up (~3-6 s cold on
+# 2 cores). Small steps are mostly decodes, one row per running request: they
+# double from 8 to 64 so that a decode batch pads at most 2x, with 48 between
+# 32 and 64 (48 running requests padded to 64 computed a third more rows than
+# needed: the ~128M Llama at 48 concurrent ran 1.32x faster with it; 24 would
+# cost one more graph); a lone decode keeps its own bucket (padded to 8 rows it
+# took twice as long). Bigger steps run as forwards of 512 and smaller ones
+# (plan_forwards). Measurements: benchmarks/README.md.
+DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 48, 64, 512)
 # What one more forward costs, in padded tokens (its fixed per-call work:
 # Python, one pass over the weights, attention set-up), for cutting a step into
 # forwards: a rough estimate from profiles, not tuned.
