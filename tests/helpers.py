@@ -117,3 +117,22 @@ def vision_greedy(llm, cases, max_tokens: int) -> list[list[int]]:
     outs = llm.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens),
                         use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def kill_a_worker_and_wait_for_exit(proc, log, num_workers: int) -> str:
+    """Kill one tensor-parallel worker of a `vllm serve` process; the server
+    must exit within 60 s. Returns its log text."""
+    import subprocess
+
+    import psutil
+    import pytest
+
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if "Worker_TP" in " ".join(p.cmdline()) or "Worker_TP" in p.name()]
+    assert len(workers) == num_workers, [p.cmdline() for p in workers]
+    workers[1].kill()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"server still up 60 s after a worker died:\n{log.read_text()[-3000:]}")
+    return log.read_text()

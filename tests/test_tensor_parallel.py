@@ -135,10 +135,9 @@ def test_serve_tp2_answers_then_exits_when_a_worker_dies(tiny_models, tmp_path):
     server exit with an error naming the dead worker."""
     import subprocess
 
-    import psutil
     import requests
 
-    from helpers import wait_until_serving
+    from helpers import kill_a_worker_and_wait_for_exit, wait_until_serving
     from test_serve import VLLM, free_port, server_env
 
     model = str(tiny_models["llama"])
@@ -159,18 +158,9 @@ def test_serve_tp2_answers_then_exits_when_a_worker_dies(tiny_models, tmp_path):
         assert reply["choices"][0]["token_ids"] == hf_greedy(tiny_models["llama"], [prompt],
                                                              MAX_TOKENS)[0]
 
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "Worker_TP" in " ".join(p.cmdline()) or "Worker_TP" in p.name()]
-        assert len(workers) == 2, [p.cmdline() for p in
-                                   psutil.Process(proc.pid).children(recursive=True)]
-        workers[1].kill()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"server still up 60 s after a worker died:\n{log.read_text()[-3000:]}")
         # vLLM's API server shuts down gracefully (exit code 0, vLLM's choice)
         # once its engine reports the failure; the log says why.
-        text = log.read_text()
+        text = kill_a_worker_and_wait_for_exit(proc, log, 2)
         assert re.search(r"Worker proc VllmWorker-\d died unexpectedly", text), text[-3000:]
         assert "Executor failed" in text
     finally:

@@ -241,9 +241,8 @@ def test_serve_tp2_image_chat_then_exits_when_a_worker_dies(checkpoints, name, t
     import subprocess
 
     import openai
-    import psutil
 
-    from helpers import wait_until_serving
+    from helpers import kill_a_worker_and_wait_for_exit, wait_until_serving
     from test_serve import VLLM, free_port, server_env
     from test_serve_vision import FAST, GOOD_URL, QUESTION, ask, image_part, text, user
 
@@ -267,15 +266,7 @@ def test_serve_tp2_image_chat_then_exits_when_a_worker_dies(checkpoints, name, t
         assert reply.prompt_token_ids == want_prompt
         assert reply.choices[0].token_ids == want_tokens
 
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "Worker_TP" in " ".join(p.cmdline()) or "Worker_TP" in p.name()]
-        assert len(workers) == TP
-        workers[1].kill()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"server still up 60 s after a worker died:\n{log.read_text()[-3000:]}")
-        log_text = log.read_text()
+        log_text = kill_a_worker_and_wait_for_exit(proc, log, TP)
         assert re.search(r"Worker proc VllmWorker-\d died unexpectedly", log_text), log_text[-3000:]
     finally:
         if proc.poll() is None:
