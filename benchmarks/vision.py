@@ -191,9 +191,9 @@ def main():
                    help="accel's inductor cache, kept between runs")
     p.add_argument("--cold", action="store_true", help="empty accel's compile cache first")
     p.add_argument("--accel-token-buckets", default="",
-                   help="VLLM_ACCEL_TOKEN_BUCKETS for accel backends, e.g. 'exp:limit=14' "
-                        "(default: the plugin's own, 1,4,16,...,8192: a 370-token prompt "
-                        "runs padded to 1024)")
+                   help="VLLM_ACCEL_TOKEN_BUCKETS for accel backends, e.g. "
+                        "'1,8,16,32,48,64,256,512' (default: the plugin's own, "
+                        "buckets.DEFAULT_TOKEN_BUCKETS)")
     p.add_argument("--check-hf", type=int, default=8,
                    help="compare the first N throughput outputs with HF transformers (0: off)")
     p.add_argument("--timeout", type=int, default=1800, help="per worker run, seconds")

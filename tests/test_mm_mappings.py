@@ -15,7 +15,7 @@ import torch
 
 from vllm_accel.architectures import Architecture, by_model_type, load_object
 from vllm_accel.multimodal.mm_mappings import vision_adapter_class
-from vllm_accel.multimodal.encoder import VisionEncoder, merge_embeddings
+from vllm_accel.multimodal.encoder import VisionEncoder, pack_first_fit, merge_embeddings
 from vllm_accel.multimodal.inputs import item_tensors, warmup_image
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.testing.fixtures import make_tiny_model
@@ -234,29 +234,44 @@ def test_padding_tiles_changes_nothing(utils, ckpt):
 
 
 def test_compiled_encode(ckpt, hf_config, utils):
-    """Inductor with coarse buckets [3, 5]: 2 and 3 tiles run in bucket 3, 4
-    and 5 tiles in bucket 5 (padded). One graph per bucket, none after."""
+    """Inductor with coarse buckets [3, 5]: images are packed (first fit) into
+    calls of at most 5 tiles, each padded to the smallest bucket that fits.
+    One graph per bucket, none after; packed images encode as they do alone."""
     from torch._dynamo.utils import counters
 
     compiled_utils = vision_adapter_class(hf_config)(_model_config(hf_config, ckpt),
                                                      _fms_model(ckpt))
     compiled = VisionEncoder(compiled_utils, "inductor", "3,5")
-    assert compiled.buckets == [3, 5]
+    assert compiled.buckets == [3, 5] and compiled.batch_rows == 5
     sizes = [(80, 50), (64, 64), (60, 150), (128, 128)]  # 3, 2, 4, 5 tiles
     items = compiled_utils.warmup_items(sizes)
     assert [it["pixel_values"].shape[0] for it in items] == [3, 2, 4, 5]
 
     graphs = counters["stats"]["unique_graphs"]
-    out = compiled.encode(items[:2])  # bucket 3
-    assert counters["stats"]["unique_graphs"] - graphs == 1
-    out += compiled.encode(items[2:])  # bucket 5
+    out = compiled.encode(items[:2])  # 3 + 2 tiles: one call, bucket 5
+    assert compiled.calls == 1 and counters["stats"]["unique_graphs"] - graphs == 1
+    out += compiled.encode(items[2:])  # 4 + 5 tiles: two calls, bucket 5
+    assert compiled.calls == 3 and counters["stats"]["unique_graphs"] - graphs == 1
+    compiled.encode(items[1:2])  # 2 tiles: bucket 3
     assert counters["stats"]["unique_graphs"] - graphs == 2
     again = compiled.encode(items)
     assert counters["stats"]["unique_graphs"] - graphs == 2  # no recompiles
-    assert compiled.images_encoded == 2 * len(items)
+    assert compiled.images_encoded == 2 * len(items) + 1
+    assert compiled.calls == 3 + 1 + 3
 
-    eager = VisionEncoder(utils).encode(items)
-    for c, c2, e in zip(out, again, eager):
+    alone = [utils.encode_item(item) for item in items]  # eager, one image a call
+    for c, c2, e in zip(out, again, alone):
         assert c.shape == e.shape
         torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(c2, c, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows, budget, groups", [
+    ([3, 2, 4, 5], 5, [[0, 1], [2], [3]]),
+    ([3, 4, 2, 5, 1], 5, [[0, 2], [1, 4], [3]]),  # a later image fills an earlier call
+    ([1, 1, 1], 2, [[0, 1], [2]]),
+    ([7, 1], 5, [[0], [1]]),  # over the budget: alone
+    ([], 5, []),
+])
+def test_pack_first_fit(rows, budget, groups):
+    assert pack_first_fit(rows, budget) == groups

@@ -71,13 +71,19 @@ def reference_greedy(reference, text, images, max_tokens=MAX_TOKENS):
 
 # An image no other test sends (nothing cached for it).
 FRESH_CASE = (prompt("What colour dominates?"), [image(80, 80, seed=99)])
+# New images of 2, 3, 4 and 2 crops in one batch: at most MAX_CROPS + 1 = 7
+# (the largest bucket) crops a call, first fit: 2 + 3 + 2, then 4.
+PACKED_CASES = [(prompt("Describe it."), [image(w, h, seed=50 + i)])
+                for i, (w, h) in enumerate([(40, 40), (80, 40), (112, 40), (40, 40)])]
+PACKED_CALLS = 2
 
 
 @pytest.fixture(scope="module")
 def expected(reference, cases):
     """Per case, then for FRESH_CASE (last). All computed before any engine
     shuts down (which tears down the distributed state vLLM's model needs)."""
-    return [reference_greedy(reference, p, imgs) for p, imgs in cases + [FRESH_CASE]]
+    return [reference_greedy(reference, p, imgs)
+            for p, imgs in cases + [FRESH_CASE] + PACKED_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +172,15 @@ def test_mixed_batch_equals_singles_and_reference(llm, cases, expected):
         assert_matches(got, want)
 
 
+def test_images_of_a_step_share_encoder_calls(llm, expected):
+    encoder = model_runner(llm).vision_encoder
+    images, calls = encoder.images_encoded, encoder.calls
+    for got, want in zip(generate(llm, PACKED_CASES), expected[-len(PACKED_CASES):]):
+        assert_matches(got, want)
+    assert (encoder.images_encoded - images, encoder.calls - calls) == \
+        (len(PACKED_CASES), PACKED_CALLS)
+
+
 def test_image_token_counts_equal_vllm_processing(llm, cases, reference):
     _, processor, tokenizer = reference
     for (text, images), (prompt_ids, _, _) in zip(cases, generate(llm, cases, 1)):
@@ -193,13 +208,13 @@ def test_chunk_boundary_inside_an_image(ckpt, cases, expected):
         assert encoder.images_encoded - before == 1  # one image, once across chunks
 
 
-def test_encoder_once_per_image_never_in_decode(llm, expected):
+def test_encoder_once_per_image_never_in_decode(llm, cases, expected):
     encoder = model_runner(llm).vision_encoder
     before = encoder.images_encoded
     got = generate(llm, [FRESH_CASE, FRESH_CASE])
     assert encoder.images_encoded - before == 1
     for g in got:
-        assert_matches(g, expected[-1])
+        assert_matches(g, expected[len(cases)])
 
 
 def test_default_vision_buckets_are_crop_counts(llm):

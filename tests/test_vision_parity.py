@@ -46,6 +46,19 @@ def test_mixed_batch_equals_single_requests_and_hf(llm, cases, expected):
     assert batched == expected
 
 
+def test_images_of_a_step_share_encoder_calls(arch, llm, hf):
+    """New images of every case size in one batch: packed into fewer encoder
+    calls (arch.packed_batch), each output still HF's."""
+    processor, _ = hf
+    batch = [(chat_prompt(processor, 1, "Describe it."), [noise_image(*size, seed=7)])
+             for size in arch.sizes]
+    encoder = model_runner(llm).vision_encoder
+    images, calls = encoder.images_encoded, encoder.calls
+    assert vision_greedy(llm, batch, MAX_TOKENS) == \
+        [hf_vision_greedy(hf, *case, MAX_TOKENS) for case in batch]
+    assert (encoder.images_encoded - images, encoder.calls - calls) == arch.packed_batch
+
+
 def test_chunk_boundary_inside_an_image(arch, model_dir, hf):
     processor, _ = hf
     # Chunks of arch.chunk_tokens end inside the image (why: the table entry).

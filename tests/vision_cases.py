@@ -45,6 +45,8 @@ class VisionArch:
     compile_batched_tokens: int
     warmup_graphs: int
     vision_buckets: list[int] | None = None
+    # New images of all ``sizes`` in one batch: (images encoded, encoder calls).
+    packed_batch: tuple[int, int] = (0, 0)
     # A later question about repeat_image whose image vLLM reports cached
     # (prefix cache / encoder cache), asserted not encoded again, where given.
     cached_followup: str | None = None
@@ -58,6 +60,8 @@ LLAVA_NEXT = VisionArch(
     hf_class="LlavaNextForConditionalGeneration",
     sizes=((80, 50), (60, 150), (64, 64), (128, 128), (200, 70)),
     two_images=((80, 50), (60, 150)),
+    # 3, 4, 2, 5, 4 tiles, at most 5 (the largest bucket) a call: 3 + 2 share one.
+    packed_batch=(5, 4),
     # The 80x50 image takes 168 placeholder tokens from offset 8: 48-token
     # chunks end inside it three times.
     chunk_tokens=48,
@@ -76,6 +80,9 @@ QWEN2_5_VL = VisionArch(
     # Sizes that are and are not multiples of 28 and 112.
     sizes=((224, 224), (300, 200), (449, 97), (1000, 60)),
     two_images=((300, 200), (449, 97)),
+    # 256, 216, 192, 128 patches against a 256-patch budget (the tiny tower's
+    # attention outgrows its linear layers beyond 320 rows): a call each.
+    packed_batch=(4, 4),
     # 300x200 -> 11x7 merged tokens = 77 image tokens from offset 4: 32-token
     # chunks end inside the image twice.
     chunk_tokens=32,

@@ -14,12 +14,32 @@ from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.settings import env_var_name
 
 
-class VisionEncoder:
-    """Encodes images with an architecture's util.
+def pack_first_fit(rows: list[int], budget: int) -> list[list[int]]:
+    """Indices of images grouped so that a group's rows stay within ``budget``:
+    each image, in order, joins the first group it fits in, else starts one
+    (an image over the budget is alone in its group)."""
+    groups: list[list[int]] = []
+    totals: list[int] = []
+    for index, count in enumerate(rows):
+        fits = [g for g, total in enumerate(totals) if total + count <= budget]
+        if fits:
+            groups[fits[0]].append(index)
+            totals[fits[0]] += count
+        else:
+            groups.append([index])
+            totals.append(count)
+    return groups
 
-    Compiled, the util's ``vision_module`` sees its first input's leading axis
-    zero-padded to the smallest vision bucket that fits (one graph per bucket,
-    outputs sliced back to the real rows), through forward hooks on the module.
+
+class VisionEncoder:
+    """Encodes images with an architecture's util, several per call.
+
+    The images of a step are packed (first fit) into calls of at most
+    ``batch_rows`` rows (the adapter's ``vision_batch_rows``), like vLLM's
+    encoder token budgets: fewer, larger calls. Compiled, the util's
+    ``vision_module`` sees its first input's leading axis zero-padded to the
+    smallest vision bucket that fits (one graph per bucket, outputs sliced
+    back to the real rows), through forward hooks on the module.
     """
 
     def __init__(self, adapter: VisionAdapter, compile_backend: str | None = None,
@@ -31,7 +51,9 @@ class VisionEncoder:
         buckets = make_buckets(bucket_spec, derived[0], derived[-1]) if bucket_spec else derived
         multiple = adapter.vision_bucket_multiple
         self.buckets = sorted({-(-b // multiple) * multiple for b in buckets})
+        self.batch_rows = adapter.vision_batch_rows(self.buckets)
         self.images_encoded = 0
+        self.calls = 0  # vision module calls: images_encoded / calls per call
         self._real_rows: int | None = None
         if compile_backend is not None:
             compile_shared_forward(adapter.vision_compile_units(), compile_backend,
@@ -43,10 +65,13 @@ class VisionEncoder:
     @torch.inference_mode()
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Per image: its embeddings [num_embeds, hidden], in item order."""
-        outputs = []
-        for item in items:
-            outputs.append(self.adapter.encode_item(item))
-            self.images_encoded += 1
+        rows = [self.adapter.vision_rows(item) for item in items]
+        outputs: list[torch.Tensor | None] = [None] * len(items)
+        for group in pack_first_fit(rows, self.batch_rows):
+            for index, embeds in zip(group, self.adapter.encode_items([items[i] for i in group])):
+                outputs[index] = embeds
+            self.images_encoded += len(group)
+            self.calls += 1
         return outputs
 
     def _pad_to_bucket(self, module, args, kwargs):
@@ -56,7 +81,7 @@ class VisionEncoder:
         if len(padded) != count or any(t.shape[0] != rows for t in padded):
             raise ValueError(f"the vision module's first {count} inputs must share their "
                              f"leading axis, got {[tuple(t.shape) for t in padded]}")
-        bucket = fit_bucket(self.buckets, rows, "vision rows of one image",
+        bucket = fit_bucket(self.buckets, rows, "vision rows of one encoder call",
                             env_var_name("multimodal_buckets"))
         self._real_rows = rows
         if bucket > rows:

@@ -99,7 +99,8 @@ def warm_up(runner: AccelModelRunner) -> None:
         encoder_start = time.perf_counter()
         sizes = vision.warmup_image_sizes(runner.vision_encoder.buckets)
         with inductor_cache_dir(stats.cache_dir):
-            runner.vision_encoder.encode(vision.warmup_items(sizes))
+            for item in vision.warmup_items(sizes):  # one call each: not packed
+                runner.vision_encoder.encode([item])
         logger.info(
             "vllm_accel warmup: vision encoder, %d image sizes %s in %.1f s",
             len(sizes), sizes, time.perf_counter() - encoder_start,

@@ -6,12 +6,14 @@ with embeddings, plus the architecture's vision side:
 
 - ``embed_tokens(ids)``: raw text embeddings (before model multipliers, as HF
   builds ``inputs_embeds`` before merging);
-- ``encode_item(item)``: one image (its tensors from vLLM, see
-  ``multimodal.inputs.item_tensors``) -> its embeddings, one row per embedding
-  position of its vLLM ``PlaceholderRange`` (``get_num_embeds()``), in order;
+- ``encode_items(items)``: several images (their tensors from vLLM, see
+  ``multimodal.inputs.item_tensors``) in one call of the vision module -> per
+  image its embeddings, one row per embedding position of its vLLM
+  ``PlaceholderRange`` (``get_num_embeds()``), in order; ``vision_rows(item)``
+  says how many rows of the vision module's input one image takes;
 - ``vision_module`` / ``vision_compile_units`` / ``vision_buckets``: what the
   shared machinery in ``multimodal/encoder.py`` pads to static shapes and
-  compiles;
+  compiles; ``vision_batch_rows``: how many rows it may pack into one call;
 - ``warmup_image_sizes`` / ``warmup_items``: real images that hit every
   vision bucket;
 - ``rope_positions``, for models with 3-D rotary positions (M-RoPE): each
@@ -86,9 +88,18 @@ class VisionAdapter(ABC):
     # ---- vision side ----------------------------------------------------
 
     @abstractmethod
-    def encode_item(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One image's embeddings [num_embeds, hidden]. Calls ``vision_module``
+    def vision_rows(self, item: dict[str, torch.Tensor]) -> int:
+        """Rows of ``vision_module``'s padded leading axis this image takes."""
+
+    @abstractmethod
+    def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per image its embeddings [num_embeds, hidden], from one call of
+        ``vision_module`` on the images' rows concatenated in item order
         (through which the shared encoder pads and compiles)."""
+
+    def encode_item(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's embeddings [num_embeds, hidden]."""
+        return self.encode_items([item])[0]
 
     @property
     @abstractmethod
@@ -107,6 +118,12 @@ class VisionAdapter(ABC):
     @abstractmethod
     def vision_buckets(self) -> list[int]:
         """Sizes of that leading axis one image can need (sorted)."""
+
+    def vision_batch_rows(self, buckets: list[int]) -> int:
+        """Most rows one call may pack, several images together (the largest
+        of ``buckets`` by default: rows of different images never meet, so a
+        call's work grows with its rows and packing only saves calls)."""
+        return buckets[-1]
 
     @abstractmethod
     def warmup_image_sizes(self, buckets: list[int]) -> list[tuple[int, int]]:

@@ -7,7 +7,7 @@ hidden layers, projected to the text width. Packing drops the letterbox
 padding rows/columns and ends each feature row with ``image_newline``.
 All of that is FMS's own ``get_image_features`` / ``pack_image_features``;
 this class only feeds them one image at a time (per-image lengths) with the
-patches vLLM padded on removed.
+patches vLLM padded on removed, the tiles of several images in one call.
 
 Compiled: the SigLIP tower (``vision_module``) gets its input padded with
 zero tiles to the image's tile-count bucket; it treats tiles independently
@@ -66,15 +66,21 @@ class LlavaNextVisionAdapter(VisionAdapter):
             by_bucket.setdefault(self.num_patches(torch.tensor([h, w])), (w, h))
         return [by_bucket[b] for b in sorted(by_bucket)]
 
-    def encode_item(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
+    def vision_rows(self, item: dict[str, torch.Tensor]) -> int:
+        return self.num_patches(item["image_sizes"].reshape(2).cpu())
+
+    def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         # vLLM pads the pixel_values of images processed together to the most
-        # tiles among them; FMS wants a 4-D input already trimmed.
-        sizes = item["image_sizes"].reshape(1, 2).cpu()
-        count = self.num_patches(sizes[0])
-        pixel_values = item["pixel_values"]
-        if pixel_values.dim() != 4 or pixel_values.shape[0] < count:
-            raise ValueError(f"image of size {sizes[0].tolist()} needs {count} tiles, got "
-                             f"pixel_values of shape {tuple(pixel_values.shape)}")
+        # tiles among them; FMS wants a 4-D input of the real tiles only.
+        tiles = []
+        for item in items:
+            count, pixel_values = self.vision_rows(item), item["pixel_values"]
+            if pixel_values.dim() != 4 or pixel_values.shape[0] < count:
+                raise ValueError(f"image of size {item['image_sizes'].tolist()} needs {count} "
+                                 f"tiles, got pixel_values of shape {tuple(pixel_values.shape)}")
+            tiles.append(pixel_values[:count])
+        sizes = torch.stack([item["image_sizes"].reshape(2).cpu() for item in items])
         model = self.fms_model
-        features = model.get_image_features(pixel_values[:count].to(self.device), sizes)
-        return model.pack_image_features(features, sizes, image_newline=model.image_newline)
+        features = model.get_image_features(torch.cat(tiles).to(self.device), sizes)
+        return [model.pack_image_features([f], sizes[i:i + 1], image_newline=model.image_newline)
+                for i, f in enumerate(features)]

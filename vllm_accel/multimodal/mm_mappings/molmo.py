@@ -7,8 +7,8 @@ An image arrives from vLLM as its crops (vLLM's Molmo fields, flat per image:
 one per tile of the tiling vLLM selected. Its placeholder range holds
 ``<im_start>``, ``<im_patch>``, ``<im_col>`` and ``<im_end>`` tokens; only the
 ``<im_patch>`` positions are embeddings (``PlaceholderRange.is_embed``), and
-``encode_item`` returns exactly those rows, in prompt order
-(``image_input_idx``).
+``encode_items`` returns exactly those rows per image, in prompt order
+(``image_input_idx``); the crops of several images go through one call.
 
 Vision buckets count crops (2 .. max_crops + 1: at least one tile plus the
 global crop). The backbone treats crops independently, so the shared
@@ -58,18 +58,26 @@ class MolmoVisionAdapter(VisionAdapter):
     def vision_compile_units(self) -> list[nn.Module]:
         return list(self.fms_model.vision.image_vit.transformer.resblocks)
 
-    def encode_item(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
-        images, masks, idx = item["images"], item.get("image_masks"), item["image_input_idx"]
-        if masks is None:
-            raise ValueError("Molmo: image_masks are required (image_padding_mask=True)")
-        crops = int(item["num_crops"]) if "num_crops" in item else images.shape[0]
-        if not (images.shape[0] == masks.shape[0] == idx.shape[0] == crops):
-            raise ValueError(f"Molmo image with {crops} crops got images {tuple(images.shape)}, "
-                             f"image_masks {tuple(masks.shape)}, image_input_idx "
-                             f"{tuple(idx.shape)}")
-        features = self.vision_module(images.to(self.device), masks.to(self.device))
-        features = features.reshape(-1, features.shape[-1])
-        return features[image_embed_order(idx).to(features.device)]
+    def vision_rows(self, item: dict[str, torch.Tensor]) -> int:
+        return int(item["num_crops"]) if "num_crops" in item else item["images"].shape[0]
+
+    def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        for item in items:
+            images, masks, idx = item["images"], item.get("image_masks"), item["image_input_idx"]
+            if masks is None:
+                raise ValueError("Molmo: image_masks are required (image_padding_mask=True)")
+            crops = self.vision_rows(item)
+            if not (images.shape[0] == masks.shape[0] == idx.shape[0] == crops):
+                raise ValueError(f"Molmo image with {crops} crops got images "
+                                 f"{tuple(images.shape)}, image_masks {tuple(masks.shape)}, "
+                                 f"image_input_idx {tuple(idx.shape)}")
+        features = self.vision_module(torch.cat([it["images"] for it in items]).to(self.device),
+                                      torch.cat([it["image_masks"] for it in items]).to(self.device))
+        outputs = []
+        for item, crops in zip(items, features.split([self.vision_rows(it) for it in items])):
+            crops = crops.reshape(-1, crops.shape[-1])
+            outputs.append(crops[image_embed_order(item["image_input_idx"]).to(crops.device)])
+        return outputs
 
     # ---- buckets and warmup ----------------------------------------------
 

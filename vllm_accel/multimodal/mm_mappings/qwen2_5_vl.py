@@ -8,7 +8,8 @@ many ``<|image_pad|>`` tokens.
 
 Vision buckets count patches (vllm-gaudi's ``VLLM_MULTIMODAL_BUCKETS``
 meaning). The tower masks padding patches out of attention and the merger,
-so padding an image up to its bucket changes none of its tokens. Defaults:
+so padding an image up to its bucket changes none of its tokens; images
+packed into one call stay apart the same way. Defaults:
 powers of two from the processor's smallest image (min_pixels) to its largest
 (max_pixels). The text model takes 3-D (M-RoPE) positions.
 """
@@ -44,13 +45,30 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
     def vision_compile_units(self) -> list[nn.Module]:
         return list(self.fms_model.visual.layers)
 
-    def encode_item(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
-        grid = item["image_grid_thw"].reshape(1, 3)
-        patches = item["pixel_values"]
-        if patches.shape[0] != int(grid.prod()):
-            raise ValueError(f"image grid {grid[0].tolist()} needs {int(grid.prod())} patches, "
-                             f"got pixel_values of shape {tuple(patches.shape)}")
-        return self.vision_module(patches.to(self.device), grid)
+    def vision_rows(self, item: dict[str, torch.Tensor]) -> int:
+        return int(item["image_grid_thw"].prod())
+
+    def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        for item in items:
+            patches, grid = item["pixel_values"], item["image_grid_thw"].reshape(3)
+            if patches.shape[0] != self.vision_rows(item):
+                raise ValueError(f"image grid {grid.tolist()} needs {self.vision_rows(item)} "
+                                 f"patches, got pixel_values of shape {tuple(patches.shape)}")
+        grids = torch.stack([item["image_grid_thw"].reshape(3) for item in items])
+        patches = torch.cat([item["pixel_values"] for item in items]).to(self.device)
+        tokens = self.vision_module(patches, grids)  # every image's tokens, in item order
+        return list(tokens.split([self.vision_rows(it) // self.vision_bucket_multiple
+                                  for it in items]))
+
+    def vision_batch_rows(self, buckets: list[int]) -> int:
+        # The tower attends over the whole padded call (masks keep images
+        # apart), so attention work grows with the square of a call's rows.
+        # Pack only up to the rows where a block's attention costs as much as
+        # its linear layers: per row 4 * rows * width against
+        # 2 * (4 * width**2 + 3 * width * mlp) multiply-adds.
+        config = self.fms_model.visual.config
+        even = 2 * config.emb_dim + 1.5 * config.hidden_dim
+        return max([b for b in buckets if b <= even], default=buckets[0])
 
     def rope_positions(self, prompt_token_ids, items):
         config = self.hf_config
