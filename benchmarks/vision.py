@@ -225,7 +225,7 @@ def main():
         args.model = os.path.join(tmp.name, f"tiny-{args.arch}")
         make_model(args.arch, args.model, args.molmo_vision)
         if args.arch == "molmo" and args.molmo_vision == "full":
-            model_name += " (full-size vision backbone)"
+            model_name = "Molmo (full-size ViT)"
     args.model = os.path.abspath(args.model)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="vllm-accel-bench-vision-logs-")
     os.makedirs(log_dir, exist_ok=True)

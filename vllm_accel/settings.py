@@ -49,8 +49,9 @@ class AccelSettings:
     # Context-length buckets, in KV blocks, that decode attention pads to
     # ("" = half-octave steps up to max_model_len).
     context_buckets: str = ""
-    # Vision buckets: the rows one image gives the vision encoder (patches for
-    # Qwen2.5-VL, as vllm-gaudi's VLLM_MULTIMODAL_BUCKETS; tiles for LlavaNext).
+    # Vision buckets: the rows one vision encoder call takes (patches for
+    # Qwen2.5-VL, as vllm-gaudi's VLLM_MULTIMODAL_BUCKETS; tiles for LlavaNext;
+    # crops for Molmo); a step's images are packed into calls up to the largest.
     # "" derives them from the model and its processor.
     multimodal_buckets: str = ""
     # Where compiled graphs and the cpu decode kernel persist between starts
