@@ -27,6 +27,33 @@ NATIVE_BINDING_LINE = re.compile(r"VLLM_CPU_OMP_THREADS_BIND='([^']*)'.*?core id
 ACCEL_THREADS_LINE = re.compile(r"compile backend '\w+', (\d+) torch threads")
 
 
+# CPU features that decide matmul speed by dtype (torch picks its kernels by them).
+ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512 BF16",
+             "amx_bf16": "AMX BF16"}
+
+
+def machine():
+    """This machine as the figures depend on it: the CPU's name and the vector
+    extensions torch uses (two CPUs of one name can differ: an EPYC with or
+    without AVX-512 BF16 runs bfloat16 matmuls at ~350 or ~15 GFLOP/s), and the
+    cores the benchmarks use."""
+    name, flags = "unknown", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            name = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            break
+    isa = [label for flag, label in ISA_FLAGS.items() if flag in flags]
+    return dict(cpu=name, isa=", ".join(isa) or "none of " + ", ".join(ISA_FLAGS.values()),
+                cores=len(CORES))
+
+
+def machine_text(m):
+    return f"{m['cpu']} ({m['isa']}), {m['cores']} cores"
+
+
 def binding_intent(name, env):
     """What a backend was asked for: equal cores, vllm-cpu's default, or (ours) torch's threads."""
     if not name.startswith("native"):

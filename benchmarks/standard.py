@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ACCEL, BENCH, CORES, REPO
+from common import ACCEL, BENCH, CORES, REPO, machine_text
 
 THROUGHPUT_BACKENDS = "accel,native,native-default-binding,native-compile"
 VISION_BACKENDS = "accel,native,native-default-binding"
@@ -121,7 +121,7 @@ def throughput_panels(name, res):
         unit="output tok/s", dtype=res["dtype"], model_shape=shape,
         workload=f"{res['num_prompts']} x ({res['input_len']}/{res['output_len']})",
         concurrency=res["concurrency"], rounds=res["rounds"], min_seconds=res["min_seconds"],
-        ratios=res["ratios"], roofline=dict(res["roofline"], gflops={
+        machine=res.get("machine"), ratios=res["ratios"], roofline=dict(res["roofline"], gflops={
             n: round(b["gflops"], 1) for n, b in res["backends"].items() if "gflops" in b}),
         errors={n: b["error"] for n, b in res["backends"].items() if b.get("error")},
         entries=entries)]
@@ -133,7 +133,8 @@ def vision_panels(name, res):
                   dtype=res["dtype"], model=res["model_name"], arch=res["arch"],
                   concurrency=res["concurrency"],
                   rounds=res["rounds"], min_seconds=res["min_seconds"],
-                  headline_peer=res["headline_peer"], ratios=res["ratios"],
+                  machine=res.get("machine"), headline_peer=res["headline_peer"],
+                  ratios=res["ratios"],
                   outputs=res["outputs"],
                   errors={n: b["error"] for n, b in res["backends"].items() if b.get("error")})
     ran = {n: b for n, b in res["backends"].items() if "images_s" in b}
@@ -167,14 +168,17 @@ def merge(figures, panels, order):
     return dict(
         caption=f"vllm-accel vs vLLM's CPU backend (native: equal cores), {len(CORES)} cores, "
                 f"{span} (benchmarks/standard.py): medians, bars min-max",
-        machine=dict(cores=len(CORES), cpu=cpu_model()), panels=all_panels)
+        machines=machines_of(all_panels), panels=all_panels)
 
 
-def cpu_model():
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
+def machines_of(panels):
+    """The distinct machines the panels were measured on (figures from two CPUs of one
+    name are not comparable when their vector extensions differ)."""
+    seen = []
+    for p in panels:
+        if p.get("machine") and p["machine"] not in seen:
+            seen.append(p["machine"])
+    return seen
 
 
 def fmt(value, digits=0):
@@ -236,6 +240,9 @@ def summary(figures):
                     mmm(x["images_s"], 2), mmm(x["output_tok_s"], 1), mmm(x["ttft_ms"], 1),
                     f"{r:.2f} vs {peer}" if r else ""]))
         lines.append("")
+    for m in machines_of(figures["panels"]):
+        ran = sorted({p["entry"] for p in figures["panels"] if p.get("machine") == m})
+        lines.append(f"Measured on {machine_text(m)}: {', '.join(ran)}.")
     return "\n".join(lines)
 
 

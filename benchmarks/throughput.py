@@ -23,7 +23,8 @@ generated offline (medium_model.py), or --model DIR.
 Last lines: "throughput: accel=<tok/s> tok/s ... | ratios vs native: accel=<x> ... (binding) |
 ratios vs native-default-binding: ...", "binding: <backend>=<what its log says> ...",
 "engine start: accel cold=<s> s cached=<s> s ..." and "roofline: ..." (model FLOP/s against
-this machine's matmul peak in the run's dtype, measured in the same run). --json FILE writes the
+this machine's matmul peak in the run's dtype, measured in the same run on square matmuls and
+the model's own linear layers; the CPU and its vector extensions are printed and recorded). --json FILE writes the
 figures (medians, min-max, runs, ratios, bindings, shape, concurrency) for benchmarks/standard.py.
 """
 import argparse
@@ -39,7 +40,8 @@ import time
 from pathlib import Path
 
 from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
-                    alternate_rounds, binding_intent, describe_binding, parse_backends)
+                    alternate_rounds, binding_intent, describe_binding, machine, machine_text,
+                    parse_backends)
 from medium_model import SHAPES
 
 WORKER = BENCH / "_throughput_worker.py"
@@ -159,8 +161,12 @@ def main():
     os.makedirs(log_dir, exist_ok=True)
 
     peak_dtype = PEAK_DTYPES.get(args.dtype) or checkpoint_dtype(args.model)
-    peak = matmul_peak_gflops(peak_dtype)
-    log(f"{peak_dtype} matmul peak on this machine ({len(CORES)} cores): {peak:.1f} GFLOP/s")
+    here = machine()
+    shape = model_shape(args.model)
+    peak, peak_where = matmul_peak_gflops(peak_dtype, shape)
+    log(f"machine: {machine_text(here)}")
+    log(f"{peak_dtype} matmul peak on this machine ({len(CORES)} cores): {peak:.1f} GFLOP/s "
+        f"({peak_where})")
     results, errors = alternate_rounds(
         names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd),
         lambda res: f"{res['output_tok_s']:.1f} output tok/s (generate {res['elapsed_s']:.2f} s, "
@@ -170,7 +176,6 @@ def main():
     seqs = {r.get("max_num_seqs") for n in names for r in results[n]} - {None}
     max_seqs = args.max_num_seqs or (min(seqs) if seqs else None)
     concurrency = min(args.num_prompts, max_seqs) if max_seqs else args.num_prompts
-    shape = model_shape(args.model)
     print(f"\nmodel {args.model} ({shape_name}: hidden {shape['hidden']}, {shape['layers']} "
           f"layers, {shape['heads']}/{shape['kv_heads']} heads, intermediate "
           f"{shape['intermediate']}, {shape['params'] / 1e6:.1f}M non-embedding parameters): "
@@ -211,7 +216,8 @@ def main():
     print("roofline: " + ", ".join(
         f"{n}={median[n] * flops_per_token / 1e9:.1f} GFLOP/s "
         f"({100 * median[n] * flops_per_token / 1e9 / peak:.0f}%)" for n in median)
-        + f" of a measured {peak_dtype} matmul peak of {peak:.1f} GFLOP/s ({len(CORES)} cores)")
+        + f" of a measured {peak_dtype} matmul peak of {peak:.1f} GFLOP/s ({peak_where}; "
+        f"{machine_text(here)})")
     if args.plot:
         plot(args.plot, names, median, spread, args)
     if args.json:
@@ -220,7 +226,7 @@ def main():
             model=args.model, model_shape=dict(shape, name=shape_name), dtype=args.dtype,
             num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
             max_num_seqs=max_seqs, concurrency=concurrency, rounds=args.rounds,
-            min_seconds=args.min_seconds, cores=len(CORES), unit="output tok/s",
+            min_seconds=args.min_seconds, cores=len(CORES), machine=here, unit="output tok/s",
             backends={n: dict(
                 binding=binding[n], error=errors.get(n),
                 **(dict(median=median[n], min=spread[n][0], max=spread[n][1],
@@ -231,7 +237,7 @@ def main():
                         gflops=median[n] * flops_per_token / 1e9) if n in median else {}))
                 for n in names},
             ratios={peer: {n: round(x, 3) for n, x in r.items()} for peer, r in ratios.items()},
-            roofline=dict(peak_dtype=peak_dtype, peak_gflops=round(peak, 1),
+            roofline=dict(peak_dtype=peak_dtype, peak_gflops=round(peak, 1), peak_at=peak_where,
                           flops_per_token=flops_per_token)), indent=1) + "\n")
         log(f"wrote {args.json}")
     return 0 if median else 1
@@ -243,23 +249,37 @@ def checkpoint_dtype(model_dir) -> str:
     return PEAK_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), "float32")
 
 
-def matmul_peak_gflops(dtype="float32") -> float:
-    """Best matmul rate of torch on this machine (our venv) in `dtype`, over a few sizes
-    (bfloat16 goes through oneDNN, which uses AVX-512 BF16 where the CPU has it)."""
+def matmul_peak_gflops(dtype, shape) -> tuple[float, str]:
+    """Best matmul rate of torch on this machine (our venv) in `dtype`, and where: square
+    matmuls of a few sizes and the model's own linear layers (`shape`, model_shape()) at 64,
+    512 and 2048 rows. Both, because neither alone is the peak everywhere: on a CPU without
+    AVX-512 BF16, large square bfloat16 matmuls take a path ~20x slower than the linear
+    layers the engines run, and a peak below what the engines reach means nothing."""
+    hidden, inter = shape["hidden"], shape["intermediate"]
+    qkv = (shape["heads"] + 2 * shape["kv_heads"]) * shape["head_dim"]
     code = (
         "import time, torch\n"
         f"dt = torch.{dtype}\n"
-        "best = 0\n"
+        "def rate(fn, flops):\n"
+        "    fn(); t0 = time.perf_counter(); reps = 0\n"
+        "    while time.perf_counter() - t0 < 0.5:\n"
+        "        fn(); reps += 1\n"
+        "    return flops * reps / (time.perf_counter() - t0) / 1e9\n"
+        "best = []\n"
         "for n in (1024, 1536, 2048):\n"
         "    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)\n"
-        "    a @ b\n"
-        "    t0 = time.perf_counter(); reps = 0\n"
-        "    while time.perf_counter() - t0 < 1.0:\n"
-        "        a @ b; reps += 1\n"
-        "    best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9)\n"
-        "print(best)\n")
+        "    best.append((rate(lambda: a @ b, 2 * n**3), f'square {n}'))\n"
+        f"for k, n in (({hidden}, {qkv}), ({hidden}, {2 * inter}), ({inter}, {hidden})):\n"
+        "    w = torch.randn(n, k, dtype=dt)\n"
+        "    for m in (64, 512, 2048):\n"
+        "        x = torch.randn(m, k, dtype=dt)\n"
+        "        best.append((rate(lambda: torch.nn.functional.linear(x, w), 2 * m * k * n),\n"
+        "                     f'linear {m}x{k} by {k}x{n}'))\n"
+        "gflops, where = max(best)\n"
+        "print(gflops, where, sep='|')\n")
     out = subprocess.run([str(ACCEL[0]), "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.split()[-1])
+    gflops, where = out.stdout.strip().splitlines()[-1].split("|")
+    return float(gflops), where
 
 
 def model_shape(model_dir) -> dict:

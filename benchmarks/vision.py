@@ -51,7 +51,7 @@ from pathlib import Path
 
 import native_shims
 from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
-                    alternate_rounds, binding_intent, describe_binding, parse_backends)
+                    alternate_rounds, binding_intent, describe_binding, machine, parse_backends)
 
 WORKER = BENCH / "_vision_worker.py"
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"
@@ -331,7 +331,7 @@ def main():
                 args.num_prompts, args.max_num_seqs or args.num_prompts),
             max_num_seqs=args.max_num_seqs, sizes=args.sizes, ttft_size=args.ttft_size,
             output_len=args.output_len, rounds=args.rounds, min_seconds=args.min_seconds,
-            cores=len(CORES), headline_peer=head, outputs=checks,
+            cores=len(CORES), machine=machine(), headline_peer=head, outputs=checks,
             backends={n: dict(
                 binding=binding[n], error=errors.get(n),
                 **({k: dict(median=m, min=lo, max=hi) for k, (m, lo, hi) in stats[n].items()}
