@@ -60,6 +60,20 @@ def test_inductor_is_refused_on_hpu_naming_the_setting(fake_habana):
         select_backend(load_settings({"accel": {"compile_backend": "inductor"}}))
 
 
+def test_async_scheduling_stays_on_only_where_it_overlaps():
+    from vllm_accel.platform import keeps_async_scheduling
+
+    cpu, cuda = DeviceBackend("cpu", "inductor"), DeviceBackend("cuda", "inductor")
+    auto = load_settings()
+    assert keeps_async_scheduling(auto, cuda) and not keeps_async_scheduling(auto, cpu)
+    assert keeps_async_scheduling(load_settings({"accel": {"async_scheduling": "on"}}), cpu)
+    assert not keeps_async_scheduling(load_settings({"accel": {"async_scheduling": "off"}}),
+                                      cuda)
+    with pytest.raises(ValueError, match=r"--additional-config accel.async_scheduling: "
+                                         r"expected one of auto, on, off"):
+        load_settings({"accel": {"async_scheduling": "yes"}})
+
+
 def test_bucket_strategies():
     assert exponential_buckets(1, 128, limit=8) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert exponential_buckets(1, 2048, limit=8) == [1, 4, 16, 64, 256, 1024, 2048]

@@ -65,6 +65,8 @@ def test_text_parity_batch_chunked_and_prefix_hit(text_model, tmp_path):
         assert greedy(llm, PROMPTS) == expected  # a batch, prompts cut into 16-token chunks
         assert greedy(llm, PROMPTS[:1]) == expected[:1]  # a prefix-cache hit
         assert runner.decode_graphs is not None and runner.decode_graphs.replays > 0
+        # Async scheduling is on by default on cuda: decode inputs stay on the GPU.
+        assert runner.async_scheduling and runner.tokens_from_device > 0
         assert runner.compile_stats.runtime_compiles == 0
 
 
@@ -92,16 +94,26 @@ def test_mixed_traffic_compiles_nothing_after_warmup(tmp_path):
         assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
 
 
-def test_graphs_off_gives_the_same_tokens(tmp_path):
+def test_graphs_off_or_async_scheduling_off_give_the_same_tokens(tmp_path):
+    from vllm import SamplingParams
+
     model = make_tiny_model("granite", tmp_path / "granite")
+    # Penalties read the previous step's tokens, which async scheduling keeps
+    # on the GPU until the sampler asks.
+    penalized = SamplingParams(temperature=0.9, seed=5, max_tokens=10, repetition_penalty=1.3,
+                               frequency_penalty=0.3)
     outputs = []
-    for graphs in (True, False):
+    for graphs, async_scheduling in ((True, "auto"), (False, "auto"), (True, "off")):
         config = {"accel": {**CUDA["accel"], "cuda_graphs": graphs,
+                            "async_scheduling": async_scheduling,
                             "compile_cache_dir": str(tmp_path / "cache")}}
         with running_llm(model, additional_config=config, max_num_seqs=8, **GPU_SHARE) as llm:
-            outputs.append(greedy(llm, PROMPTS))
-            assert (model_runner(llm).decode_graphs is not None) == graphs
-    assert outputs[0] == outputs[1]
+            sampled = llm.generate(PROMPTS, penalized, use_tqdm=False)
+            outputs.append((greedy(llm, PROMPTS), [list(o.outputs[0].token_ids) for o in sampled]))
+            runner = model_runner(llm)
+            assert (runner.decode_graphs is not None) == graphs
+            assert runner.async_scheduling == (async_scheduling == "auto")
+    assert outputs[0] == outputs[1] == outputs[2]
 
 
 @pytest.fixture(scope="module", params=VISION_ARCHS, ids=lambda arch: arch.name)

@@ -2,7 +2,7 @@
 
 vLLM picks this class through the ``vllm.platform_plugins`` entry point. It
 names our worker and fixes the configuration our runner needs (block size, no
-vLLM-side compilation or async scheduling) without overriding
+vLLM-side compilation, async scheduling only where it overlaps) without overriding
 what a user set explicitly unless it must, and rejects what we do not support
 with messages that say what is allowed.
 """
@@ -18,10 +18,11 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from vllm_accel.architectures import find_architecture, tensor_parallel_names
 from vllm_accel.compat import limit_modality_to_zero
 from vllm_accel import devices
-from vllm_accel.devices import select_backend
+from vllm_accel.devices import DeviceBackend, select_backend
 from vllm_accel.log import get_logger
 from vllm_accel.patches import use_spawn_for_workers
-from vllm_accel.settings import known_env_vars, load_settings, resolve_device
+from vllm_accel.settings import (AccelSettings, env_var_name, known_env_vars, load_settings,
+                                 resolve_device)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -139,7 +140,8 @@ class AccelPlatform(Platform):
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         from vllm.config import CompilationMode, CUDAGraphMode
 
-        backend = select_backend(load_settings(vllm_config.additional_config))
+        settings = load_settings(vllm_config.additional_config)
+        backend = select_backend(settings)
         logger.info_once(
             "vllm-accel platform active: device backend '%s', compile backend '%s'",
             backend.device, backend.compile_backend,
@@ -163,10 +165,15 @@ class AccelPlatform(Platform):
             raise ValueError("vllm-accel does not support speculative decoding yet.")
 
         scheduler = vllm_config.scheduler_config
-        if scheduler.async_scheduling:
-            # vLLM turns it on by default; our runner samples synchronously.
-            logger.info_once("vllm-accel runs with async scheduling off.")
+        if scheduler.async_scheduling and not keeps_async_scheduling(settings, backend):
+            # vLLM turns it on by default; it pays only where the device runs
+            # apart from the host.
+            logger.info_once("vllm-accel runs with async scheduling off on device '%s' (%s=%s).",
+                             backend.device, env_var_name("async_scheduling"),
+                             settings.async_scheduling)
             scheduler.async_scheduling = False
+        elif scheduler.async_scheduling:
+            logger.info_once("vllm-accel runs with async scheduling on.")
 
         cache = vllm_config.cache_config
         if cache.block_size is None or not cache.user_specified_block_size:
@@ -253,6 +260,13 @@ class AccelPlatform(Platform):
                 if hard_fail:
                     raise ValueError(f"Unknown vLLM environment variable detected: {name}")
                 logger.warning("Unknown vLLM environment variable detected: %s", name)
+
+
+def keeps_async_scheduling(settings: AccelSettings, backend: DeviceBackend) -> bool:
+    """Whether vLLM's async scheduling (on by default) stays on: by default only
+    where the device runs apart from the host, so that scheduling overlaps."""
+    return {"on": True, "off": False}.get(settings.async_scheduling,
+                                          backend.runs_apart_from_host)
 
 
 def _check_parallelism(parallel) -> None:

@@ -62,6 +62,12 @@ class AccelSettings:
     # cuda: replay decode-only steps from CUDA graphs captured at warmup (one
     # per token bucket); false runs them as compiled kernels launched one by one.
     cuda_graphs: bool = True
+    # vLLM's async scheduling (the next step scheduled while the device runs
+    # this one): "auto" keeps it where the device runs apart from the host
+    # (cuda), "off" everywhere else, where the forward holds the host and
+    # nothing overlaps; "on" keeps it on any device (tests use it on cpu);
+    # "off" never. vLLM's --no-async-scheduling always wins.
+    async_scheduling: str = "auto"
 
     @property
     def cache_dir(self) -> Path:
@@ -74,6 +80,7 @@ class AccelSettings:
 _ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "hpu", "cuda"),
     "compile_backend": ("auto", "eager", "inductor", "hpu_backend"),
+    "async_scheduling": ("auto", "on", "off"),
 }
 
 _DESCRIPTIONS: dict[str, str] = {

@@ -51,6 +51,7 @@ from vllm_accel.patches import inductor_cache_dir
 from vllm_accel.settings import AccelSettings, env_var_name
 from vllm_accel.worker.compile_stats import CompileStats
 from vllm_accel.worker.cuda_graphs import DecodeGraphs
+from vllm_accel.worker.in_flight import PLACEHOLDER, InFlightOutput, insert_tokens_in_flight
 from vllm_accel.worker.kv_cache import allocate_kv_caches, kv_cache_bytes, zero_blocks
 from vllm_accel.worker.prompt_logprobs import plan_chunk
 from vllm_accel.worker.request_state import RequestStates
@@ -128,6 +129,10 @@ class AccelModelRunner:
         self.requests = RequestStates(self.input_batch, self.device)
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.pending: PendingSample | None = None
+        # vLLM's async scheduling (in_flight.py): a step starts before the
+        # previous one's tokens reach the host.
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self.tokens_from_device = 0  # decode inputs that never went through the host
 
     # ---- start-up -----------------------------------------------------------
 
@@ -214,6 +219,9 @@ class AccelModelRunner:
         )
         with inductor_cache_dir(self.compile_stats.cache_dir):
             inputs = step.input_ids.to(self.device)
+            if self.async_scheduling:
+                self.tokens_from_device += insert_tokens_in_flight(
+                    batch, step.rows, step.first_tokens, step.input_ids, inputs)
             if self.vision is not None:
                 self._encode_scheduled_images(scheduler_output)
                 inputs = self._merged_embeddings(step, inputs)
@@ -291,7 +299,8 @@ class AccelModelRunner:
         return finished
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None
+                      ) -> ModelRunnerOutput | InFlightOutput:
         if self.pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         pending, self.pending = self.pending, None
@@ -308,27 +317,42 @@ class AccelModelRunner:
             # On the device: the group's backend (gloo, nccl) reads it there.
             sampled_ids = get_tp_group().broadcast(sampled_ids.to(self.device).contiguous(),
                                                    src=0)
-
-        sampled = sampled_ids.tolist()
-        for i in np.flatnonzero(pending.discard):
-            sampled[i] = []
-        for i, token_ids in enumerate(sampled):
-            if token_ids:
-                end = batch.num_tokens_no_spec[i]
-                batch.token_ids_cpu[i, end] = token_ids[0]
-                batch.is_token_ids[i, end] = True
-                batch.num_tokens_no_spec[i] = end + 1
-                self.requests[batch.req_ids[i]].output_token_ids.append(token_ids[0])
-
         self.compile_stats.after_step("sampling")  # vLLM's sampler compiles helpers too
         logprobs = output.logprobs_tensors if output is not None else None
-        return ModelRunnerOutput(
+        result = ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
-            sampled_token_ids=sampled,
-            logprobs=logprobs.tolists() if logprobs is not None else None,
+            sampled_token_ids=[],
             prompt_logprobs_dict=pending.prompt_logprobs,
         )
+        kept = ~pending.discard
+        if self.async_scheduling:
+            # The tokens stay on the device for the next step's inputs; the host
+            # gets placeholders now and the tokens when vLLM asks for them.
+            batch.prev_sampled_token_ids = sampled_ids.to(self.device)
+            batch.prev_req_id_to_index = {
+                req_id: i for i, req_id in enumerate(batch.req_ids) if kept[i]}
+            self._append_tokens([PLACEHOLDER if k else None for k in kept])
+            in_flight = InFlightOutput(result, sampled_ids, logprobs, pending.discard)
+            batch.set_async_sampled_token_ids(in_flight.sampled_cpu, in_flight.ready)
+            return in_flight
+        sampled = [token_ids[0] for token_ids in sampled_ids.tolist()]
+        self._append_tokens([token if k else None for token, k in zip(sampled, kept)])
+        result.sampled_token_ids = [[token] if k else [] for token, k in zip(sampled, kept)]
+        result.logprobs = logprobs.tolists() if logprobs is not None else None
+        return result
+
+    def _append_tokens(self, tokens: list[int | None]) -> None:
+        """Each batch row's new token (None: none kept) onto its sequence."""
+        batch = self.input_batch
+        for i, token in enumerate(tokens):
+            if token is None:
+                continue
+            end = batch.num_tokens_no_spec[i]
+            batch.token_ids_cpu[i, end] = token
+            batch.is_token_ids[i, end] = True
+            batch.num_tokens_no_spec[i] = end + 1
+            self.requests[batch.req_ids[i]].output_token_ids.append(token)
 
     def _sample(self, pending: PendingSample, grammar_output: GrammarOutput | None):
         batch = self.input_batch
@@ -340,6 +364,8 @@ class AccelModelRunner:
         saved_rng = {
             i: g.get_state() for i, g in batch.generators.items() if pending.discard[i]
         }
+        # Async scheduling: penalties need last step's tokens, now on the host.
+        batch.update_async_output_token_ids()
         output = self.sampler(logits=pending.logits, sampling_metadata=batch.sampling_metadata)
         for i, state in saved_rng.items():
             batch.generators[i].set_state(state)
@@ -400,12 +426,14 @@ class AccelModelRunner:
         self.encoder_cache.clear()
 
     def state_sizes(self) -> dict[str, int]:
-        """Sizes of the per-request and per-image state, and run-time compiles."""
+        """Sizes of the per-request and per-image state; counters: run-time
+        compiles, decode inputs taken from the device (async scheduling)."""
         return {
             **self.requests.sizes(),
             "encoder_cache_entries": len(self.encoder_cache),
             "encoder_cache_rows": sum(int(t.shape[0]) for t in self.encoder_cache.values()),
             "runtime_compiles": self.compile_stats.runtime_compiles,
+            "tokens_from_device": self.tokens_from_device,
         }
 
     # ---- helpers ------------------------------------------------------------

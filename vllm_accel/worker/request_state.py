@@ -5,8 +5,9 @@ plus what our runner keeps per request. ``RequestStates.update`` applies one
 ``SchedulerOutput``: finished requests leave, new ones arrive, running ones
 get their computed-token counts and new blocks. It is adapted from vLLM
 0.33.0's ``GPUModelRunner._update_states`` (vllm/v1/worker/gpu_model_runner.py)
-without speculative decoding, async scheduling, LoRA and pooling: diff
-against that function when upgrading vLLM.
+without speculative decoding, LoRA and pooling (async scheduling: only the
+resumed requests' tokens; the rest is in_flight.py): diff against that
+function when upgrading vLLM.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class RequestStates:
 
             index = batch.req_id_to_index.get(req_id)
             if index is None:  # resumed, or back after a step without tokens
+                num_outputs = cached.num_output_tokens[i]
+                if req_id in cached.all_token_ids and num_outputs:
+                    # The scheduler's copy: under async scheduling ours may
+                    # hold placeholders for tokens that never reached us.
+                    state.output_token_ids = cached.all_token_ids[req_id][-num_outputs:]
                 to_add.append(state)
                 continue
             batch.num_computed_tokens_cpu[index] = state.num_computed_tokens

@@ -1,0 +1,103 @@
+"""Async scheduling: tokens still on the device when the next step starts.
+
+With vLLM's async scheduling the engine schedules and launches step N+1
+before it reads step N's sampled tokens, so the host works on the next step
+while the device computes. For the runner that means two things:
+
+- ``InFlightOutput``: step N's output is returned before its tokens reach
+  the host; their copy is queued behind the step's kernels and
+  ``get_output()`` waits for it (vLLM's ``AsyncModelRunnerOutput``).
+- ``insert_tokens_in_flight``: step N+1 feeds each continuing request the
+  token it sampled at step N, which the host does not know yet (the
+  ``InputBatch`` holds -1 there, as vLLM's GPU runner does); it is copied
+  into the step's input ids on the device, from ``prev_sampled_token_ids``.
+
+On a device that computes synchronously (cpu) this changes no result and
+overlaps nothing; the platform turns async scheduling on only where the
+device runs apart from the host (settings: ``async_scheduling``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.worker.gpu_input_batch import InputBatch
+
+PLACEHOLDER = -1  # vLLM's placeholder for a sampled token not yet on the host
+
+
+class _Copied:
+    """The ready event of a copy that was synchronous (cpu)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _ready_event(device: torch.device):
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return _Copied()
+
+
+class InFlightOutput(AsyncModelRunnerOutput):
+    """A step's output whose sampled tokens (and logprobs) are still being
+    copied to the host."""
+
+    def __init__(self, output: ModelRunnerOutput, sampled: torch.Tensor,
+                 logprobs: LogprobsTensors | None, discard: np.ndarray):
+        self._output = output
+        self._discard = discard  # rows whose token is thrown away (partial prefill)
+        self._sampled = sampled  # kept alive until the copy is done
+        self.sampled_cpu = sampled.to("cpu", non_blocking=True)
+        self._logprobs_cpu = logprobs.to_cpu_nonblocking() if logprobs is not None else None
+        self.ready = _ready_event(sampled.device)
+
+    def get_output(self) -> ModelRunnerOutput:
+        self.ready.synchronize()
+        del self._sampled
+        tokens = self.sampled_cpu.tolist()
+        for i in np.flatnonzero(self._discard):
+            tokens[i] = []
+        self._output.sampled_token_ids = tokens
+        if self._logprobs_cpu is not None:
+            self._output.logprobs = self._logprobs_cpu.tolists()
+        return self._output
+
+    def get_kv_connector_output(self):
+        return self._output.kv_connector_output  # None: no KV connectors here
+
+
+def insert_tokens_in_flight(batch: InputBatch, rows: np.ndarray, first_tokens: np.ndarray,
+                            host_ids: torch.Tensor, device_ids: torch.Tensor) -> int:
+    """Copy into ``device_ids`` [1, tokens] the tokens sampled last step by the
+    requests that continue this step (each one's first packed token, where
+    ``host_ids`` holds the placeholder). ``rows``/``first_tokens``: the batch
+    row and the packed index of each packed request (``StepLayout``).
+    Returns how many tokens it copied."""
+    previous = batch.prev_req_id_to_index
+    if not previous or batch.prev_sampled_token_ids is None:
+        return 0
+    packed_first = np.empty(batch.num_reqs, dtype=np.int64)
+    packed_first[rows] = first_tokens
+    targets, sources = [], []
+    for row, req_id in enumerate(batch.req_ids):
+        index = previous.get(req_id)
+        if index is not None:
+            targets.append(int(packed_first[row]))
+            sources.append(index)
+    if not targets:
+        return 0
+    # Each continuing request decodes the token it sampled: the host must
+    # hold the placeholder there, or the two views of the request disagree.
+    known = host_ids[0, targets]
+    if bool((known != PLACEHOLDER).any()):
+        raise RuntimeError(
+            f"async scheduling: expected the placeholder {PLACEHOLDER} at the packed "
+            f"positions {targets} of the tokens in flight, found {known.tolist()}")
+    device = device_ids.device
+    sampled = batch.prev_sampled_token_ids[torch.tensor(sources, device=device), 0]
+    device_ids[0, torch.tensor(targets, device=device)] = sampled.to(device_ids.dtype)
+    return len(targets)
