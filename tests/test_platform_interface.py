@@ -68,3 +68,22 @@ def test_stateless_process_group_on_cpu_is_gloo():
     tensor = torch.tensor([3.0])
     group.allreduce([tensor]).wait()
     assert tensor.item() == 3.0 and group.size() == 1
+
+
+def test_repetition_penalty_without_vllms_compiled_ops():
+    """Patch 11: vLLM built as pure Python has no compiled ops, and its
+    repetition penalty for CUDA tensors called one (every penalized request
+    failed on the cuda device); it now runs vLLM's PyTorch version."""
+    from vllm import _custom_ops as ops
+
+    from vllm_accel.patches import apply_patches
+
+    apply_patches()
+    assert not hasattr(torch.ops._C, "apply_repetition_penalties_")  # pure-Python vLLM
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    in_prompt = torch.tensor([[True, False, False, False]])
+    in_output = torch.tensor([[False, True, False, False]])
+    penalty = torch.tensor([2.0])
+    got = logits.clone()
+    ops.apply_repetition_penalties_cuda(got, in_prompt, in_output, penalty)
+    assert got.tolist() == [[1.0, -2.0, 0.5, 3.0]]

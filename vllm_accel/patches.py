@@ -81,6 +81,14 @@ them all. None edits a file on disk; each is idempotent.
    ``MODEL_ARCH_CONFIG_CONVERTORS`` when that module is imported (or now, if
    it already is); a convertor vLLM registers itself for "molmo" is kept.
 
+11. vLLM 0.33 built as pure Python (no ``vllm._C`` ops: how install.sh and the
+   offline bundle build it) with CUDA tensors: ``vllm._custom_ops``'s
+   ``apply_repetition_penalties`` sends contiguous CUDA logits to the compiled
+   op ``torch.ops._C.apply_repetition_penalties_``, which is not there, so any
+   request with a repetition penalty failed on the cuda device. When that
+   module is imported and the op is missing, its CUDA entry point runs vLLM's
+   own PyTorch version (``apply_repetition_penalties_torch``) instead.
+
 Not a patch but process-wide all the same: ``model/paged_attention.py`` keeps
 the current step's attention layout in a module variable while a forward runs
 (``attention_context``): the attention op is opaque to the compiler and takes
@@ -88,7 +96,7 @@ only tensors, so the per-step layout cannot be one of its arguments.
 
 Patches 1 and 2 act only when torchvision is unavailable (by transformers' own
 test, so they agree with the image-processor backend transformers picks), 9
-only when Triton is; these and 10 stay dormant until the module they concern is
+only when Triton is, 11 only without vLLM's compiled ops; these and 10 stay dormant until the module they concern is
 imported: applying them only appends one finder to ``sys.meta_path``
 (importing the modules eagerly would cost every vLLM process seconds).
 """
@@ -113,6 +121,7 @@ TORCHVISION_TO_PIL_MODULES = {
 VIDEO_AUTO_MODULE = "transformers.models.auto.video_processing_auto"
 TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"  # patch 9
 ARCH_CONVERTOR_MODULE = "vllm.transformers_utils.model_arch_config_convertor"  # patch 10
+CUSTOM_OPS_MODULE = "vllm._custom_ops"  # patch 11
 # (config module, config class) whose video processor is Qwen2VLVideoProcessor.
 _QWEN_VIDEO_CONFIGS = (
     ("transformers.models.qwen2_vl.configuration_qwen2_vl", "Qwen2VLConfig"),
@@ -147,6 +156,8 @@ def apply_patches() -> None:
         _host_top_k_top_p()
     if ARCH_CONVERTOR_MODULE in sys.modules:
         _molmo_kv_heads_fallback()
+    if CUSTOM_OPS_MODULE in sys.modules:
+        _torch_repetition_penalties()
 
 
 def _make_accelerator_cache_calls_noops() -> None:
@@ -171,7 +182,8 @@ class _ShimFinder(importlib.abc.MetaPathFinder):
             pil_module = TORCHVISION_TO_PIL_MODULES[fullname]
             return importlib.util.spec_from_loader(fullname, _AliasLoader(pil_module))
         hooks = {VIDEO_AUTO_MODULE: _register_video_stubs, TOPK_TOPP_MODULE: _host_top_k_top_p,
-                 ARCH_CONVERTOR_MODULE: _molmo_kv_heads_fallback}
+                 ARCH_CONVERTOR_MODULE: _molmo_kv_heads_fallback,
+                 CUSTOM_OPS_MODULE: _torch_repetition_penalties}
         if fullname in hooks:
             if fullname == VIDEO_AUTO_MODULE and torchvision_available():
                 return None
@@ -247,6 +259,16 @@ def _host_top_k_top_p() -> None:
 
     apply_top_k_top_p._vllm_accel_host_path = True
     module.apply_top_k_top_p = apply_top_k_top_p
+
+
+def _torch_repetition_penalties() -> None:
+    """Patch 11 (idempotent)."""
+    import torch
+
+    module = sys.modules[CUSTOM_OPS_MODULE]
+    if hasattr(torch.ops._C, "apply_repetition_penalties_"):
+        return  # a vLLM with its compiled ops
+    module.apply_repetition_penalties_cuda = module.apply_repetition_penalties_torch
 
 
 def _molmo_kv_heads_fallback() -> None:
