@@ -8,7 +8,8 @@ side by side in one process on one GPU (run on the accelerator host).
   64 prompts of 128 random tokens, 64 output tokens each (no early stop),
   greedy. Rounds alternate HF / vllm-accel; each timed run is repeated until
   it lasts >= 10 s; medians with min-max. vllm-accel with CUDA graphs and
-  without, each against HF in its own alternation.
+  without, with vLLM's async scheduling (the default on cuda) and without,
+  each against HF in its own alternation.
 - Decode step time at batch 1 and 32 (one engine step of decodes, from the
   difference of two output lengths) against the weight-read floor: weight
   bytes / the GPU's measured read bandwidth (a large bfloat16 sum).
@@ -67,11 +68,12 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def engine(model: Path, cache: Path, graphs: bool, **kwargs):
+def engine(model: Path, cache: Path, graphs: bool, async_scheduling: str = "auto", **kwargs):
     from vllm import LLM
 
     config = {"accel": {"device": "cuda", "compile_backend": "inductor",
-                        "cuda_graphs": graphs, "compile_cache_dir": str(cache)}}
+                        "cuda_graphs": graphs, "async_scheduling": async_scheduling,
+                        "compile_cache_dir": str(cache)}}
     options = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=NUM_PROMPTS,
                    gpu_memory_utilization=0.35, seed=0, additional_config=config)
     options.update(kwargs)
@@ -87,7 +89,13 @@ def shutdown(llm) -> None:
     torch.cuda.empty_cache()
 
 
-def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path) -> dict:
+# (label, CUDA graphs, async scheduling): each against HF in its own alternation.
+VARIANTS = [("cuda_graphs", True, "on"), ("cuda_graphs_sync", True, "off"),
+            ("no_cuda_graphs", False, "on"), ("no_cuda_graphs_sync", False, "off")]
+
+
+def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path,
+               variants: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -104,8 +112,10 @@ def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path) 
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     results = {}
     tokens = NUM_PROMPTS * OUTPUT_LEN
-    for graphs in (True, False):
-        llm = engine(model, cache, graphs)
+    for name, graphs, async_scheduling in VARIANTS:
+        if name not in variants:
+            continue
+        llm = engine(model, cache, graphs, async_scheduling)
 
         def run_accel():
             outs = llm.generate(requests, params, use_tqdm=False)
@@ -118,7 +128,6 @@ def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path) 
             hf_tps.append(tokens / seconds)
             seconds, _ = timed(run_accel)
             accel_tps.append(tokens / seconds)
-        name = "cuda_graphs" if graphs else "no_cuda_graphs"
         results[name] = {
             "accel_output_tok_s": summary(accel_tps), "hf_output_tok_s": summary(hf_tps),
             "ratio_median": statistics.median(accel_tps) / statistics.median(hf_tps),
@@ -126,7 +135,7 @@ def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path) 
         }
         print(name, json.dumps(results[name]), flush=True)
         if graphs:
-            results["decode_step"] = decode_steps(llm, prompts)
+            results[f"decode_step_{name}"] = decode_steps(llm, prompts)
         shutdown(llm)
     return results  # HF's model goes with this frame
 
@@ -240,6 +249,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="gpu_results.json")
     parser.add_argument("--parts", default="throughput,floor,start,vision")
+    parser.add_argument("--variants", default=",".join(v[0] for v in VARIANTS),
+                        help="throughput variants: CUDA graphs or not, async scheduling "
+                             "(on) or not (_sync)")
     parser.add_argument("--in-process", action="store_true",
                         help="engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
                              "no overlap of vLLM's output processing with the engine's steps")
@@ -262,7 +274,8 @@ def main() -> None:
             results["engine_start"] = start_times(model, root)
             print("start", results["engine_start"], flush=True)
         if "throughput" in parts:
-            results.update(throughput(model, prompts, args.rounds, root / "cache"))
+            results.update(throughput(model, prompts, args.rounds, root / "cache",
+                                       args.variants.split(",")))
         if "profile" in parts:
             profile_decode(model, prompts, root / "cache")
         if "vision" in parts:
