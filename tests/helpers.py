@@ -24,6 +24,35 @@ def running_llm(model_dir, **kwargs):
         gc.collect()
 
 
+@contextlib.contextmanager
+def tensor_parallel_workers():
+    """Around an engine whose workers are processes of vLLM's multiprocessing
+    executor: workers started with spawn (as the platform would choose), and
+    this process left as it was. vLLM drops the engine's process to one torch
+    thread and sets OMP_NUM_THREADS in its environment, which every later
+    subprocess would inherit (a compile cache filled by one thread misses in a
+    process with two: inductor writes the thread count into its kernels)."""
+    import os
+
+    import pytest
+    from vllm.utils.torch_utils import OMP_NUM_THREADS_SET_BY_VLLM
+
+    threads = torch.get_num_threads()
+    names = ("OMP_NUM_THREADS", OMP_NUM_THREADS_SET_BY_VLLM)
+    saved = {name: os.environ.get(name) for name in names}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 def model_runner(llm):
     """The AccelModelRunner behind an in-process LLM (for counters)."""
     executor = llm.llm_engine.engine_core.engine_core.model_executor

@@ -12,11 +12,10 @@ import signal
 import time
 
 import pytest
-import torch
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from helpers import hf_greedy, running_llm
+from helpers import hf_greedy, running_llm, tensor_parallel_workers
 
 MAX_TOKENS = 12
 # Small step budget: the longer prompts prefill in several chunks.
@@ -48,16 +47,11 @@ def tp_llm(request, tiny_models):
     """A TP=2 engine. The engine core stays in this process (conftest), its two
     workers are processes of vLLM's multiprocessing executor."""
     model_dir = tiny_models[request.param]
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        # The platform would choose spawn itself (and keep it for the process).
-        mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    with tensor_parallel_workers():
         started = time.perf_counter()
         with running_llm(model_dir, tensor_parallel_size=2, **ENGINE_OPTIONS) as llm:
             print(f"TP=2 {request.param} engine ready in {time.perf_counter() - started:.1f} s")
             yield request.param, model_dir, llm
-    # vLLM's executor drops the engine's own process to one torch thread.
-    torch.set_num_threads(threads)
 
 
 def test_tp2_matches_tp1_and_hf_batch_chunked_prefix_cache(tp_llm):
@@ -182,14 +176,12 @@ def test_llava_next_tp2_matches_tp1(tmp_path_factory):
     cases = [(chat_prompt(processor, 1, "What is this?"), [noise_image(64, 48)]),
              (chat_prompt(processor, 0, "Hi"), [])]
     options = dict(max_model_len=2048, limit_mm_per_prompt={"image": 1})
-    got, threads = {}, torch.get_num_threads()
+    got = {}
     for tp in (2, 1):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-            with running_llm(model_dir, tensor_parallel_size=tp, **options) as llm:
-                before = llm.collective_rpc(_images_encoded)  # warmup encodes too
-                got[tp] = vision_greedy(llm, cases, MAX_TOKENS)
-                encoded = [a - b for a, b in zip(llm.collective_rpc(_images_encoded), before)]
-                assert sum(encoded) == 1, encoded  # one image, one rank
-        torch.set_num_threads(threads)  # see tp_llm
+        with tensor_parallel_workers(), running_llm(
+                model_dir, tensor_parallel_size=tp, **options) as llm:
+            before = llm.collective_rpc(_images_encoded)  # warmup encodes too
+            got[tp] = vision_greedy(llm, cases, MAX_TOKENS)
+            encoded = [a - b for a, b in zip(llm.collective_rpc(_images_encoded), before)]
+            assert sum(encoded) == 1, encoded  # one image, one rank
     assert got[2] == got[1]

@@ -30,7 +30,7 @@ from molmo_reference import (
 )
 from vision_cases import QWEN2_5_VL, cases, expected, hf, model_dir  # noqa: F401 (fixtures)
 
-from helpers import chat_prompt, noise_image, running_llm, vision_greedy
+from helpers import chat_prompt, noise_image, running_llm, tensor_parallel_workers, vision_greedy
 from vllm_accel.testing.fixtures import make_tiny_model
 from vllm_accel.testing.tiny_molmo import make_tiny_molmo
 
@@ -119,12 +119,8 @@ ENGINE = dict(max_model_len=1024, limit_mm_per_prompt={"image": 2}, max_num_seqs
 @contextlib.contextmanager
 def tp_engine(path, **options):
     """A TP=2 engine: the engine core in this process, two worker processes."""
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        with running_llm(path, **ENGINE, **options) as llm:
-            yield llm
-    torch.set_num_threads(threads)  # vLLM's executor drops this process to one thread
+    with tensor_parallel_workers(), running_llm(path, **ENGINE, **options) as llm:
+        yield llm
 
 
 def _images_encoded(worker) -> int:
