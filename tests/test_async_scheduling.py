@@ -18,7 +18,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-from helpers import hf_greedy, model_runner, running_llm
+from helpers import hf_greedy, model_runner, running_llm, tensor_parallel_workers
 from test_generation import random_prompts
 
 ENGINE_OPTIONS = dict(max_num_batched_tokens=128, max_num_seqs=16)
@@ -75,15 +75,14 @@ def test_greedy_batch_with_chunked_prefill_matches_hf(async_on, tiny_models):
     assert got == hf_greedy(model_dir, prompts, 16)
 
 
-def test_preempted_requests_resume_with_their_tokens(async_on, tiny_models):
-    model_dir = tiny_models["llama"]
+def check_preempted_requests_resume(model_dir, **options) -> None:
+    """8 requests that grow to 57-122 tokens each in 20 blocks of 16 tokens:
+    the scheduler must preempt and resume; greedy output equals HF's."""
     prompts = random_prompts([40, 70, 25, 90, 55, 33, 80, 60], seed=5)
-    # 20 blocks of 16 tokens for 8 requests that grow to 57-122 tokens each:
-    # the scheduler must preempt and resume.
-    with running_llm(model_dir, async_scheduling=True, max_model_len=256,
-                     num_gpu_blocks_override=20, enable_prefix_caching=False,
-                     **ENGINE_OPTIONS) as llm:
+    with running_llm(model_dir, max_model_len=256, num_gpu_blocks_override=20,
+                     enable_prefix_caching=False, **ENGINE_OPTIONS, **options) as llm:
         sched = scheduler(llm)
+        assert not sched.use_v2_model_runner
         preempted = []
         original = sched._preempt_request
 
@@ -95,6 +94,36 @@ def test_preempted_requests_resume_with_their_tokens(async_on, tiny_models):
         got = greedy(llm, prompts, max_tokens=32)
     assert preempted, "the KV cache was big enough: nothing was preempted"
     assert got == hf_greedy(model_dir, prompts, 32)
+
+
+def test_preempted_requests_resume_with_their_tokens(async_on, tiny_models):
+    check_preempted_requests_resume(tiny_models["llama"], async_scheduling=True)
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_host_with_triton_keeps_the_v1_runner_protocol(mode, tiny_models, monkeypatch):
+    """Where Triton imports (any CUDA build of torch) vLLM's scheduler would
+    talk to the runner as to its V2 model runner, which sends a resumed
+    request as a new one without its generated tokens. The platform keeps the
+    V1 protocol our runner speaks (found on the H100 host)."""
+    import vllm.config.vllm
+    from vllm import envs
+
+    monkeypatch.setattr(vllm.config.vllm, "HAS_TRITON", True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setenv("VLLM_ACCEL_ASYNC_SCHEDULING", mode)
+    envs.disable_envs_cache()  # an earlier engine in this process froze vLLM's variables
+    check_preempted_requests_resume(tiny_models["llama"])
+
+
+def test_a_v2_model_runner_is_refused_naming_the_setting(tiny_models, monkeypatch):
+    from vllm import envs
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    envs.disable_envs_cache()
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=1: .* V1 model runner"):
+        with running_llm(tiny_models["llama"]):
+            pass
 
 
 def test_mixed_traffic_equals_the_engine_without_async_scheduling(tiny_models):
@@ -112,22 +141,16 @@ def test_mixed_traffic_equals_the_engine_without_async_scheduling(tiny_models):
         assert results["on"][key] == results["off"][key], key
 
 
-def test_tensor_parallel_workers_take_the_tokens_in_flight(async_on, tiny_models, monkeypatch):
+def test_tensor_parallel_workers_take_the_tokens_in_flight(async_on, tiny_models):
     """TP=2 (vLLM's multiprocessing executor): every rank feeds the driver's
     broadcast tokens from its own device, none through the host."""
-    import torch
-
     model_dir = tiny_models["llama"]
     prompts = random_prompts([5, 90, 17, 1, 150, 33], seed=7)
-    threads = torch.get_num_threads()
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    try:
-        with running_llm(model_dir, tensor_parallel_size=2, async_scheduling=True,
-                         max_num_batched_tokens=64, max_num_seqs=8) as llm:
-            assert isinstance(scheduler(llm), AsyncScheduler)
-            got = greedy(llm, prompts, max_tokens=12)
-            taken = llm.collective_rpc("runner_state")
-    finally:
-        torch.set_num_threads(threads)  # vLLM's executor drops the engine's process to one
+    with tensor_parallel_workers(), running_llm(
+            model_dir, tensor_parallel_size=2, async_scheduling=True,
+            max_num_batched_tokens=64, max_num_seqs=8) as llm:
+        assert isinstance(scheduler(llm), AsyncScheduler)
+        got = greedy(llm, prompts, max_tokens=12)
+        taken = llm.collective_rpc("runner_state")
     assert got == hf_greedy(model_dir, prompts, 12)
     assert all(rank["tokens_from_device"] > 0 for rank in taken)

@@ -163,6 +163,7 @@ class AccelPlatform(Platform):
 
         if vllm_config.speculative_config is not None:
             raise ValueError("vllm-accel does not support speculative decoding yet.")
+        _use_v1_runner_protocol(vllm_config)
 
         scheduler = vllm_config.scheduler_config
         if scheduler.async_scheduling and not keeps_async_scheduling(settings, backend):
@@ -260,6 +261,24 @@ class AccelPlatform(Platform):
                 if hard_fail:
                     raise ValueError(f"Unknown vLLM environment variable detected: {name}")
                 logger.warning("Unknown vLLM environment variable detected: %s", name)
+
+
+def _use_v1_runner_protocol(vllm_config) -> None:
+    """Our runner speaks vLLM's V1 model runner protocol. vLLM's scheduler
+    switches to the V2 one (resumed requests sent as new ones, no copy of a
+    request's tokens) wherever Triton imports, i.e. with any CUDA build of
+    torch, unless VLLM_USE_V2_MODEL_RUNNER says otherwise."""
+    from vllm import envs
+
+    name = "VLLM_USE_V2_MODEL_RUNNER"
+    if name in os.environ and envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError(f"{name}={os.environ[name]}: vllm-accel's model runner is a V1 "
+                         f"model runner; unset {name} or set it to 0.")
+    # Read by the scheduler in this process and the engine processes it starts.
+    os.environ[name] = "0"
+    if vllm_config.use_v2_model_runner:  # a feature that only V2 has, or a stale env cache
+        raise ValueError("vLLM chose its V2 model runner for this configuration; "
+                         "vllm-accel's runner is a V1 model runner.")
 
 
 def keeps_async_scheduling(settings: AccelSettings, backend: DeviceBackend) -> bool:
