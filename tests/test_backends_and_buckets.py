@@ -60,18 +60,12 @@ def test_inductor_is_refused_on_hpu_naming_the_setting(fake_habana):
         select_backend(load_settings({"accel": {"compile_backend": "inductor"}}))
 
 
-def test_async_scheduling_stays_on_only_where_it_overlaps():
-    from vllm_accel.platform import keeps_async_scheduling
-
-    cpu, cuda = DeviceBackend("cpu", "inductor"), DeviceBackend("cuda", "inductor")
-    auto = load_settings()
-    assert keeps_async_scheduling(auto, cuda) and not keeps_async_scheduling(auto, cpu)
-    assert keeps_async_scheduling(load_settings({"accel": {"async_scheduling": "on"}}), cpu)
-    assert not keeps_async_scheduling(load_settings({"accel": {"async_scheduling": "off"}}),
-                                      cuda)
+def test_async_scheduling_is_off_unless_asked_for():
+    assert load_settings().async_scheduling is False
+    assert load_settings({"accel": {"async_scheduling": "on"}}).async_scheduling is True
     with pytest.raises(ValueError, match=r"--additional-config accel.async_scheduling: "
-                                         r"expected one of auto, on, off"):
-        load_settings({"accel": {"async_scheduling": "yes"}})
+                                         r"expected true or false"):
+        load_settings({"accel": {"async_scheduling": "auto"}})
 
 
 def test_bucket_strategies():

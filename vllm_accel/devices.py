@@ -38,12 +38,6 @@ class DeviceBackend:
         return self.compile_backend != "eager"
 
     @property
-    def runs_apart_from_host(self) -> bool:
-        """Whether the host returns while the device computes (kernels queue on
-        a stream), so that scheduling the next step can overlap this one."""
-        return self.device == "cuda"
-
-    @property
     def dist_backend(self) -> str:
         """torch.distributed backend the tensor-parallel workers use."""
         return DIST_BACKENDS[self.device]
