@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
 import textwrap
 from datetime import timedelta
 
@@ -51,6 +52,23 @@ def test_answers_on_the_cpu_device():
     AccelPlatform.check_if_supports_dtype(torch.bfloat16)
     AccelPlatform.check_runner_kv_caches_multi_layer()
     AccelPlatform.set_device(torch.device("cpu"))
+
+
+def test_bfloat16_on_a_cpu_without_its_instructions_warns(monkeypatch, caplog):
+    from vllm_accel import devices
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    assert not devices.cpu_multiplies_bfloat16(avx2)
+    assert devices.cpu_multiplies_bfloat16(avx2.replace("avx2", "avx2 avx512f avx512_bf16"))
+    assert devices.cpu_multiplies_bfloat16("Features\t: fp asimd sve bf16\n")  # Arm
+    assert not devices.cpu_multiplies_bfloat16("Features\t: fp asimd\n")
+
+    monkeypatch.setattr(devices, "cpu_multiplies_bfloat16", lambda: False)
+    with caplog.at_level(logging.WARNING):
+        devices.check_dtype("cpu", torch.float32)
+        assert "bfloat16" not in caplog.text
+        devices.check_dtype("cpu", torch.bfloat16)
+    assert "slower than --dtype float32" in caplog.text
 
 
 @pytest.mark.parametrize("method", sorted(UNSUPPORTED))

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from vllm_accel.log import get_logger
 from vllm_accel.settings import AccelSettings, env_var_name, resolve_device
+
+logger = get_logger(__name__)
 
 _COMPILE_BACKENDS = {"cpu": ("inductor", "eager"), "hpu": ("hpu_backend", "eager"),
                      "cuda": ("inductor", "eager")}
@@ -118,3 +122,25 @@ def check_dtype(device: str, dtype: torch.dtype) -> None:
     if device == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise ValueError(f"{torch.cuda.get_device_name()} does not support bfloat16: "
                          "use --dtype float16 or float32.")
+    if device == "cpu" and dtype == torch.bfloat16 and not cpu_multiplies_bfloat16():
+        # It works, but a user who picked bfloat16 for speed should know.
+        logger.warning(
+            "bfloat16 on a CPU without bfloat16 instructions (no AVX-512 BF16, AMX or "
+            "Arm BF16): its matmuls are emulated and run slower than --dtype float32 "
+            "(about 3x on an AVX2-only CPU, benchmarks/README.md).")
+
+
+def cpu_multiplies_bfloat16(cpuinfo: str | None = None) -> bool:
+    """Whether the host CPU has bfloat16 dot-product instructions (x86
+    ``avx512_bf16``/``amx_bf16`` flags, Arm ``bf16`` feature). True where
+    /proc/cpuinfo cannot be read: unknown, so nothing to warn about."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return bool(set(value.split()) & {"avx512_bf16", "amx_bf16", "bf16"})
+    return True

@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from vllm_accel.devices import select_backend
+from vllm_accel.devices import check_dtype, select_backend
 from vllm_accel.patches import set_worker_threads
 from vllm_accel.settings import env_var_name, load_settings
 from vllm_accel.worker.cuda import capture_decode_graphs, profile_peak_memory
@@ -81,6 +81,7 @@ class AccelWorker(WorkerBase):
             torch.cuda.empty_cache()
             self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
             self._check_gpu_memory_utilization()
+        check_dtype(self.backend.device, self.model_config.dtype)
         parallel = self.parallel_config
         # Torch threads, and inductor's kernel builds on them (patches.py, 5).
         set_worker_threads(worker_threads(self.settings.num_threads, parallel.local_world_size),
