@@ -102,6 +102,14 @@ def map_tensors(function, tree):
     return _pytree.tree_map_only(torch.Tensor, function, tree)
 
 
+def any_size_along(tensor, dim: int) -> None:
+    """Compile graphs that take ``tensor`` for any size of ``dim`` (one graph,
+    and one compile-cache entry, whatever that size is)."""
+    import torch
+
+    torch._dynamo.mark_dynamic(tensor, dim)
+
+
 def dynamo_graph_count() -> int:
     """Graphs dynamo compiled in this process so far."""
     from torch._dynamo.utils import counters

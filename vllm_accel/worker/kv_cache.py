@@ -7,14 +7,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_accel.compat import any_size_along
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int, dtype: torch.dtype, device: torch.device) -> KVCaches:
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(zero_filled(shape, dtype, device), zero_filled(shape, dtype, device))
-            for _ in range(num_layers)]
+    caches = [(zero_filled(shape, dtype, device), zero_filled(shape, dtype, device))
+              for _ in range(num_layers)]
+    for cache in caches:
+        # The block count follows the memory free at start-up: were it part of
+        # the compiled graphs' shapes, another count would miss the compile
+        # cache (the graphs only hand the caches to the attention op).
+        for tensor in cache:
+            any_size_along(tensor, 0)
+    return caches
 
 
 def kv_cache_bytes(kv_caches: KVCaches) -> int:
