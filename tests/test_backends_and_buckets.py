@@ -60,12 +60,42 @@ def test_inductor_is_refused_on_hpu_naming_the_setting(fake_habana):
         select_backend(load_settings({"accel": {"compile_backend": "inductor"}}))
 
 
-def test_async_scheduling_is_off_unless_asked_for():
-    assert load_settings().async_scheduling is False
-    assert load_settings({"accel": {"async_scheduling": "on"}}).async_scheduling is True
+def test_cuda_is_refused_without_a_gpu_or_without_triton(monkeypatch):
+    """Only chosen when asked for; a host that cannot run it fails at start-up
+    naming the setting (the GPU itself: tests/test_cuda.py)."""
+    import importlib.util
+
+    import torch
+
+    cuda = load_settings({"accel": {"device": "cuda"}})
+    assert select_backend(load_settings()).device == "cpu"  # auto never picks it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"VLLM_ACCEL_DEVICE=cuda, but torch .* sees no CUDA"):
+        select_backend(cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    find_spec = importlib.util.find_spec
+    for triton in (None, object()):  # not installed, installed
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args, spec=triton:
+                            spec if name == "triton" else find_spec(name, *args))
+        if triton is None:
+            with pytest.raises(ValueError, match=r"VLLM_ACCEL_DEVICE=cuda needs Triton"):
+                select_backend(cuda)
+        else:
+            assert select_backend(cuda) == DeviceBackend("cuda", "inductor")
+
+
+def test_async_scheduling_stays_on_only_where_it_overlaps():
+    from vllm_accel.platform import keeps_async_scheduling
+
+    cpu, cuda = DeviceBackend("cpu", "inductor"), DeviceBackend("cuda", "inductor")
+    auto = load_settings()
+    assert keeps_async_scheduling(auto, cuda) and not keeps_async_scheduling(auto, cpu)
+    assert keeps_async_scheduling(load_settings({"accel": {"async_scheduling": "on"}}), cpu)
+    assert not keeps_async_scheduling(load_settings({"accel": {"async_scheduling": "off"}}),
+                                      cuda)
     with pytest.raises(ValueError, match=r"--additional-config accel.async_scheduling: "
-                                         r"expected true or false"):
-        load_settings({"accel": {"async_scheduling": "auto"}})
+                                         r"expected one of auto, on, off"):
+        load_settings({"accel": {"async_scheduling": "yes"}})
 
 
 def test_bucket_strategies():

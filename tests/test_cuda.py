@@ -1,12 +1,14 @@
-"""The cuda device backend on a real NVIDIA GPU: greedy output token for token
-equal to HF transformers' own model classes on the same GPU (float32), no
-compiles after warmup under mixed traffic, decode steps replayed from CUDA
-graphs; and the cpu backend on a host with a CUDA build of torch.
+"""The cuda device backend on a real NVIDIA GPU: attention in one Triton launch
+equal to the PyTorch path; greedy output token for token equal to HF
+transformers' own model classes on the same GPU (float32), no compiles after
+warmup under mixed traffic, every forward replayed from CUDA graphs; and the
+cpu backend on a host with a CUDA build of torch.
 
 Skipped without a CUDA device (CI has none); run on the accelerator host."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,6 +52,42 @@ def hf_cuda_greedy(model_dir, prompts, max_tokens=MAX_TOKENS):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_attention_equals_the_pytorch_path(dtype):
+    """One step (two decodes, a chunk with earlier context, a new prompt cut
+    by the forward's end) laid out both ways: the same attention output."""
+    from vllm_accel.model.paged_attention import (attention_context, paged_attention,
+                                                  register_paged_attention)
+    from vllm_accel.patches import exact_float32_dots
+    from vllm_accel.worker.step_layout import pack_step
+
+    exact_float32_dots()
+    register_paged_attention()
+    block, heads, kv_heads, dim, blocks = 16, 8, 2, 64, 64
+    g = torch.Generator().manual_seed(0)
+    num_scheduled = np.array([1, 40, 1, 30])
+    start = np.array([70, 20, 5, 0])
+    block_table = np.arange(1, 1 + 4 * 8).reshape(4, 8)  # 8 blocks a request
+    token_ids = np.zeros((4, 256), dtype=np.int64)
+    # 72 tokens: the first forward takes 64 (the new prompt's first 22).
+    layouts = [pack_step(token_ids, block_table, num_scheduled, start, block,
+                         lambda n: [64, 64], lambda b: 8, table_width=width
+                         ).forwards[0].attn_metadata.to("cuda")
+               for width in (None, 8)]
+    shape = (1, 64, heads, dim)
+    query, key, value = (torch.randn(*s, generator=g).to("cuda", dtype)
+                         for s in (shape, shape[:2] + (kv_heads, dim), shape[:2] + (kv_heads, dim)))
+    outputs = []
+    for metadata in layouts:
+        caches = [torch.randn(blocks, block, kv_heads, dim, generator=torch.Generator().manual_seed(1)
+                              ).to("cuda", dtype) for _ in range(2)]
+        with attention_context(metadata):
+            out = paged_attention(query, key, value, *caches, dim ** -0.5)
+        outputs.append(out[0].float())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
+
+
 @pytest.fixture(scope="module", params=SUPPORTED_ARCHS)
 def text_model(request, tmp_path_factory):
     return make_tiny_model(request.param, tmp_path_factory.mktemp("cuda") / request.param)
@@ -64,8 +102,11 @@ def test_text_parity_batch_chunked_and_prefix_hit(text_model, tmp_path):
         assert runner.device.type == "cuda" and runner.kv_caches[0][0].is_cuda
         assert greedy(llm, PROMPTS) == expected  # a batch, prompts cut into 16-token chunks
         assert greedy(llm, PROMPTS[:1]) == expected[:1]  # a prefix-cache hit
-        assert runner.decode_graphs is not None and runner.decode_graphs.replays > 0
-        assert not runner.async_scheduling  # off unless asked for
+        replays = runner.graphs.replays
+        assert greedy(llm, PROMPTS, max_tokens=1) == [t[:1] for t in expected]
+        assert runner.graphs.replays > replays  # prefill forwards replay graphs too
+        # Async scheduling is on by default on cuda: decode inputs stay on the GPU.
+        assert runner.async_scheduling and runner.tokens_from_device > 0
         assert runner.compile_stats.runtime_compiles == 0
 
 
@@ -84,8 +125,7 @@ def test_mixed_traffic_compiles_nothing_after_warmup(tmp_path):
             SamplingParams(temperature=0.7, max_tokens=8, seed=7),
         ], use_tqdm=False)
         assert runner.compile_stats.runtime_compiles == 0
-        replays = runner.decode_graphs.replays
-        assert replays > 0
+        assert runner.graphs.replays > 0
         # Seeded sampling is reproducible through the graphs.
         seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=8)
         first = llm.generate(PROMPTS[:2], seeded, use_tqdm=False)
@@ -102,7 +142,7 @@ def test_graphs_off_or_async_scheduling_off_give_the_same_tokens(tmp_path):
     penalized = SamplingParams(temperature=0.9, seed=5, max_tokens=10, repetition_penalty=1.3,
                                frequency_penalty=0.3)
     outputs = []
-    for graphs, async_scheduling in ((True, "off"), (False, "on"), (True, "on")):
+    for graphs, async_scheduling in ((True, "auto"), (False, "auto"), (True, "off")):
         config = {"accel": {**CUDA["accel"], "cuda_graphs": graphs,
                             "async_scheduling": async_scheduling,
                             "compile_cache_dir": str(tmp_path / "cache")}}
@@ -110,10 +150,8 @@ def test_graphs_off_or_async_scheduling_off_give_the_same_tokens(tmp_path):
             sampled = llm.generate(PROMPTS, penalized, use_tqdm=False)
             outputs.append((greedy(llm, PROMPTS), [list(o.outputs[0].token_ids) for o in sampled]))
             runner = model_runner(llm)
-            assert (runner.decode_graphs is not None) == graphs
-            assert runner.async_scheduling == (async_scheduling == "on")
-            # With it, decode inputs stay on the GPU.
-            assert (runner.tokens_from_device > 0) == (async_scheduling == "on")
+            assert (runner.graphs is not None) == graphs
+            assert runner.async_scheduling == (async_scheduling == "auto")
     assert outputs[0] == outputs[1] == outputs[2]
 
 

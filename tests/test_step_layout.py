@@ -69,6 +69,30 @@ def test_attention_metadata_masks():
         [1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]]
 
 
+def test_a_sequence_table_has_a_row_per_bucket_token_and_fixed_width():
+    """The cuda layout: the same forwards as rows of query ranges, context
+    lengths and blocks; padding rows have no queries and no context."""
+    layout = pack_step(*_batch(), BLOCK, lambda n: [4, 4, 4], lambda blocks: 4, table_width=3)
+    first, second, third = (f.attn_metadata for f in layout.forwards)
+    assert first.prefills == [] and first.decode_block_table is None
+    # Row 1's decode (position 9: 10 keys), row 0's positions 0..2 (3 keys).
+    table = first.sequences
+    assert table.query_start.tolist() == [0, 1, 4, 4, 4]
+    assert table.seq_lens.tolist() == [10, 3, 0, 0]
+    assert table.block_table.tolist() == [[7, 8, 9], [5, 6, 0], [0, 0, 0], [0, 0, 0]]
+    assert first.num_decodes == 1
+    # Row 0's positions 3..5 (6 keys), row 2's position 4 (5 keys).
+    table = second.sequences
+    assert table.query_start.tolist() == [0, 3, 4, 4, 4]
+    assert table.seq_lens.tolist() == [6, 5, 0, 0]
+    assert table.block_table[:2].tolist() == [[5, 6, 0], [10, 11, 0]]
+    # The last forward: 2 of 4 tokens, row 2's positions 5..6 (7 keys).
+    table = third.sequences
+    assert table.query_start.tolist() == [0, 2, 2, 2, 2] and table.seq_lens.tolist() == [7, 0, 0, 0]
+    assert [md.slot_mapping.tolist() for md in (first, second, third)] == [
+        [37, 20, 21, 22], [23, 24, 25, 44], [45, 46, 0, 0]]
+
+
 def test_the_plan_is_asked_for_the_real_token_count():
     asked = []
     layout = _pack(plan=lambda n: asked.append(n) or [n])

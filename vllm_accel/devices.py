@@ -7,7 +7,8 @@ asks of each.
   is importable; compile backend ``hpu_backend`` (default) or ``eager``.
 - ``cuda``: an NVIDIA GPU (``VLLM_ACCEL_DEVICE=cuda``; never chosen by
   ``auto``); compile backend ``inductor`` (Triton kernels, default) or
-  ``eager``; decode steps replay CUDA graphs captured at warmup.
+  ``eager``; attention is vLLM's Triton kernel, and forwards replay CUDA
+  graphs captured at warmup.
 
 Tensor-parallel workers talk over ``gloo`` on cpu, ``hccl`` on hpu and
 ``nccl`` on cuda.
@@ -16,6 +17,7 @@ Tensor-parallel workers talk over ``gloo`` on cpu, ``hccl`` on hpu and
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,19 @@ class DeviceBackend:
         return self.compile_backend != "eager"
 
     @property
+    def attends_in_one_launch(self) -> bool:
+        """Whether attention reads a forward's layout as one ``SequenceTable``
+        (vLLM's Triton kernel: cuda) rather than decodes and prefill chunks
+        apart (PyTorch, and the cpu decode kernel)."""
+        return self.device == "cuda"
+
+    @property
+    def runs_apart_from_host(self) -> bool:
+        """Whether the host returns while the device computes (kernels queue on
+        a stream), so that scheduling the next step can overlap this one."""
+        return self.device == "cuda"
+
+    @property
     def dist_backend(self) -> str:
         """torch.distributed backend the tensor-parallel workers use."""
         return DIST_BACKENDS[self.device]
@@ -66,6 +81,11 @@ def select_backend(settings: AccelSettings) -> DeviceBackend:
             "device here: use a CUDA build of torch on a host with an NVIDIA GPU, or "
             "device cpu."
         )
+    if device == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ValueError(
+            f"{env_var_name('device')}=cuda needs Triton (attention is vLLM's Triton kernel), "
+            f"and it is not installed beside torch {torch.__version__}: install the triton "
+            "release that torch names, or use device cpu.")
     return DeviceBackend(device=device, compile_backend=backend)
 
 

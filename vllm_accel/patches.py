@@ -1,8 +1,8 @@
 """Every change vllm-accel makes to process-wide state - torch, vLLM and
 transformers behaviour, environment variables, global settings - in one
-place, each with why. Patches 1-3 and 9 are applied by ``apply_patches`` (our
-``vllm.general_plugins`` entry point, once in every vLLM process); 4-8 are
-functions called where the change is needed, named here so that one file lists
+place, each with why. Patches 1-3 and 9-11 are applied by ``apply_patches`` (our
+``vllm.general_plugins`` entry point, once in every vLLM process); 4-8 and 12
+are functions called where the change is needed, named here so that one file lists
 them all. None edits a file on disk; each is idempotent.
 
 1. transformers 5.16-5.20 / vLLM 0.33, without torchvision (no CPU build on the
@@ -88,6 +88,15 @@ them all. None edits a file on disk; each is idempotent.
    request with a repetition penalty failed on the cuda device. When that
    module is imported and the op is missing, its CUDA entry point runs vLLM's
    own PyTorch version (``apply_repetition_penalties_torch``) instead.
+
+12. ``exact_float32_dots`` (the worker, a float32 model on cuda):
+   ``TRITON_F32_DEFAULT=ieee`` unless the user set it. Triton multiplies
+   float32 matrices as TF32 (a 10-bit mantissa) unless a kernel says
+   otherwise, and vLLM's attention kernel leaves it to that default; torch's
+   own float32 matmuls are full precision unless asked, and so is HF's float32
+   model we check tokens against. Only Triton dots of float32 inputs change
+   (inductor states its precision; bfloat16 dots are bfloat16), and Triton's
+   compile cache keys on the variable.
 
 Not a patch but process-wide all the same: ``model/paged_attention.py`` keeps
 the current step's attention layout in a module variable while a forward runs
@@ -380,7 +389,7 @@ def _make_qwen2_vl_video_processor():
     return Qwen2VLVideoProcessor
 
 
-# ---- 4-8: called where needed -----------------------------------------------
+# ---- 4-8, 12: called where needed -------------------------------------------
 
 
 def use_spawn_for_workers() -> bool:
@@ -447,3 +456,8 @@ def nan_for_unloaded_weights():
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         deterministic.fill_uninitialized_memory = was_filling
+
+
+def exact_float32_dots() -> None:
+    """Patch 12: Triton's float32 dots in full precision, unless the user chose."""
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")

@@ -2,8 +2,8 @@
 
 vLLM picks this class through the ``vllm.platform_plugins`` entry point. It
 names our worker and fixes the configuration our runner needs (block size, no
-vLLM-side compilation, vLLM's V1 runner protocol, async scheduling only when
-asked for) without overriding what a user set explicitly unless it must, and
+vLLM-side compilation, vLLM's V1 runner protocol, async scheduling only where
+it overlaps) without overriding what a user set explicitly unless it must, and
 rejects what we do not support with messages that say what is allowed.
 """
 
@@ -18,10 +18,11 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from vllm_accel.architectures import find_architecture, tensor_parallel_names
 from vllm_accel.compat import limit_modality_to_zero
 from vllm_accel import devices
-from vllm_accel.devices import select_backend
+from vllm_accel.devices import DeviceBackend, select_backend
 from vllm_accel.log import get_logger
 from vllm_accel.patches import use_spawn_for_workers
-from vllm_accel.settings import env_var_name, known_env_vars, load_settings, resolve_device
+from vllm_accel.settings import (AccelSettings, env_var_name, known_env_vars, load_settings,
+                                 resolve_device)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -165,10 +166,12 @@ class AccelPlatform(Platform):
         _use_v1_runner_protocol(vllm_config)
 
         scheduler = vllm_config.scheduler_config
-        if scheduler.async_scheduling and not settings.async_scheduling:
-            # vLLM turns it on by default; here it cost more than it overlapped.
-            logger.info_once("vllm-accel runs with async scheduling off (%s=true turns it on).",
-                             env_var_name("async_scheduling"))
+        if scheduler.async_scheduling and not keeps_async_scheduling(settings, backend):
+            # vLLM turns it on by default; it pays only where the device runs
+            # apart from the host.
+            logger.info_once("vllm-accel runs with async scheduling off on device '%s' (%s=%s).",
+                             backend.device, env_var_name("async_scheduling"),
+                             settings.async_scheduling)
             scheduler.async_scheduling = False
         elif scheduler.async_scheduling:
             logger.info_once("vllm-accel runs with async scheduling on.")
@@ -276,6 +279,13 @@ def _use_v1_runner_protocol(vllm_config) -> None:
     if vllm_config.use_v2_model_runner:  # a feature that only V2 has, or a stale env cache
         raise ValueError("vLLM chose its V2 model runner for this configuration; "
                          "vllm-accel's runner is a V1 model runner.")
+
+
+def keeps_async_scheduling(settings: AccelSettings, backend: DeviceBackend) -> bool:
+    """Whether vLLM's async scheduling (on by default) stays on: by default only
+    where the device runs apart from the host, so that scheduling overlaps."""
+    return {"on": True, "off": False}.get(settings.async_scheduling,
+                                          backend.runs_apart_from_host)
 
 
 def _check_parallelism(parallel) -> None:

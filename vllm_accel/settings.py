@@ -63,11 +63,11 @@ class AccelSettings:
     # per token bucket); false runs them as compiled kernels launched one by one.
     cuda_graphs: bool = True
     # vLLM's async scheduling (the next step scheduled while the device runs
-    # this one): off unless asked for, on every device, because it cost more
-    # than it overlapped where measured (an H100, a 1.1B model: 0.76x the
-    # decode throughput; on cpu the forward holds the host and nothing
-    # overlaps). vLLM's --no-async-scheduling always wins.
-    async_scheduling: bool = False
+    # this one): "auto" keeps it where the device runs apart from the host
+    # (cuda), "off" everywhere else, where the forward holds the host and
+    # nothing overlaps; "on" keeps it on any device (tests use it on cpu);
+    # "off" never. vLLM's --no-async-scheduling always wins.
+    async_scheduling: str = "auto"
 
     @property
     def cache_dir(self) -> Path:
@@ -80,6 +80,7 @@ class AccelSettings:
 _ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "hpu", "cuda"),
     "compile_backend": ("auto", "eager", "inductor", "hpu_backend"),
+    "async_scheduling": ("auto", "on", "off"),
 }
 
 _DESCRIPTIONS: dict[str, str] = {
@@ -87,7 +88,6 @@ _DESCRIPTIONS: dict[str, str] = {
     "num_threads": "worker torch threads (an integer >= 0, 0 = torch default)",
     "skip_warmup": "true or false",
     "cuda_graphs": "true or false",
-    "async_scheduling": "true or false",
 }
 
 _TRUE = ("1", "true", "yes", "on")

@@ -16,6 +16,11 @@ tables, masks) from ``attention_context``. Per layer it
 2. attends: all decodes at once, over block tables padded to a context bucket
    (on the CPU with our kernel that reads the blocks in place, decode_kernel.py);
    each prefill chunk over its own context.
+
+On a GPU the layout comes as one ``SequenceTable`` instead (decodes and
+chunks alike are sequences of queries over their blocks), and one launch of
+vLLM's Triton kernel attends the whole forward: no gathered copies, no loop
+over chunks, and tensors of fixed shapes that a CUDA graph can capture.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from fms.modules.attention import register_attention_op
 
+from vllm_accel import compat
 from vllm_accel.model.decode_kernel import DecodeAttentionKernel
 
 ATTN_NAME = "vllm_accel_paged"
@@ -42,25 +48,48 @@ class PrefillChunk:
 
 
 @dataclass
+class SequenceTable:
+    """A forward's tokens as sequences of queries (decodes, then prefill
+    chunks, in packed order), each over its own blocks: the layout vLLM's
+    Triton kernel reads. Rows past the forward's sequences are padding (no
+    queries, no context), so the shapes depend on the token bucket only."""
+
+    query_start: torch.Tensor  # [rows + 1] int32: packed index of each row's first query
+    seq_lens: torch.Tensor  # [rows] int32: tokens the row's last query sees
+    block_table: torch.Tensor  # [rows, width] int32
+
+
+@dataclass
 class PagedAttentionMetadata:
-    """The per-step token layout every layer's attention reads."""
+    """The per-step token layout every layer's attention reads: decodes and
+    prefill chunks apart (cpu, hpu), or one ``SequenceTable`` (cuda)."""
 
     slot_mapping: torch.Tensor  # [tokens] int64: cache slot of each packed token
     num_decodes: int  # tokens [0, num_decodes) are decodes, one per request
-    decode_block_table: torch.Tensor  # [num_decodes, context_bucket] int64
-    decode_context_lens: torch.Tensor  # [num_decodes] int64: tokens each decode sees
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, context_bucket] int64
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64: tokens each sees
     prefills: list[PrefillChunk] = field(default_factory=list)
+    sequences: SequenceTable | None = None
 
     def to(self, device: torch.device) -> PagedAttentionMetadata:
         """The same layout with its tensors on ``device`` (built on the host;
         a GPU's attention reads them there: no host round trip per layer)."""
         if self.slot_mapping.device == device:
             return self
+
+        def copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            # Queued behind the device's work, not waiting for it (the host
+            # memory is staged at once, so it may change after).
+            return None if tensor is None else tensor.to(device, non_blocking=True)
+
+        table = self.sequences
         return PagedAttentionMetadata(
-            self.slot_mapping.to(device), self.num_decodes, self.decode_block_table.to(device),
-            self.decode_context_lens.to(device),
-            [PrefillChunk(c.start, c.end, c.block_table.to(device), c.mask.to(device))
+            copy(self.slot_mapping), self.num_decodes, copy(self.decode_block_table),
+            copy(self.decode_context_lens),
+            [PrefillChunk(c.start, c.end, copy(c.block_table), copy(c.mask))
              for c in self.prefills],
+            None if table is None else SequenceTable(
+                copy(table.query_start), copy(table.seq_lens), copy(table.block_table)),
         )
 
 
@@ -119,6 +148,12 @@ def paged_attention(
     value_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0])
 
     out = query.new_zeros(query.shape)
+    if md.sequences is not None:
+        table = md.sequences
+        compat.triton_paged_attention(
+            query[0].contiguous(), key_cache, value_cache, out[0], table.query_start,
+            table.seq_lens, table.block_table, scale)
+        return out
     if md.num_decodes:
         out[0, : md.num_decodes] = _attend_decodes(query[0, : md.num_decodes], key_cache,
                                                    value_cache, md, scale)

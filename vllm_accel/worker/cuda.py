@@ -1,5 +1,6 @@
 """The cuda device's start-up work for the runner: the memory profile that
-sizes the KV cache, and capturing the decode CUDA graphs (cuda_graphs.py).
+sizes the KV cache, and capturing the CUDA graphs of its forwards
+(cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -9,13 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.utils.math_utils import cdiv
 
-from vllm_accel.model.paged_attention import (
-    PagedAttentionMetadata,
-    PrefillChunk,
-    causal_context_mask,
-)
 from vllm_accel.patches import inductor_cache_dir
-from vllm_accel.worker.cuda_graphs import DecodeGraphs, run_with_metadata
+from vllm_accel.worker.cuda_graphs import ForwardGraphs, empty_layout, run_with_metadata
 from vllm_accel.worker.kv_cache import allocate_kv_caches
 
 if TYPE_CHECKING:
@@ -47,14 +43,13 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
     blocks = cdiv(bucket, bs) + 1  # block 0 is never a request's
     kv_caches = allocate_kv_caches(model.num_layers, blocks, bs, model.num_kv_heads,
                                    model.head_dim, runner.dtype, device)
-    positions = torch.arange(bucket)
-    metadata = PagedAttentionMetadata(
-        slot_mapping=positions + bs, num_decodes=0,
-        decode_block_table=torch.zeros(0, 1, dtype=torch.int64),
-        decode_context_lens=torch.zeros(0, dtype=torch.int64),
-        prefills=[PrefillChunk(0, bucket, torch.arange(1, blocks)[None], causal_context_mask(
-            positions[None], torch.tensor([bucket]), (blocks - 1) * bs))],
-    ).to(device)
+    # One prompt of the whole bucket, in blocks 1, 2, ...
+    metadata = empty_layout(bucket, max(runner.table_width, blocks - 1), device)
+    metadata.slot_mapping += torch.arange(bs, bs + bucket, device=device)
+    table = metadata.sequences
+    table.query_start[1:] = bucket
+    table.seq_lens[0] = bucket
+    table.block_table[0, : blocks - 1] = torch.arange(1, blocks, device=device)
     inputs, positions = dummy_inputs(runner, bucket)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
@@ -68,9 +63,9 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
 
 
 @torch.inference_mode()
-def capture_decode_graphs(runner: AccelModelRunner) -> DecodeGraphs:
+def capture_graphs(runner: AccelModelRunner) -> ForwardGraphs:
     """One graph per token bucket, after warmup compiled every bucket."""
-    graphs = DecodeGraphs(width=runner.context_buckets[-1])
+    graphs = ForwardGraphs(width=runner.table_width)
     call = run_with_metadata(runner.model, runner.kv_caches)
     with inductor_cache_dir(runner.compile_stats.cache_dir):
         for bucket in runner.token_buckets:

@@ -13,8 +13,8 @@ while the device computes. For the runner that means two things:
   into the step's input ids on the device, from ``prev_sampled_token_ids``.
 
 On a device that computes synchronously (cpu) this changes no result and
-overlaps nothing. It is off unless asked for (settings: ``async_scheduling``):
-on an H100 it cost more host time per step than it overlapped.
+overlaps nothing; the platform turns async scheduling on only where the
+device runs apart from the host (settings: ``async_scheduling``).
 """
 
 from __future__ import annotations
@@ -82,22 +82,21 @@ def insert_tokens_in_flight(batch: InputBatch, rows: np.ndarray, first_tokens: n
         return 0
     packed_first = np.empty(batch.num_reqs, dtype=np.int64)
     packed_first[rows] = first_tokens
-    targets, sources = [], []
-    for row, req_id in enumerate(batch.req_ids):
-        index = previous.get(req_id)
-        if index is not None:
-            targets.append(int(packed_first[row]))
-            sources.append(index)
-    if not targets:
+    pairs = [(int(packed_first[row]), index) for row, index in
+             enumerate(map(previous.get, batch.req_ids)) if index is not None]
+    if not pairs:
         return 0
+    targets, sources = np.array(pairs, dtype=np.int64).T
     # Each continuing request decodes the token it sampled: the host must
     # hold the placeholder there, or the two views of the request disagree.
-    known = host_ids[0, targets]
-    if bool((known != PLACEHOLDER).any()):
+    known = host_ids[0].numpy()[targets]
+    if (known != PLACEHOLDER).any():
         raise RuntimeError(
             f"async scheduling: expected the placeholder {PLACEHOLDER} at the packed "
-            f"positions {targets} of the tokens in flight, found {known.tolist()}")
-    device = device_ids.device
-    sampled = batch.prev_sampled_token_ids[torch.tensor(sources, device=device), 0]
-    device_ids[0, torch.tensor(targets, device=device)] = sampled.to(device_ids.dtype)
+            f"positions {targets.tolist()} of the tokens in flight, found {known.tolist()}")
+    # One copy that does not wait for the previous step's work on the device.
+    indices = torch.from_numpy(np.stack([targets, sources])).to(device_ids.device,
+                                                                  non_blocking=True)
+    sampled = batch.prev_sampled_token_ids[indices[1], 0]
+    device_ids[0, indices[0]] = sampled.to(device_ids.dtype)
     return len(targets)

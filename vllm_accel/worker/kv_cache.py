@@ -33,7 +33,11 @@ def kv_cache_bytes(kv_caches: KVCaches) -> int:
 def zero_blocks(kv_caches: KVCaches, block_ids: list[int]) -> None:
     """Zero blocks freshly allocated from vLLM's pool, as its scheduler asks,
     so that no stale (NaN) data from an earlier request reaches attention."""
-    ids = torch.tensor(block_ids)
+    if not kv_caches:
+        return
+    # On the cache's device once, without waiting for its work (cpu ids
+    # would be copied, and waited for, per layer).
+    ids = torch.tensor(block_ids).to(kv_caches[0][0].device, non_blocking=True)
     for key_cache, value_cache in kv_caches:
         key_cache[ids] = 0
         value_cache[ids] = 0

@@ -50,7 +50,7 @@ from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.patches import inductor_cache_dir
 from vllm_accel.settings import AccelSettings, env_var_name
 from vllm_accel.worker.compile_stats import CompileStats
-from vllm_accel.worker.cuda_graphs import DecodeGraphs
+from vllm_accel.worker.cuda_graphs import ForwardGraphs
 from vllm_accel.worker.in_flight import PLACEHOLDER, InFlightOutput, insert_tokens_in_flight
 from vllm_accel.worker.kv_cache import allocate_kv_caches, kv_cache_bytes, zero_blocks
 from vllm_accel.worker.prompt_logprobs import plan_chunk
@@ -100,6 +100,9 @@ class AccelModelRunner:
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
         self.token_buckets = token_buckets(settings.token_buckets, max_step)
         self.context_buckets = context_buckets(settings.context_buckets, self.max_blocks_per_req)
+        # Attention in one launch per forward (cuda) reads a table of the
+        # widest context bucket's blocks: fixed shapes, one graph per bucket.
+        self.table_width = self.context_buckets[-1] if backend.attends_in_one_launch else None
         logger.info(
             "vllm_accel buckets: tokens %s, context blocks %s (block size %d)",
             self.token_buckets, self.context_buckets, self.block_size,
@@ -107,7 +110,7 @@ class AccelModelRunner:
 
         self.model: FmsCausalLM | None = None
         self.decode_kernel: decode_kernel.DecodeAttentionKernel | None = None  # cpu only
-        self.decode_graphs: DecodeGraphs | None = None  # cuda only, after warmup
+        self.graphs: ForwardGraphs | None = None  # cuda only, after warmup
         # Vision-language models only: the architecture's adapter and the encoder.
         self.vision: VisionAdapter | None = None
         self.vision_encoder: VisionEncoder | None = None
@@ -216,9 +219,12 @@ class AccelModelRunner:
             self.block_size, self._plan_forwards, self._context_bucket,
             [s.rope_positions for s in states] if self.vision and self.vision.uses_3d_positions
             else None,
+            self.table_width,
         )
         with inductor_cache_dir(self.compile_stats.cache_dir):
-            inputs = step.input_ids.to(self.device)
+            # Host-to-device copies that do not wait for the device (a plain
+            # .to() synchronises the stream: the previous step's work first).
+            inputs = step.input_ids.to(self.device, non_blocking=True)
             if self.async_scheduling:
                 self.tokens_from_device += insert_tokens_in_flight(
                     batch, step.rows, step.first_tokens, step.input_ids, inputs)
@@ -230,7 +236,8 @@ class AccelModelRunner:
         logits, prompt_logprobs = None, {}
         if self.is_driver:
             # On the runner's device, where the InputBatch keeps sampling state.
-            logits = self.model.compute_logits(hidden[0, step.last_token.to(self.device)])
+            last = step.last_token.to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[0, last])
             prompt_logprobs = self._prompt_logprobs(step, hidden, scheduler_output)
 
         num_tokens = np.array([s.num_tokens for s in states])
@@ -253,9 +260,9 @@ class AccelModelRunner:
             tokens[:, : forward.end - forward.begin] = inputs[:, forward.begin : forward.end]
         count = forward.end - forward.begin
         metadata = forward.attn_metadata.to(self.device)
-        positions = forward.positions.to(self.device)
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.can_replay(forward.bucket, metadata, count):
+        positions = forward.positions.to(self.device, non_blocking=True)
+        graphs = self.graphs
+        if graphs is not None and graphs.can_replay(forward.bucket, metadata):
             # A copy: the graph's output tensor is overwritten by its next replay.
             return graphs.replay(forward.bucket, tokens, positions, metadata)[:, :count].clone()
         with attention_context(metadata, self.decode_kernel):
@@ -345,14 +352,17 @@ class AccelModelRunner:
     def _append_tokens(self, tokens: list[int | None]) -> None:
         """Each batch row's new token (None: none kept) onto its sequence."""
         batch = self.input_batch
-        for i, token in enumerate(tokens):
-            if token is None:
-                continue
-            end = batch.num_tokens_no_spec[i]
-            batch.token_ids_cpu[i, end] = token
-            batch.is_token_ids[i, end] = True
-            batch.num_tokens_no_spec[i] = end + 1
-            self.requests[batch.req_ids[i]].output_token_ids.append(token)
+        rows = np.array([i for i, token in enumerate(tokens) if token is not None], dtype=np.int64)
+        if not len(rows):
+            return
+        kept = [tokens[i] for i in rows]
+        ends = batch.num_tokens_no_spec[rows]
+        batch.token_ids_cpu[rows, ends] = kept
+        batch.is_token_ids[rows, ends] = True
+        batch.num_tokens_no_spec[rows] = ends + 1
+        req_ids = batch.req_ids
+        for row, token in zip(rows.tolist(), kept):
+            self.requests[req_ids[row]].output_token_ids.append(token)
 
     def _sample(self, pending: PendingSample, grammar_output: GrammarOutput | None):
         batch = self.input_batch

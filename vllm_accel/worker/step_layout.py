@@ -24,6 +24,7 @@ from vllm.utils.math_utils import cdiv
 from vllm_accel.model.paged_attention import (
     PagedAttentionMetadata,
     PrefillChunk,
+    SequenceTable,
     causal_context_mask,
 )
 
@@ -67,6 +68,7 @@ def pack_step(
     plan_forwards: Callable[[int], list[int]],
     context_bucket: Callable[[int], int],
     rope_positions: Sequence[RopePositions | None] | None = None,
+    table_width: int | None = None,
 ) -> StepLayout:
     """Pack decodes, then prefill chunks, into one sequence and cut it into
     forwards.
@@ -76,6 +78,9 @@ def pack_step(
     ``plan_forwards(tokens)`` gives the token bucket of each forward (every one
     but the last full), ``context_bucket(blocks)`` the padded decode context.
     ``rope_positions[row]``, for models with 3-D positions, gives each row's.
+    With ``table_width`` each forward's attention layout is a ``SequenceTable``
+    of ``bucket`` rows and that many blocks (fixed shapes: cuda), else decodes
+    and prefill chunks apart.
     """
     bs = block_size
     is_decode = num_scheduled == 1
@@ -98,7 +103,8 @@ def pack_step(
     forwards, begin = [], 0
     for bucket in plan_forwards(total):
         end = min(total, begin + bucket)
-        forwards.append(_forward(packed, begin, end, bucket, block_table, bs, context_bucket))
+        forwards.append(_forward(packed, begin, end, bucket, block_table, bs, context_bucket,
+                                 table_width))
         begin = end
     assert begin == total, f"the forwards cover {begin} of {total} tokens"
     return StepLayout(
@@ -126,8 +132,22 @@ class _Packed:
 
 
 def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np.ndarray,
-             bs: int, context_bucket: Callable[[int], int]) -> BucketedForward:
+             bs: int, context_bucket: Callable[[int], int],
+             table_width: int | None) -> BucketedForward:
     """The forward over packed tokens [begin, end), padded to ``bucket``."""
+    positions = np.zeros((packed.rotary.shape[0], bucket), dtype=np.int64)
+    positions[:, : end - begin] = packed.rotary[:, begin:end]
+    positions = torch.from_numpy(positions)
+    # [1, bucket] for 1-D positions, [3, 1, bucket] for 3-D ones.
+    positions = positions if packed.rotary.shape[0] == 1 else positions[:, None]
+    slots = np.zeros(bucket, dtype=np.int64)  # padding writes into block 0 (vLLM's null block)
+    slots[: end - begin] = packed.slots[begin:end]
+    slots = torch.from_numpy(slots)
+    num_decodes = max(0, min(end, packed.num_decodes) - begin)
+    if table_width is not None:
+        table = _sequence_table(packed, begin, end, bucket, block_table, table_width)
+        metadata = PagedAttentionMetadata(slots, num_decodes, sequences=table)
+        return BucketedForward(begin, end, bucket, positions, metadata)
     pos = packed.pos
     # Decodes are the first packed tokens, one per request.
     decodes = np.arange(begin, min(end, packed.num_decodes))
@@ -151,21 +171,32 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
             mask=causal_context_mask(
                 torch.from_numpy(pos[lo:hi][None]), torch.tensor([context_len]), blocks * bs),
         ))
-    positions = np.zeros((packed.rotary.shape[0], bucket), dtype=np.int64)
-    positions[:, : end - begin] = packed.rotary[:, begin:end]
-    slots = np.zeros(bucket, dtype=np.int64)  # padding writes into block 0 (vLLM's null block)
-    slots[: end - begin] = packed.slots[begin:end]
     metadata = PagedAttentionMetadata(
-        slot_mapping=torch.from_numpy(slots),
-        num_decodes=len(decodes),
+        slot_mapping=slots,
+        num_decodes=num_decodes,
         decode_block_table=torch.from_numpy(block_table[decode_rows, :width].astype(np.int64)),
         decode_context_lens=torch.from_numpy(context_lens.astype(np.int64)),
         prefills=prefills,
     )
-    positions = torch.from_numpy(positions)
-    # [1, bucket] for 1-D positions, [3, 1, bucket] for 3-D ones.
-    positions = positions if packed.rotary.shape[0] == 1 else positions[:, None]
     return BucketedForward(begin, end, bucket, positions, metadata)
+
+
+def _sequence_table(packed: _Packed, begin: int, end: int, rows: int, block_table: np.ndarray,
+                    width: int) -> SequenceTable:
+    """The packed requests' parts within tokens [begin, end) as the rows of a
+    ``SequenceTable`` of ``rows`` rows (padding rows: no queries, no context)."""
+    lo = np.clip(packed.first_tokens, begin, end)
+    hi = np.clip(packed.first_tokens + packed.counts, begin, end)
+    inside = lo < hi
+    lo, hi, order = lo[inside], hi[inside], packed.order[inside]
+    query_start = np.full(rows + 1, end - begin, dtype=np.int32)
+    query_start[: len(lo)] = lo - begin
+    seq_lens = np.zeros(rows, dtype=np.int32)
+    seq_lens[: len(lo)] = packed.pos[hi - 1] + 1
+    table = np.zeros((rows, width), dtype=np.int32)
+    table[: len(lo)] = block_table[order, :width]
+    return SequenceTable(torch.from_numpy(query_start), torch.from_numpy(seq_lens),
+                         torch.from_numpy(table))
 
 
 @dataclass(frozen=True)

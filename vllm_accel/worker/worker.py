@@ -27,9 +27,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_accel.devices import check_dtype, select_backend
-from vllm_accel.patches import set_worker_threads
+from vllm_accel.patches import exact_float32_dots, set_worker_threads
 from vllm_accel.settings import env_var_name, load_settings
-from vllm_accel.worker.cuda import capture_decode_graphs, profile_peak_memory
+from vllm_accel.worker.cuda import capture_graphs, profile_peak_memory
 from vllm_accel.worker.model_runner import AccelModelRunner
 from vllm_accel.worker.warmup import warm_up
 
@@ -81,6 +81,8 @@ class AccelWorker(WorkerBase):
             torch.cuda.empty_cache()
             self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
             self._check_gpu_memory_utilization()
+            if self.model_config.dtype == torch.float32:
+                exact_float32_dots()  # attention's Triton kernel (patches.py, 12)
         check_dtype(self.backend.device, self.model_config.dtype)
         parallel = self.parallel_config
         # Torch threads, and inductor's kernel builds on them (patches.py, 5).
@@ -184,8 +186,8 @@ class AccelWorker(WorkerBase):
             warm_up(self.model_runner)
             if self.backend.device == "cuda" and self.settings.cuda_graphs:
                 captured = time.perf_counter()
-                self.model_runner.decode_graphs = capture_decode_graphs(self.model_runner)
-                logger.info("vllm_accel captured %d CUDA graphs (decode steps) in %.1f s",
+                self.model_runner.graphs = capture_graphs(self.model_runner)
+                logger.info("vllm_accel captured %d CUDA graphs (one per token bucket) in %.1f s",
                             len(self.model_runner.token_buckets),
                             time.perf_counter() - captured)
         # Warmup sampled with seeds: start serving from the configured seed.
