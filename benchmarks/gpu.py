@@ -1,20 +1,26 @@
 """vllm-accel's cuda backend against HF transformers' own batched `generate`,
 side by side in one process on one GPU (run on the accelerator host).
 
-    python benchmarks/gpu.py [--out results.json] [--rounds 3]
+    python benchmarks/gpu.py [--out results.json] [--rounds 3] [--parts ...] [--variants ...]
 
 - Throughput: a ~1B Llama-shaped model with random weights (hidden 2048, 16
   layers, 32 heads, 8 KV heads, intermediate 5632, vocab 32000; bfloat16),
   64 prompts of 128 random tokens, 64 output tokens each (no early stop),
-  greedy. Rounds alternate HF / vllm-accel; each timed run is repeated until
-  it lasts >= 10 s; medians with min-max. vllm-accel with CUDA graphs and
-  without, without vLLM's async scheduling (the default) and with it,
+  greedy; both return token ids (no detokenizing) and the engine's prefix
+  cache is off (the same prompts run again and again; HF has none). Rounds
+  alternate HF / vllm-accel in one process (the engine, in its own process,
+  sits idle while HF runs); each timed run is repeated until it lasts >= 10
+  s; medians with min-max, and the ratio also against HF's best round. vllm-accel with CUDA graphs and
+  without, with vLLM's async scheduling (the default on cuda) and without,
   each against HF in its own alternation.
 - Decode step time at batch 1 and 32 (one engine step of decodes, from the
   difference of two output lengths) against the weight-read floor: weight
   bytes / the GPU's measured read bandwidth (a large bfloat16 sum).
 - Engine start, cold (empty compile cache) and warm.
 - Vision TTFT: one 336x336 image on the tiny LlavaNext fixture.
+- Profiles (``--parts profile,gpu_profile``): the host's functions over a
+  decode-heavy batch (cProfile); one throughput batch under torch's profiler
+  (GPU busy time, top kernels and host ops), then cProfile.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def engine(model: Path, cache: Path, graphs: bool, async_scheduling: str = "off", **kwargs):
+def engine(model: Path, cache: Path, graphs: bool, async_scheduling: str = "auto", **kwargs):
     from vllm import LLM
 
     config = {"accel": {"device": "cuda", "compile_backend": "inductor",
@@ -78,6 +84,16 @@ def engine(model: Path, cache: Path, graphs: bool, async_scheduling: str = "off"
                    gpu_memory_utilization=0.35, seed=0, additional_config=config)
     options.update(kwargs)
     return LLM(model=str(model), **options)
+
+
+def params_like_hf():
+    """HF's generate returns token ids: so does the engine (no detokenizing).
+    The same prompts run again and again, so the engine's prefix cache is off
+    (HF has none): every timed batch prefills all its prompts."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True,
+                          detokenize=False)
 
 
 def shutdown(llm) -> None:
@@ -90,14 +106,13 @@ def shutdown(llm) -> None:
 
 
 # (label, CUDA graphs, async scheduling): each against HF in its own alternation.
-VARIANTS = [("cuda_graphs", True, "off"), ("cuda_graphs_async", True, "on"),
-            ("no_cuda_graphs", False, "off"), ("no_cuda_graphs_async", False, "on")]
+VARIANTS = [("cuda_graphs", True, "on"), ("cuda_graphs_sync", True, "off"),
+            ("no_cuda_graphs", False, "on"), ("no_cuda_graphs_sync", False, "off")]
 
 
 def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path,
                variants: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
@@ -108,14 +123,15 @@ def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path,
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_LEN,
                         min_new_tokens=OUTPUT_LEN, do_sample=False, pad_token_id=0)
 
-    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    params = params_like_hf()
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     results = {}
     tokens = NUM_PROMPTS * OUTPUT_LEN
+    run_hf()  # outside the timing: cuBLAS and the allocator warm
     for name, graphs, async_scheduling in VARIANTS:
         if name not in variants:
             continue
-        llm = engine(model, cache, graphs, async_scheduling)
+        llm = engine(model, cache, graphs, async_scheduling, enable_prefix_caching=False)
 
         def run_accel():
             outs = llm.generate(requests, params, use_tqdm=False)
@@ -124,13 +140,14 @@ def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path,
         run_accel()  # first batch outside the timing (allocator, graph pools)
         hf_tps, accel_tps = [], []
         for _ in range(rounds):
-            seconds, _ = timed(run_hf)
+            seconds, _ = timed(run_hf)  # the engine is up, idle
             hf_tps.append(tokens / seconds)
             seconds, _ = timed(run_accel)
             accel_tps.append(tokens / seconds)
         results[name] = {
             "accel_output_tok_s": summary(accel_tps), "hf_output_tok_s": summary(hf_tps),
             "ratio_median": statistics.median(accel_tps) / statistics.median(hf_tps),
+            "ratio_vs_best_hf": statistics.median(accel_tps) / max(hf_tps),
             "runtime_compiles": llm.collective_rpc("runner_state")[0]["runtime_compiles"],
         }
         print(name, json.dumps(results[name]), flush=True)
@@ -223,11 +240,22 @@ def vision_ttft_llava(root: Path, rounds: int = 10) -> dict:
     return {"ttft_s": summary(times)}
 
 
-def profile_decode(model: Path, prompts: list[list[int]], cache: Path) -> None:
-    """Where a decode-heavy batch's time goes on the host (cProfile, top functions)."""
+def print_host_profile(llm, requests, params) -> None:
+    """Where one ``generate``'s host time goes, by Python function (vLLM's
+    scheduler and ours; cProfile, top functions)."""
     import cProfile
     import pstats
 
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(requests, params, use_tqdm=False)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+
+
+def profile_decode(model: Path, prompts: list[list[int]], cache: Path) -> None:
+    """Where a decode-heavy batch's time goes on the host."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -235,13 +263,39 @@ def profile_decode(model: Path, prompts: list[list[int]], cache: Path) -> None:
     reqs = [TokensPrompt(prompt_token_ids=p[:16]) for p in prompts[:32]]
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     llm.generate(reqs, params, use_tqdm=False)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    llm.generate(reqs, params, use_tqdm=False)
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-    pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+    print_host_profile(llm, reqs, params)
     shutdown(llm)
+
+
+def gpu_profile(model: Path, prompts: list[list[int]], cache: Path) -> None:
+    """Where one throughput batch's time goes (torch profiler, engine core in
+    this process): wall time against the GPU's busy time, the kernels that
+    take it and the host functions around them."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm.inputs import TokensPrompt
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = engine(model, cache, True, enable_prefix_caching=False)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    params = params_like_hf()
+    for _ in range(2):
+        llm.generate(requests, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        llm.generate(requests, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"gpu_profile: wall {wall * 1e3:.1f} ms, kernels {gpu_us / 1e3:.1f} ms "
+          f"({100 * gpu_us / 1e6 / wall:.0f} % busy), {NUM_PROMPTS * OUTPUT_LEN / wall:.0f} tok/s")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    print_host_profile(llm, requests, params)
+    shutdown(llm)
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
 def main() -> None:
@@ -250,8 +304,8 @@ def main() -> None:
     parser.add_argument("--out", default="gpu_results.json")
     parser.add_argument("--parts", default="throughput,floor,start,vision")
     parser.add_argument("--variants", default=",".join(v[0] for v in VARIANTS),
-                        help="throughput variants: CUDA graphs or not, vLLM's async "
-                             "scheduling (_async) or not (the default)")
+                        help="throughput variants: CUDA graphs or not, async scheduling "
+                             "(on) or not (_sync)")
     parser.add_argument("--in-process", action="store_true",
                         help="engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
                              "no overlap of vLLM's output processing with the engine's steps")
@@ -278,6 +332,8 @@ def main() -> None:
                                        args.variants.split(",")))
         if "profile" in parts:
             profile_decode(model, prompts, root / "cache")
+        if "gpu_profile" in parts:
+            gpu_profile(model, prompts, root / "cache")
         if "vision" in parts:
             results["vision"] = vision_ttft_llava(root)
             print("vision", results["vision"], flush=True)
