@@ -4,9 +4,6 @@ attention op reads (vLLM's KV cache manager hands out the block ids)."""
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import numpy as np
 import torch
 
@@ -47,33 +44,12 @@ def zero_blocks(kv_caches: KVCaches, block_ids: list[int]) -> None:
 
 
 def zero_filled(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On the CPU from calloc'd memory, mapped in at once
-    (``populate``): the OS zero-fills it faster than torch.zeros writes it."""
+    """A zero-filled tensor. On the CPU from calloc'd memory, which the OS
+    zero-fills page by page on first touch, so a large cache costs nothing at
+    start-up (torch.zeros writes every byte first)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    memory = np.zeros(nbytes + _HUGE_PAGE, dtype=np.uint8)
-    offset = -memory.ctypes.data % _HUGE_PAGE  # where huge pages can start
-    populate(memory.ctypes.data + offset, nbytes)
+    memory = np.zeros(nbytes + 64, dtype=np.uint8)
+    offset = -memory.ctypes.data % 64  # cache-line aligned, as torch allocates
     return torch.from_numpy(memory[offset : offset + nbytes]).view(dtype).view(shape)
-
-
-_HUGE_PAGE = 2 * 2**20
-_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23  # Linux
-_libc = None
-
-
-def populate(address: int, nbytes: int) -> None:
-    """Map in the pages of [address, address + nbytes) now, huge pages where
-    the OS allows. Left to first touch, every new KV block would page-fault
-    while serving: vLLM hands out free blocks oldest first, so a run touches
-    the whole cache before reusing any (measured: benchmarks/README.md).
-    Without Linux 5.14's MADV_POPULATE_WRITE the pages stay on first touch."""
-    global _libc
-    if not sys.platform.startswith("linux"):
-        return
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _libc.madvise(address, nbytes, _MADV_HUGEPAGE)  # a hint: refused is fine
-    _libc.madvise(address, nbytes, _MADV_POPULATE_WRITE)
