@@ -56,8 +56,8 @@ def hf_cuda_greedy(model_dir, prompts, max_tokens=MAX_TOKENS):
 def test_one_launch_attention_equals_the_pytorch_path(dtype):
     """One step (two decodes, a chunk with earlier context, a new prompt cut
     by the forward's end) laid out both ways: the same attention output."""
-    from vllm_accel.model.paged_attention import (attention_context, paged_attention,
-                                                  register_paged_attention)
+    from vllm_accel.model.paged_attention import (TableShape, attention_context,
+                                                  paged_attention, register_paged_attention)
     from vllm_accel.patches import exact_float32_dots
     from vllm_accel.worker.step_layout import pack_step
 
@@ -71,9 +71,9 @@ def test_one_launch_attention_equals_the_pytorch_path(dtype):
     token_ids = np.zeros((4, 256), dtype=np.int64)
     # 72 tokens: the first forward takes 64 (the new prompt's first 22).
     layouts = [pack_step(token_ids, block_table, num_scheduled, start, block,
-                         lambda n: [64, 64], lambda b: 8, table_width=width
+                         lambda n: [64, 64], lambda b: 8, table_shape=shape
                          ).forwards[0].attn_metadata.to("cuda")
-               for width in (None, 8)]
+               for shape in (None, TableShape(max_sequences=4, width=8))]
     shape = (1, 64, heads, dim)
     query, key, value = (torch.randn(*s, generator=g).to("cuda", dtype)
                          for s in (shape, shape[:2] + (kv_heads, dim), shape[:2] + (kv_heads, dim)))

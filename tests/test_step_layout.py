@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_accel.model.paged_attention import TableShape
 from vllm_accel.worker.step_layout import Placeholder, pack_step, placeholder_rows
 
 BLOCK = 4
@@ -69,28 +70,34 @@ def test_attention_metadata_masks():
         [1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]]
 
 
-def test_a_sequence_table_has_a_row_per_bucket_token_and_fixed_width():
+def test_a_sequence_table_has_a_fixed_shape_per_bucket():
     """The cuda layout: the same forwards as rows of query ranges, context
-    lengths and blocks; padding rows have no queries and no context."""
-    layout = pack_step(*_batch(), BLOCK, lambda n: [4, 4, 4], lambda blocks: 4, table_width=3)
+    lengths and blocks; a row per sequence a forward can hold (here the
+    scheduler's 3, fewer than the 4 tokens), padding rows empty."""
+    layout = pack_step(*_batch(), BLOCK, lambda n: [4, 4, 4], lambda blocks: 4,
+                       table_shape=TableShape(max_sequences=3, width=3))
     first, second, third = (f.attn_metadata for f in layout.forwards)
     assert first.prefills == [] and first.decode_block_table is None
     # Row 1's decode (position 9: 10 keys), row 0's positions 0..2 (3 keys).
     table = first.sequences
-    assert table.query_start.tolist() == [0, 1, 4, 4, 4]
-    assert table.seq_lens.tolist() == [10, 3, 0, 0]
-    assert table.block_table.tolist() == [[7, 8, 9], [5, 6, 0], [0, 0, 0], [0, 0, 0]]
+    assert table.query_start.tolist() == [0, 1, 4, 4]
+    assert table.seq_lens.tolist() == [10, 3, 0]
+    assert table.block_table.tolist() == [[7, 8, 9], [5, 6, 0], [0, 0, 0]]
     assert first.num_decodes == 1
     # Row 0's positions 3..5 (6 keys), row 2's position 4 (5 keys).
     table = second.sequences
-    assert table.query_start.tolist() == [0, 3, 4, 4, 4]
-    assert table.seq_lens.tolist() == [6, 5, 0, 0]
+    assert table.query_start.tolist() == [0, 3, 4, 4]
+    assert table.seq_lens.tolist() == [6, 5, 0]
     assert table.block_table[:2].tolist() == [[5, 6, 0], [10, 11, 0]]
     # The last forward: 2 of 4 tokens, row 2's positions 5..6 (7 keys).
     table = third.sequences
-    assert table.query_start.tolist() == [0, 2, 2, 2, 2] and table.seq_lens.tolist() == [7, 0, 0, 0]
+    assert table.query_start.tolist() == [0, 2, 2, 2] and table.seq_lens.tolist() == [7, 0, 0]
     assert [md.slot_mapping.tolist() for md in (first, second, third)] == [
         [37, 20, 21, 22], [23, 24, 25, 44], [45, 46, 0, 0]]
+    # A bucket smaller than the scheduler's limit: one row per token.
+    (forward,) = pack_step(*_batch(), BLOCK, lambda n: [16], lambda blocks: 4,
+                           table_shape=TableShape(max_sequences=64, width=3)).forwards
+    assert forward.attn_metadata.sequences.seq_lens.tolist() == [10, 6, 7] + [0] * 13
 
 
 def test_the_plan_is_asked_for_the_real_token_count():

@@ -59,6 +59,20 @@ class SequenceTable:
     block_table: torch.Tensor  # [rows, width] int32
 
 
+@dataclass(frozen=True)
+class TableShape:
+    """The fixed shape of every forward's ``SequenceTable``: a row for each
+    sequence one forward can hold (no more than its tokens, nor than the
+    scheduler's ``max_num_seqs``), each ``width`` blocks (the widest context
+    bucket). Fixed per token bucket, so one CUDA graph per bucket."""
+
+    max_sequences: int
+    width: int
+
+    def rows(self, bucket: int) -> int:
+        return min(bucket, self.max_sequences)
+
+
 @dataclass
 class PagedAttentionMetadata:
     """The per-step token layout every layer's attention reads: decodes and

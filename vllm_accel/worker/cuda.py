@@ -44,7 +44,8 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
     kv_caches = allocate_kv_caches(model.num_layers, blocks, bs, model.num_kv_heads,
                                    model.head_dim, runner.dtype, device)
     # One prompt of the whole bucket, in blocks 1, 2, ...
-    metadata = empty_layout(bucket, max(runner.table_width, blocks - 1), device)
+    shape = runner.table_shape
+    metadata = empty_layout(bucket, shape.rows(bucket), max(shape.width, blocks - 1), device)
     metadata.slot_mapping += torch.arange(bs, bs + bucket, device=device)
     table = metadata.sequences
     table.query_start[1:] = bucket
@@ -65,7 +66,7 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
 @torch.inference_mode()
 def capture_graphs(runner: AccelModelRunner) -> ForwardGraphs:
     """One graph per token bucket, after warmup compiled every bucket."""
-    graphs = ForwardGraphs(width=runner.table_width)
+    graphs = ForwardGraphs(runner.table_shape)
     call = run_with_metadata(runner.model, runner.kv_caches)
     with inductor_cache_dir(runner.compile_stats.cache_dir):
         for bucket in runner.token_buckets:

@@ -8,10 +8,10 @@ step's inputs and attention layout are copied into the graph's static
 tensors, then the whole forward is one launch.
 
 What makes every forward capturable is the bucket design itself: tokens are
-padded to the bucket, and the attention layout is a ``SequenceTable`` of one
-row per bucket token (at most that many sequences fit) and the widest context
-bucket's blocks, so one graph per token bucket serves every step of that size,
-decodes and prefill chunks alike.
+padded to the bucket, and the attention layout is a ``SequenceTable`` of a
+fixed shape per bucket (``TableShape``: a row per sequence the forward can
+hold, the widest context bucket's blocks), so one graph per token bucket
+serves every step of that size, decodes and prefill chunks alike.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from vllm_accel.model.paged_attention import (
     PagedAttentionMetadata,
     SequenceTable,
+    TableShape,
     attention_context,
 )
 
@@ -36,26 +37,27 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [1, bucket] ids or [1, bucket, hidden] embeddings
     positions: torch.Tensor  # [1, bucket] or [3, 1, bucket]
-    metadata: PagedAttentionMetadata  # a SequenceTable of bucket rows
+    metadata: PagedAttentionMetadata  # a SequenceTable of the bucket's shape
     hidden: torch.Tensor  # the captured output
 
 
-def empty_layout(bucket: int, width: int, device: torch.device) -> PagedAttentionMetadata:
-    """A forward of ``bucket`` padding tokens: every table row empty."""
+def empty_layout(tokens: int, rows: int, width: int,
+                 device: torch.device) -> PagedAttentionMetadata:
+    """A forward of ``tokens`` padding tokens: every table row empty."""
     return PagedAttentionMetadata(
-        slot_mapping=torch.zeros(bucket, dtype=torch.int64, device=device),
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64, device=device),
         num_decodes=0,
         sequences=SequenceTable(
-            query_start=torch.zeros(bucket + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.zeros(bucket, dtype=torch.int32, device=device),
-            block_table=torch.zeros(bucket, width, dtype=torch.int32, device=device),
+            query_start=torch.zeros(rows + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.zeros(rows, dtype=torch.int32, device=device),
+            block_table=torch.zeros(rows, width, dtype=torch.int32, device=device),
         ),
     )
 
 
 class ForwardGraphs:
-    def __init__(self, width: int):
-        self.width = width  # block-table width of every graph (the widest context bucket)
+    def __init__(self, table_shape: TableShape):
+        self.table_shape = table_shape
         self.graphs: dict[int, _Graph] = {}
         self.pool = None  # one memory pool shared by all graphs (they never run at once)
         self.replays = 0
@@ -64,7 +66,8 @@ class ForwardGraphs:
                 model_call: ModelCall) -> None:
         """Capture the forward of ``bucket`` tokens. ``inputs`` and
         ``positions`` give the dtypes and shapes (their values do not matter)."""
-        metadata = empty_layout(bucket, self.width, inputs.device)
+        shape = self.table_shape
+        metadata = empty_layout(bucket, shape.rows(bucket), shape.width, inputs.device)
         inputs, positions = inputs.clone(), positions.clone()
         model_call(inputs, positions, metadata)  # once outside: lazy state, allocator warm
         torch.cuda.synchronize(inputs.device)
@@ -78,7 +81,7 @@ class ForwardGraphs:
     def can_replay(self, bucket: int, metadata: PagedAttentionMetadata) -> bool:
         table = metadata.sequences
         return bucket in self.graphs and table is not None \
-            and table.block_table.shape == (bucket, self.width)
+            and table.block_table.shape == (self.table_shape.rows(bucket), self.table_shape.width)
 
     def replay(self, bucket: int, inputs: torch.Tensor, positions: torch.Tensor,
                metadata: PagedAttentionMetadata) -> torch.Tensor:

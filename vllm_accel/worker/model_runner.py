@@ -42,7 +42,7 @@ from vllm_accel.devices import DeviceBackend
 from vllm_accel.log import get_logger
 from vllm_accel.model import decode_kernel
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
-from vllm_accel.model.paged_attention import attention_context
+from vllm_accel.model.paged_attention import TableShape, attention_context
 from vllm_accel.multimodal.encoder import VisionEncoder, merge_embeddings
 from vllm_accel.multimodal.inputs import item_tensors
 from vllm_accel.multimodal.mm_mappings import vision_adapter_class
@@ -100,9 +100,10 @@ class AccelModelRunner:
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
         self.token_buckets = token_buckets(settings.token_buckets, max_step)
         self.context_buckets = context_buckets(settings.context_buckets, self.max_blocks_per_req)
-        # Attention in one launch per forward (cuda) reads a table of the
-        # widest context bucket's blocks: fixed shapes, one graph per bucket.
-        self.table_width = self.context_buckets[-1] if backend.attends_in_one_launch else None
+        # Attention in one launch per forward (cuda) reads a table of fixed
+        # shape per token bucket: one graph per bucket.
+        self.table_shape = (TableShape(self.max_num_reqs, self.context_buckets[-1])
+                            if backend.attends_in_one_launch else None)
         logger.info(
             "vllm_accel buckets: tokens %s, context blocks %s (block size %d)",
             self.token_buckets, self.context_buckets, self.block_size,
@@ -219,7 +220,7 @@ class AccelModelRunner:
             self.block_size, self._plan_forwards, self._context_bucket,
             [s.rope_positions for s in states] if self.vision and self.vision.uses_3d_positions
             else None,
-            self.table_width,
+            self.table_shape,
         )
         with inductor_cache_dir(self.compile_stats.cache_dir):
             # Host-to-device copies that do not wait for the device (a plain

@@ -25,6 +25,7 @@ from vllm_accel.model.paged_attention import (
     PagedAttentionMetadata,
     PrefillChunk,
     SequenceTable,
+    TableShape,
     causal_context_mask,
 )
 
@@ -68,7 +69,7 @@ def pack_step(
     plan_forwards: Callable[[int], list[int]],
     context_bucket: Callable[[int], int],
     rope_positions: Sequence[RopePositions | None] | None = None,
-    table_width: int | None = None,
+    table_shape: TableShape | None = None,
 ) -> StepLayout:
     """Pack decodes, then prefill chunks, into one sequence and cut it into
     forwards.
@@ -78,9 +79,9 @@ def pack_step(
     ``plan_forwards(tokens)`` gives the token bucket of each forward (every one
     but the last full), ``context_bucket(blocks)`` the padded decode context.
     ``rope_positions[row]``, for models with 3-D positions, gives each row's.
-    With ``table_width`` each forward's attention layout is a ``SequenceTable``
-    of ``bucket`` rows and that many blocks (fixed shapes: cuda), else decodes
-    and prefill chunks apart.
+    With ``table_shape`` each forward's attention layout is a ``SequenceTable``
+    of that shape (fixed per bucket: cuda), else decodes and prefill chunks
+    apart.
     """
     bs = block_size
     is_decode = num_scheduled == 1
@@ -104,7 +105,7 @@ def pack_step(
     for bucket in plan_forwards(total):
         end = min(total, begin + bucket)
         forwards.append(_forward(packed, begin, end, bucket, block_table, bs, context_bucket,
-                                 table_width))
+                                 table_shape))
         begin = end
     assert begin == total, f"the forwards cover {begin} of {total} tokens"
     return StepLayout(
@@ -133,7 +134,7 @@ class _Packed:
 
 def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np.ndarray,
              bs: int, context_bucket: Callable[[int], int],
-             table_width: int | None) -> BucketedForward:
+             table_shape: TableShape | None) -> BucketedForward:
     """The forward over packed tokens [begin, end), padded to ``bucket``."""
     positions = np.zeros((packed.rotary.shape[0], bucket), dtype=np.int64)
     positions[:, : end - begin] = packed.rotary[:, begin:end]
@@ -144,8 +145,9 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
     slots[: end - begin] = packed.slots[begin:end]
     slots = torch.from_numpy(slots)
     num_decodes = max(0, min(end, packed.num_decodes) - begin)
-    if table_width is not None:
-        table = _sequence_table(packed, begin, end, bucket, block_table, table_width)
+    if table_shape is not None:
+        table = _sequence_table(packed, begin, end, table_shape.rows(bucket), block_table,
+                                table_shape.width)
         metadata = PagedAttentionMetadata(slots, num_decodes, sequences=table)
         return BucketedForward(begin, end, bucket, positions, metadata)
     pos = packed.pos
