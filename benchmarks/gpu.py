@@ -10,9 +10,9 @@ side by side in one process on one GPU (run on the accelerator host).
   cache is off (the same prompts run again and again; HF has none). Rounds
   alternate HF / vllm-accel in one process (the engine, in its own process,
   sits idle while HF runs); each timed run is repeated until it lasts >= 10
-  s; medians with min-max, and the ratio also against HF's best round. vllm-accel with CUDA graphs and
-  without, with vLLM's async scheduling (the default on cuda) and without,
-  each against HF in its own alternation.
+  s; medians with min-max, and the ratio also against HF's best round.
+  vllm-accel with CUDA graphs and without, with vLLM's async scheduling (the
+  default on cuda) and without, each against HF in its own alternation.
 - Decode step time at batch 1 and 32 (one engine step of decodes, from the
   difference of two output lengths) against the weight-read floor: weight
   bytes / the GPU's measured read bandwidth (a large bfloat16 sum).

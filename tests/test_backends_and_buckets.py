@@ -68,6 +68,7 @@ def test_cuda_is_refused_without_a_gpu_or_without_triton(monkeypatch):
     import torch
 
     cuda = load_settings({"accel": {"device": "cuda"}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert select_backend(load_settings()).device == "cpu"  # auto never picks it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"VLLM_ACCEL_DEVICE=cuda, but torch .* sees no CUDA"):

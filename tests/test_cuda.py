@@ -152,6 +152,8 @@ def test_graphs_off_or_async_scheduling_off_give_the_same_tokens(tmp_path):
             runner = model_runner(llm)
             assert (runner.graphs is not None) == graphs
             assert runner.async_scheduling == (async_scheduling == "auto")
+            # With it, decode inputs stay on the GPU.
+            assert (runner.tokens_from_device > 0) == (async_scheduling == "auto")
     assert outputs[0] == outputs[1] == outputs[2]
 
 

@@ -68,7 +68,8 @@ def triton_paged_attention(query, key_cache, value_cache, out, query_start, seq_
     query_start [rows + 1], seq_lens [rows], block_table [rows, width], int32.
     Without split-K scratch buffers it always takes its one-pass (2-D) path,
     whose launch depends on the tensors' shapes only: the maximum lengths it
-    asks for do not matter then."""
+    asks for do not matter then (but for a tuning of head size 256 on
+    Blackwell GPUs, which a longest query above one switches on)."""
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
     unified_attention(
