@@ -161,8 +161,8 @@ def test_step_beyond_every_bucket_runs_as_several_forwards(tiny_models, cache_di
         runner = model_runner(llm)
         forwards = []
         run_forward = runner._run_forward
-        runner._run_forward = lambda fwd, inputs: forwards.append(fwd.bucket) or run_forward(
-            fwd, inputs)
+        runner._run_forward = lambda fwd, *args, **kwargs: forwards.append(
+            fwd.bucket) or run_forward(fwd, *args, **kwargs)
         # 40- and 64-token steps > the largest bucket (16): forwards of 16, no new graph.
         prompts = random_prompts([40, 64], seed=16)
         assert greedy(llm, prompts) == hf_greedy(tiny_models["llama"], prompts, 8)

@@ -44,8 +44,9 @@ def test_decodes_first_then_prefill_chunks_then_padding():
     assert ids == [116 + 9] + [100 + p for p in range(6)] + [132 + p for p in (4, 5, 6)]
     assert (forward.begin, forward.end, forward.bucket) == (0, 10, 16)
     assert pos == [9, 0, 1, 2, 3, 4, 5, 4, 5, 6] + [0] * 6  # padded to the bucket
-    # Each request's last packed token, indexed by batch row.
-    assert layout.last_token.tolist() == [6, 0, 9]
+    assert forward.input_ids[0].tolist() == ids + [0] * 6
+    # Each request's last token, in packed order (rows 1, 0, 2): its logits.
+    assert forward.logit_rows.tolist() == [0, 6, 9]
 
 
 def test_slot_mapping_follows_block_tables_and_padding_writes_block_zero():
@@ -132,8 +133,10 @@ def test_forwards_cut_the_sequence_and_chunks_keep_their_context():
     # Forward 3: the rest of row 2, then padding into block 0.
     assert third.attn_metadata.slot_mapping.tolist() == [45, 46, 0, 0]
     assert third.positions[0].tolist() == [5, 6, 0, 0]
-    # Bookkeeping stays in whole-step packed order.
-    assert layout.last_token.tolist() == [6, 0, 9]
+    # Each forward computes the logits of the requests that end in it (row
+    # 1's decode in the first; rows 0 and 2 end at packed 6 and 9).
+    assert [f.logit_rows.tolist() for f in layout.forwards] == [[0], [2], [1]]
+    assert third.input_ids[0].tolist() == [layout.input_ids[0, 8], layout.input_ids[0, 9], 0, 0]
 
 
 def test_plan_forwards_pads_less_than_one_big_bucket():
@@ -208,3 +211,33 @@ def test_3d_rope_positions_from_the_prompt_then_by_delta():
     assert not pos[:, 10:].any()
     # Attention still follows sequence order.
     assert forward.attn_metadata.prefills[1].mask.shape == (1, 1, 3, 8)
+
+
+def test_forward_inputs_send_a_forward_in_one_buffer():
+    """The cuda layout's inputs as one buffer (here in host memory): every
+    view holds what the forward's own tensors hold, logit rows padded with
+    row 0, and the tokens in flight that fall inside the forward."""
+    from vllm_accel.worker.forward_inputs import ForwardInputs
+
+    shape = TableShape(max_sequences=3, width=3)
+    layout = pack_step(*_batch(), BLOCK, lambda n: [4, 4, 4], lambda blocks: 4,
+                       table_shape=shape)
+    staged = ForwardInputs(4, shape.rows(4), shape.width, 1, torch.device("cpu"))
+    for forward in layout.forwards:
+        sent = staged.send(forward, (np.array([0]), np.array([2])))
+        table, got = forward.attn_metadata.sequences, sent.metadata.sequences
+        assert torch.equal(sent.input_ids, forward.input_ids)
+        assert torch.equal(sent.positions, forward.positions)
+        assert torch.equal(sent.metadata.slot_mapping, forward.attn_metadata.slot_mapping)
+        for name in ("query_start", "seq_lens", "block_table"):
+            assert torch.equal(getattr(got, name), getattr(table, name)), name
+        n = len(forward.logit_rows)
+        assert sent.num_logits == n and sent.logit_rows[:n].tolist() == forward.logit_rows.tolist()
+        assert sent.logit_rows[n:].tolist() == [0] * (3 - n)
+        assert (sent.num_in_flight, sent.in_flight_targets[0], sent.in_flight_sources[0]) == (
+            1, 0, 2)
+    # The views are the buffer a captured graph reads: the same tensors each time.
+    assert sent.input_ids.data_ptr() == staged.input_ids.data_ptr()
+    staged.clear()
+    assert staged.metadata.slot_mapping.tolist() == [0] * 4
+    assert staged.metadata.sequences.seq_lens.tolist() == [0] * 3

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.utils.math_utils import cdiv
 
+from vllm_accel.model.paged_attention import PagedAttentionMetadata, SequenceTable
 from vllm_accel.patches import inductor_cache_dir
-from vllm_accel.worker.cuda_graphs import ForwardGraphs, empty_layout, run_with_metadata
+from vllm_accel.worker.cuda_graphs import ForwardGraphs
 from vllm_accel.worker.kv_cache import allocate_kv_caches
 
 if TYPE_CHECKING:
@@ -34,6 +35,20 @@ def dummy_inputs(runner: AccelModelRunner, bucket: int) -> tuple[torch.Tensor, t
     return inputs, positions
 
 
+def empty_layout(tokens: int, rows: int, width: int,
+                 device: torch.device) -> PagedAttentionMetadata:
+    """A forward of ``tokens`` padding tokens: every table row empty."""
+    return PagedAttentionMetadata(
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64, device=device),
+        num_decodes=0,
+        sequences=SequenceTable(
+            query_start=torch.zeros(rows + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.zeros(rows, dtype=torch.int32, device=device),
+            block_table=torch.zeros(rows, width, dtype=torch.int32, device=device),
+        ),
+    )
+
+
 def profile_peak_memory(runner: AccelModelRunner) -> int:
     """Bytes a prefill forward of the largest token bucket allocates beyond
     what is held before it (its activations), with a KV cache of just the
@@ -52,11 +67,16 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
     table.seq_lens[0] = bucket
     table.block_table[0, : blocks - 1] = torch.arange(1, blocks, device=device)
     inputs, positions = dummy_inputs(runner, bucket)
+    logit_rows = torch.zeros(shape.rows(bucket), dtype=torch.int64, device=device)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    with torch.inference_mode(), inductor_cache_dir(runner.compile_stats.cache_dir):
-        run_with_metadata(model, kv_caches)(inputs, positions, metadata)
+    serving_caches, runner.kv_caches = runner.kv_caches, kv_caches
+    try:
+        with torch.inference_mode(), inductor_cache_dir(runner.compile_stats.cache_dir):
+            runner.model_call(inputs, positions, metadata, logit_rows)
+    finally:
+        runner.kv_caches = serving_caches
     peak = torch.cuda.max_memory_allocated(device) - before
     del kv_caches
     torch.cuda.empty_cache()
@@ -66,11 +86,14 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
 @torch.inference_mode()
 def capture_graphs(runner: AccelModelRunner) -> ForwardGraphs:
     """One graph per token bucket, after warmup compiled every bucket."""
-    graphs = ForwardGraphs(runner.table_shape)
-    call = run_with_metadata(runner.model, runner.kv_caches)
+    graphs = ForwardGraphs()
     with inductor_cache_dir(runner.compile_stats.cache_dir):
         for bucket in runner.token_buckets:
-            graphs.capture(bucket, *dummy_inputs(runner, bucket), call)
+            staged = runner.forward_inputs[bucket]
+            # A vision model runs on embeddings, computed before the graph.
+            inputs = staged.input_ids if runner.vision is None \
+                else dummy_inputs(runner, bucket)[0]
+            graphs.capture(bucket, inputs, staged, runner.model_call)
     runner.compile_stats.after_step("capturing CUDA graphs")
     return graphs
 

@@ -7,10 +7,10 @@ while the device computes. For the runner that means two things:
 - ``InFlightOutput``: step N's output is returned before its tokens reach
   the host; their copy is queued behind the step's kernels and
   ``get_output()`` waits for it (vLLM's ``AsyncModelRunnerOutput``).
-- ``insert_tokens_in_flight``: step N+1 feeds each continuing request the
-  token it sampled at step N, which the host does not know yet (the
-  ``InputBatch`` holds -1 there, as vLLM's GPU runner does); it is copied
-  into the step's input ids on the device, from ``prev_sampled_token_ids``.
+- ``tokens_in_flight``: step N+1 feeds each continuing request the token it
+  sampled at step N, which the host does not know yet (the ``InputBatch``
+  holds -1 there, as vLLM's GPU runner does); the runner copies it into the
+  step's input ids on the device, from ``prev_sampled_token_ids``.
 
 On a device that computes synchronously (cpu) this changes no result and
 overlaps nothing; the platform turns async scheduling on only where the
@@ -70,23 +70,25 @@ class InFlightOutput(AsyncModelRunnerOutput):
         return self._output.kv_connector_output  # None: no KV connectors here
 
 
-def insert_tokens_in_flight(batch: InputBatch, rows: np.ndarray, first_tokens: np.ndarray,
-                            host_ids: torch.Tensor, device_ids: torch.Tensor) -> int:
-    """Copy into ``device_ids`` [1, tokens] the tokens sampled last step by the
-    requests that continue this step (each one's first packed token, where
-    ``host_ids`` holds the placeholder). ``rows``/``first_tokens``: the batch
-    row and the packed index of each packed request (``StepLayout``).
-    Returns how many tokens it copied."""
+NO_TOKENS_IN_FLIGHT = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
+def tokens_in_flight(batch: InputBatch, rows: np.ndarray, first_tokens: np.ndarray,
+                     host_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Where the tokens sampled last step go in this step's packed ids: the
+    packed index of each continuing request's first token (``host_ids``
+    [1, tokens] holds the placeholder there) and its row in last step's
+    ``prev_sampled_token_ids``. ``rows``/``first_tokens``: the batch row and
+    the packed index of each packed request (``StepLayout``). The runner
+    copies them on the device, forward by forward."""
     previous = batch.prev_req_id_to_index
     if not previous or batch.prev_sampled_token_ids is None:
-        return 0
+        return NO_TOKENS_IN_FLIGHT
+    sources = np.array([previous.get(req_id, -1) for req_id in batch.req_ids], dtype=np.int64)
     packed_first = np.empty(batch.num_reqs, dtype=np.int64)
     packed_first[rows] = first_tokens
-    pairs = [(int(packed_first[row]), index) for row, index in
-             enumerate(map(previous.get, batch.req_ids)) if index is not None]
-    if not pairs:
-        return 0
-    targets, sources = np.array(pairs, dtype=np.int64).T
+    continuing = sources >= 0
+    targets, sources = packed_first[continuing], sources[continuing]
     # Each continuing request decodes the token it sampled: the host must
     # hold the placeholder there, or the two views of the request disagree.
     known = host_ids[0].numpy()[targets]
@@ -94,9 +96,4 @@ def insert_tokens_in_flight(batch: InputBatch, rows: np.ndarray, first_tokens: n
         raise RuntimeError(
             f"async scheduling: expected the placeholder {PLACEHOLDER} at the packed "
             f"positions {targets.tolist()} of the tokens in flight, found {known.tolist()}")
-    # One copy that does not wait for the previous step's work on the device.
-    indices = torch.from_numpy(np.stack([targets, sources])).to(device_ids.device,
-                                                                  non_blocking=True)
-    sampled = batch.prev_sampled_token_ids[indices[1], 0]
-    device_ids[0, indices[0]] = sampled.to(device_ids.dtype)
-    return len(targets)
+    return targets, sources

@@ -42,7 +42,11 @@ from vllm_accel.devices import DeviceBackend
 from vllm_accel.log import get_logger
 from vllm_accel.model import decode_kernel
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
-from vllm_accel.model.paged_attention import TableShape, attention_context
+from vllm_accel.model.paged_attention import (
+    PagedAttentionMetadata,
+    TableShape,
+    attention_context,
+)
 from vllm_accel.multimodal.encoder import VisionEncoder, merge_embeddings
 from vllm_accel.multimodal.inputs import item_tensors
 from vllm_accel.multimodal.mm_mappings import vision_adapter_class
@@ -51,7 +55,13 @@ from vllm_accel.patches import inductor_cache_dir
 from vllm_accel.settings import AccelSettings, env_var_name
 from vllm_accel.worker.compile_stats import CompileStats
 from vllm_accel.worker.cuda_graphs import ForwardGraphs
-from vllm_accel.worker.in_flight import PLACEHOLDER, InFlightOutput, insert_tokens_in_flight
+from vllm_accel.worker.forward_inputs import ForwardInputs, device_forward
+from vllm_accel.worker.in_flight import (
+    NO_TOKENS_IN_FLIGHT,
+    PLACEHOLDER,
+    InFlightOutput,
+    tokens_in_flight,
+)
 from vllm_accel.worker.kv_cache import allocate_kv_caches, kv_cache_bytes, zero_blocks
 from vllm_accel.worker.prompt_logprobs import plan_chunk
 from vllm_accel.worker.request_state import RequestStates
@@ -63,6 +73,15 @@ from vllm_accel.worker.step_layout import (
 )
 
 logger = get_logger(__name__)
+
+
+@dataclass
+class MultimodalRows:
+    """A step's image rows in packed order."""
+
+    is_mm: np.ndarray  # [tokens] bool: the packed token takes an image row
+    before: np.ndarray  # [tokens + 1]: image rows before each packed token
+    rows: torch.Tensor | None  # [image rows, hidden]
 
 
 @dataclass
@@ -112,6 +131,8 @@ class AccelModelRunner:
         self.model: FmsCausalLM | None = None
         self.decode_kernel: decode_kernel.DecodeAttentionKernel | None = None  # cpu only
         self.graphs: ForwardGraphs | None = None  # cuda only, after warmup
+        # Each token bucket's inputs in one device buffer (cuda, after load_model).
+        self.forward_inputs: dict[int, ForwardInputs] | None = None
         # Vision-language models only: the architecture's adapter and the encoder.
         self.vision: VisionAdapter | None = None
         self.vision_encoder: VisionEncoder | None = None
@@ -172,6 +193,12 @@ class AccelModelRunner:
         if self.vision is not None:
             self.vision_encoder = VisionEncoder(self.vision, compile_backend,
                                                 self.settings.multimodal_buckets)
+        if self.table_shape is not None:
+            axes = 3 if self.vision is not None and self.vision.uses_3d_positions else 1
+            self.forward_inputs = {
+                bucket: ForwardInputs(bucket, self.table_shape.rows(bucket),
+                                      self.table_shape.width, axes, self.device)
+                for bucket in self.token_buckets}
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         assert self.model is not None
@@ -222,24 +249,34 @@ class AccelModelRunner:
             else None,
             self.table_shape,
         )
+        in_flight = (tokens_in_flight(batch, step.rows, step.first_tokens, step.input_ids)
+                     if self.async_scheduling else NO_TOKENS_IN_FLIGHT)
+        self.tokens_from_device += len(in_flight[0])
+        # Prompt logprobs read every prompt token's hidden state, sampling only
+        # the logits of each request's last token (computed per forward).
+        keep_hidden = any(self.requests[r].prompt_logprobs_pending is not None
+                          for r in scheduler_output.num_scheduled_tokens)
+        multimodal = None
         with inductor_cache_dir(self.compile_stats.cache_dir):
-            # Host-to-device copies that do not wait for the device (a plain
-            # .to() synchronises the stream: the previous step's work first).
-            inputs = step.input_ids.to(self.device, non_blocking=True)
-            if self.async_scheduling:
-                self.tokens_from_device += insert_tokens_in_flight(
-                    batch, step.rows, step.first_tokens, step.input_ids, inputs)
             if self.vision is not None:
                 self._encode_scheduled_images(scheduler_output)
-                inputs = self._merged_embeddings(step, inputs)
-            parts = [self._run_forward(fwd, inputs) for fwd in step.forwards]
+                multimodal = self._multimodal_rows(step)
+            outputs = [self._run_forward(fwd, in_flight, multimodal, keep_hidden,
+                                         copy_outputs=len(step.forwards) > 1)
+                       for fwd in step.forwards]
+        hidden = None
+        if keep_hidden:
+            parts = [h for h, _ in outputs]
             hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         logits, prompt_logprobs = None, {}
         if self.is_driver:
-            # On the runner's device, where the InputBatch keeps sampling state.
-            last = step.last_token.to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[0, last])
-            prompt_logprobs = self._prompt_logprobs(step, hidden, scheduler_output)
+            parts = [lg for _, lg in outputs]
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # packed order
+            if not np.array_equal(step.rows, np.arange(len(step.rows))):
+                by_row = torch.from_numpy(np.argsort(step.rows))
+                logits = logits[by_row.to(self.device, non_blocking=True)]
+            if keep_hidden:
+                prompt_logprobs = self._prompt_logprobs(step, hidden, scheduler_output)
 
         num_tokens = np.array([s.num_tokens for s in states])
         self.pending = PendingSample(
@@ -250,26 +287,53 @@ class AccelModelRunner:
         )
         return None
 
-    def _run_forward(self, forward: BucketedForward, inputs: torch.Tensor) -> torch.Tensor:
-        """Hidden states of the step's tokens [forward.begin, forward.end);
-        ``inputs`` holds the whole step's token ids or embeddings."""
-        tokens = inputs
-        if forward.begin != 0 or forward.bucket != inputs.shape[1]:
-            # A fresh padded tensor, not a view at an offset: compiled graphs
-            # assume (and guard on) aligned inputs.
-            tokens = inputs.new_zeros((1, forward.bucket) + inputs.shape[2:])
-            tokens[:, : forward.end - forward.begin] = inputs[:, forward.begin : forward.end]
+    def _run_forward(self, forward: BucketedForward, in_flight: tuple[np.ndarray, np.ndarray],
+                     multimodal: MultimodalRows | None, keep_hidden: bool, copy_outputs: bool
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The logits of the requests whose last token is among the step's
+        tokens [forward.begin, forward.end) (driver), and those tokens' hidden
+        states if ``keep_hidden``. ``copy_outputs``: a CUDA graph's outputs are
+        overwritten by its next replay; copy them when the step replays again
+        before reading them."""
+        targets, sources = in_flight
+        inside = (targets >= forward.begin) & (targets < forward.end)
+        in_flight = targets[inside] - forward.begin, sources[inside]
+        if self.forward_inputs is not None:
+            inputs = self.forward_inputs[forward.bucket].send(forward, in_flight)
+        else:
+            inputs = device_forward(forward, in_flight, self.device)
+        if inputs.num_in_flight:
+            n = inputs.num_in_flight
+            sampled = self.input_batch.prev_sampled_token_ids[inputs.in_flight_sources[:n], 0]
+            inputs.input_ids[0, inputs.in_flight_targets[:n]] = sampled
+        model_inputs = inputs.input_ids
+        if self.vision is not None:
+            model_inputs = self._embeddings(forward, model_inputs, multimodal)
         count = forward.end - forward.begin
-        metadata = forward.attn_metadata.to(self.device)
-        positions = forward.positions.to(self.device, non_blocking=True)
         graphs = self.graphs
-        if graphs is not None and graphs.can_replay(forward.bucket, metadata):
-            # A copy: the graph's output tensor is overwritten by its next replay.
-            return graphs.replay(forward.bucket, tokens, positions, metadata)[:, :count].clone()
+        replayed = graphs is not None and forward.bucket in graphs.graphs
+        if replayed:
+            hidden, logits = graphs.replay(forward.bucket, model_inputs)
+        else:
+            hidden, logits = self.model_call(model_inputs, inputs.positions, inputs.metadata,
+                                             inputs.logit_rows)
+            self.compile_stats.after_step(f"a forward of {forward.bucket} tokens")
+        hidden = hidden[:, :count] if keep_hidden else None
+        logits = None if logits is None else logits[: inputs.num_logits]
+        if replayed and copy_outputs:
+            hidden, logits = (None if t is None else t.clone() for t in (hidden, logits))
+        return hidden, logits
+
+    def model_call(self, inputs: torch.Tensor, positions: torch.Tensor,
+                   metadata: PagedAttentionMetadata, logit_rows: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward under a layout: hidden states [1, tokens, hidden] and
+        the logits of the tokens ``logit_rows`` (driver only). What the CUDA
+        graphs capture: on a GPU the LM head runs inside the graph too."""
         with attention_context(metadata, self.decode_kernel):
-            hidden = self.model(tokens, positions, self.kv_caches)
-        self.compile_stats.after_step(f"a forward of {forward.bucket} tokens")
-        return hidden[:, :count]
+            hidden = self.model(inputs, positions, self.kv_caches)
+        logits = self.model.compute_logits(hidden[0, logit_rows]) if self.is_driver else None
+        return hidden, logits
 
     def _prompt_logprobs(self, step: StepLayout, hidden: torch.Tensor,
                          scheduler_output: SchedulerOutput) -> dict[str, LogprobsTensors]:
@@ -422,16 +486,26 @@ class AccelModelRunner:
                                      dtype=self.dtype, device=self.device)
             self.encoder_cache[feature.identifier] = group.broadcast(embeds, src=owner)
 
-    def _merged_embeddings(self, step: StepLayout, input_ids: torch.Tensor) -> torch.Tensor:
-        """Text embeddings with image rows at the placeholder positions this
-        step covers (see step_layout.placeholder_rows)."""
+    def _multimodal_rows(self, step: StepLayout) -> MultimodalRows:
+        """Which of the step's packed tokens take image rows, and those rows
+        (see step_layout.placeholder_rows)."""
         placeholders = [s.placeholders for s in self.requests.in_batch_order()]
         is_mm, slices = placeholder_rows(step, placeholders)
+        rows = (torch.cat([self.encoder_cache[key][lo:hi] for key, lo, hi in slices])
+                if slices else None)
+        return MultimodalRows(is_mm, np.concatenate([[0], np.cumsum(is_mm)]), rows)
+
+    def _embeddings(self, forward: BucketedForward, input_ids: torch.Tensor,
+                    multimodal: MultimodalRows) -> torch.Tensor:
+        """The forward's text embeddings with image rows at its placeholder
+        positions."""
         embeds = self.vision.embed_tokens(input_ids)
-        if not slices:
+        first, last = multimodal.before[forward.begin], multimodal.before[forward.end]
+        if first == last:
             return embeds
-        rows = torch.cat([self.encoder_cache[key][lo:hi] for key, lo, hi in slices])
-        return merge_embeddings(embeds, rows, torch.from_numpy(is_mm))
+        is_mm = np.zeros(forward.bucket, dtype=bool)
+        is_mm[: forward.end - forward.begin] = multimodal.is_mm[forward.begin : forward.end]
+        return merge_embeddings(embeds, multimodal.rows[first:last], torch.from_numpy(is_mm))
 
     def reset_encoder_cache(self) -> None:
         self.encoder_cache.clear()

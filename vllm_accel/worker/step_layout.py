@@ -39,10 +39,14 @@ class BucketedForward:
     begin: int
     end: int
     bucket: int
+    input_ids: torch.Tensor  # [1, bucket], padded with 0
     # Rotary positions: [1, bucket], or [3, 1, bucket] for models with 3-D
     # (M-RoPE) positions.
     positions: torch.Tensor
     attn_metadata: PagedAttentionMetadata
+    # The requests whose last token this forward holds, in packed order: that
+    # token's index in the forward (its hidden state gives the request's logits).
+    logit_rows: torch.Tensor
 
 
 @dataclass
@@ -51,7 +55,6 @@ class StepLayout:
 
     input_ids: torch.Tensor  # [1, tokens], unpadded
     forwards: list[BucketedForward]  # consecutive slices of the sequence, in order
-    last_token: torch.Tensor  # [num_reqs] packed index of each request's last token, by row
     # Per packed request (decodes first): batch row, packed index of its first
     # token, number of tokens, and the position of its first token in its sequence.
     rows: np.ndarray
@@ -94,13 +97,12 @@ def pack_step(
     row_of_token = np.repeat(order, counts)
     pos = start[row_of_token] + np.arange(total) - np.repeat(first_tokens, counts)
     slots = block_table[row_of_token, pos // bs] * bs + pos % bs
-    last_token = np.empty(len(order), dtype=np.int64)
-    last_token[order] = ends - 1
     rotary = pos[None]
     if rope_positions is not None:
         rotary = _rope_positions(rope_positions, order, first_tokens, counts, start, total)
 
-    packed = _Packed(order, first_tokens, counts, int(is_decode.sum()), pos, slots, rotary)
+    ids = token_ids[row_of_token, pos].astype(np.int64)
+    packed = _Packed(order, first_tokens, counts, int(is_decode.sum()), ids, pos, slots, rotary)
     forwards, begin = [], 0
     for bucket in plan_forwards(total):
         end = min(total, begin + bucket)
@@ -109,9 +111,8 @@ def pack_step(
         begin = end
     assert begin == total, f"the forwards cover {begin} of {total} tokens"
     return StepLayout(
-        input_ids=torch.from_numpy(token_ids[row_of_token, pos].astype(np.int64))[None],
+        input_ids=torch.from_numpy(ids)[None],
         forwards=forwards,
-        last_token=torch.from_numpy(last_token),
         rows=order,
         first_tokens=first_tokens,
         counts=counts,
@@ -127,6 +128,7 @@ class _Packed:
     first_tokens: np.ndarray
     counts: np.ndarray
     num_decodes: int  # packed requests [0, num_decodes) decode one token each
+    ids: np.ndarray  # [tokens] token ids
     pos: np.ndarray  # [tokens] position of each token in its sequence
     slots: np.ndarray  # [tokens] its KV cache slot
     rotary: np.ndarray  # [1 or 3, tokens] its rotary positions
@@ -136,6 +138,10 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
              bs: int, context_bucket: Callable[[int], int],
              table_shape: TableShape | None) -> BucketedForward:
     """The forward over packed tokens [begin, end), padded to ``bucket``."""
+    ids = np.zeros((1, bucket), dtype=np.int64)
+    ids[0, : end - begin] = packed.ids[begin:end]
+    last = packed.first_tokens + packed.counts - 1
+    logit_rows = torch.from_numpy(last[(last >= begin) & (last < end)] - begin)
     positions = np.zeros((packed.rotary.shape[0], bucket), dtype=np.int64)
     positions[:, : end - begin] = packed.rotary[:, begin:end]
     positions = torch.from_numpy(positions)
@@ -149,7 +155,8 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
         table = _sequence_table(packed, begin, end, table_shape.rows(bucket), block_table,
                                 table_shape.width)
         metadata = PagedAttentionMetadata(slots, num_decodes, sequences=table)
-        return BucketedForward(begin, end, bucket, positions, metadata)
+        return BucketedForward(begin, end, bucket, torch.from_numpy(ids), positions, metadata,
+                               logit_rows)
     pos = packed.pos
     # Decodes are the first packed tokens, one per request.
     decodes = np.arange(begin, min(end, packed.num_decodes))
@@ -180,7 +187,8 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
         decode_context_lens=torch.from_numpy(context_lens.astype(np.int64)),
         prefills=prefills,
     )
-    return BucketedForward(begin, end, bucket, positions, metadata)
+    return BucketedForward(begin, end, bucket, torch.from_numpy(ids), positions, metadata,
+                           logit_rows)
 
 
 def _sequence_table(packed: _Packed, begin: int, end: int, rows: int, block_table: np.ndarray,

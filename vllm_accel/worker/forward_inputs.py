@@ -1,0 +1,156 @@
+"""A forward's inputs on the GPU in one buffer, sent in one copy (cuda).
+
+A forward reads token ids, rotary positions, KV cache slots, the sequence
+table (query starts, context lengths, block tables), the rows whose logits
+it computes and, under async scheduling, where the tokens still in flight go.
+Sent as separate tensors that is ~9 host-to-device copies a forward, each a
+driver call from pageable memory, then as many copies into the CUDA graph's
+own tensors: host time the GPU waits for, every step (the engine is bound by
+its host on a GPU). Here all of a token bucket's inputs live in one device
+buffer, which the bucket's graph reads in place; each forward writes them
+into pinned host memory and sends them with one non-blocking copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_accel.model.paged_attention import PagedAttentionMetadata, SequenceTable
+from vllm_accel.worker.step_layout import BucketedForward
+
+
+@dataclass
+class DeviceForward:
+    """What one forward reads on the device."""
+
+    input_ids: torch.Tensor  # [1, bucket]
+    positions: torch.Tensor  # [1, bucket] or [3, 1, bucket]
+    metadata: PagedAttentionMetadata
+    logit_rows: torch.Tensor  # [rows]: the real ones first, then padding (row 0)
+    num_logits: int  # how many of logit_rows are real
+    # Tokens in flight (async scheduling): input_ids[0, targets[:n]] takes the
+    # previous step's sampled tokens[sources[:n]].
+    in_flight_targets: torch.Tensor
+    in_flight_sources: torch.Tensor
+    num_in_flight: int
+
+
+def device_forward(forward: BucketedForward, in_flight: tuple[np.ndarray, np.ndarray],
+                   device: torch.device) -> DeviceForward:
+    """``forward``'s inputs as tensors of their own on ``device`` (cpu: the
+    same tensors): for devices whose layout is not a fixed-shape table."""
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device, non_blocking=True)
+
+    targets, sources = (torch.from_numpy(a) for a in in_flight)
+    return DeviceForward(copy(forward.input_ids), copy(forward.positions),
+                         forward.attn_metadata.to(device), copy(forward.logit_rows),
+                         len(forward.logit_rows), copy(targets), copy(sources), len(targets))
+
+
+class _Layout:
+    """Where each input sits in the buffer: int64 ones first, then int32 ones."""
+
+    def __init__(self, bucket: int, rows: int, width: int, position_axes: int):
+        self.shapes64 = {"input_ids": (1, bucket), "slots": (bucket,), "logit_rows": (rows,),
+                         "in_flight_targets": (rows,), "in_flight_sources": (rows,),
+                         "positions": (1, bucket) if position_axes == 1
+                         else (position_axes, 1, bucket)}
+        self.shapes32 = {"query_start": (rows + 1,), "seq_lens": (rows,),
+                         "block_table": (rows, width)}
+        self.size64 = sum(int(np.prod(s)) for s in self.shapes64.values())
+        size32 = sum(int(np.prod(s)) for s in self.shapes32.values())
+        self.words = self.size64 + -(-size32 // 2)  # int64 words in all
+
+    def views(self, buffer):
+        """Named views into an int64 buffer (torch tensor or numpy array)."""
+        out, offset = {}, 0
+        for name, shape in self.shapes64.items():
+            size = int(np.prod(shape))
+            out[name] = buffer[offset : offset + size].reshape(shape)
+            offset += size
+        int32 = buffer[self.size64 :].view(np.int32 if isinstance(buffer, np.ndarray)
+                                           else torch.int32)
+        offset = 0
+        for name, shape in self.shapes32.items():
+            size = int(np.prod(shape))
+            out[name] = int32[offset : offset + size].reshape(shape)
+            offset += size
+        return out
+
+
+class ForwardInputs:
+    """The device inputs of every forward of one token bucket (rows: the
+    bucket's sequence table rows, ``TableShape.rows``)."""
+
+    def __init__(self, bucket: int, rows: int, width: int, position_axes: int,
+                 device: torch.device):
+        self.bucket, self.rows = bucket, rows
+        self._layout = _Layout(bucket, rows, width, position_axes)
+        self._buffer = torch.zeros(self._layout.words, dtype=torch.int64, device=device)
+        views = self._layout.views(self._buffer)
+        self.input_ids, self.positions = views["input_ids"], views["positions"]
+        self.metadata = PagedAttentionMetadata(
+            slot_mapping=views["slots"], num_decodes=0,
+            sequences=SequenceTable(views["query_start"], views["seq_lens"],
+                                    views["block_table"]))
+        self.logit_rows = views["logit_rows"]
+        self._in_flight = views["in_flight_targets"], views["in_flight_sources"]
+        # Pinned host buffers and the event of each one's last copy: the host
+        # fills a buffer only once the device has read it (a step is prepared
+        # while the previous one runs, and a step may hold several forwards of
+        # this bucket), so there are as many as copies in flight.
+        self._on_gpu = self._buffer.is_cuda
+        self._host: list[tuple[torch.Tensor, dict[str, np.ndarray], _CopyDone]] = []
+
+    def clear(self) -> None:
+        """An empty layout: padding tokens in the null block, no sequences."""
+        self._buffer.zero_()
+
+    def send(self, forward: BucketedForward, in_flight: tuple[np.ndarray, np.ndarray]
+             ) -> DeviceForward:
+        """Write ``forward``'s inputs (``in_flight``: packed indices in the
+        forward and the previous step's rows of the tokens in flight) and
+        queue their copy to the device."""
+        host, views, event = self._free_host_buffer()
+        table = forward.attn_metadata.sequences
+        assert forward.bucket == self.bucket and table.block_table.shape[0] == self.rows
+        views["input_ids"][:] = forward.input_ids.numpy()
+        views["positions"][:] = forward.positions.numpy()
+        views["slots"][:] = forward.attn_metadata.slot_mapping.numpy()
+        views["query_start"][:] = table.query_start.numpy()
+        views["seq_lens"][:] = table.seq_lens.numpy()
+        views["block_table"][:] = table.block_table.numpy()
+        num_logits = len(forward.logit_rows)
+        views["logit_rows"][:num_logits] = forward.logit_rows.numpy()
+        views["logit_rows"][num_logits:] = 0
+        targets, sources = in_flight
+        views["in_flight_targets"][: len(targets)] = targets
+        views["in_flight_sources"][: len(sources)] = sources
+        self._buffer.copy_(host, non_blocking=True)
+        event.record()
+        return DeviceForward(self.input_ids, self.positions, self.metadata, self.logit_rows,
+                             num_logits, *self._in_flight, len(targets))
+
+    def _free_host_buffer(self):
+        for entry in self._host:
+            if entry[2].query():  # its last copy is done
+                return entry
+        host = torch.zeros(self._layout.words, dtype=torch.int64, pin_memory=self._on_gpu)
+        entry = (host, self._layout.views(host.numpy()),
+                 torch.cuda.Event() if self._on_gpu else _CopyDone())
+        self._host.append(entry)
+        return entry
+
+
+class _CopyDone:
+    """The event of a copy that was synchronous (a device in host memory)."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
