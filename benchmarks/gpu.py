@@ -18,9 +18,11 @@ side by side in one process on one GPU (run on the accelerator host).
   bytes / the GPU's measured read bandwidth (a large bfloat16 sum).
 - Engine start, cold (empty compile cache) and warm.
 - Vision TTFT: one 336x336 image on the tiny LlavaNext fixture.
-- Profiles (``--parts profile,gpu_profile``): the host's functions over a
-  decode-heavy batch (cProfile); one throughput batch under torch's profiler
-  (GPU busy time, top kernels and host ops), then cProfile.
+- Profiles (``--parts profile,gpu_profile,host_split``): the host's functions
+  over a decode-heavy batch (cProfile); one throughput batch under torch's
+  profiler (GPU busy time, top kernels and host ops), then cProfile; the host
+  time of an engine step split between vLLM's scheduler, our runner and
+  waiting for the GPU (timers, no profiler).
 """
 
 from __future__ import annotations
@@ -298,6 +300,61 @@ def gpu_profile(model: Path, prompts: list[list[int]], cache: Path) -> None:
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
+def host_split(model: Path, prompts: list[list[int]], cache: Path, batches: int = 5) -> dict:
+    """Where an engine step's wall time goes on the host (engine core in this
+    process, throughput batches): mean microseconds per step in vLLM's
+    scheduler, in our runner (the graph launch apart) and waiting for the
+    GPU's tokens; the rest is vLLM's engine loop and output processing."""
+    import collections
+
+    from vllm.inputs import TokensPrompt
+
+    from vllm_accel.worker.cuda_graphs import ForwardGraphs
+    from vllm_accel.worker.in_flight import InFlightOutput
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = engine(model, cache, True, enable_prefix_caching=False)
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    seconds, calls = collections.defaultdict(float), collections.Counter()
+
+    def timed(owner, name, label):
+        function = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - started
+                calls[label] += 1
+
+        setattr(owner, name, wrapper)
+
+    timed(core.scheduler, "schedule", "vllm_schedule")
+    timed(core.scheduler, "update_from_output", "vllm_update_from_output")
+    timed(runner, "execute_model", "runner_execute_model")
+    timed(runner, "sample_tokens", "runner_sample_tokens")
+    timed(ForwardGraphs, "replay", "graph_replay (in execute_model)")
+    timed(InFlightOutput, "get_output", "waiting_for_tokens (get_output)")
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    params = params_like_hf()
+    llm.generate(requests, params, use_tqdm=False)
+    seconds.clear()
+    calls.clear()
+    started = time.perf_counter()
+    for _ in range(batches):
+        llm.generate(requests, params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    steps = calls["vllm_schedule"]
+    out = {"steps": steps, "step_wall_us": 1e6 * wall / steps,
+           **{label: 1e6 * total / steps for label, total in seconds.items()}}
+    print("host_split (us per engine step)", json.dumps(out), flush=True)
+    shutdown(llm)
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -334,6 +391,8 @@ def main() -> None:
             profile_decode(model, prompts, root / "cache")
         if "gpu_profile" in parts:
             gpu_profile(model, prompts, root / "cache")
+        if "host_split" in parts:
+            results["host_split"] = host_split(model, prompts, root / "cache")
         if "vision" in parts:
             results["vision"] = vision_ttft_llava(root)
             print("vision", results["vision"], flush=True)
