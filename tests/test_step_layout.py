@@ -64,7 +64,9 @@ def test_attention_metadata_masks():
     assert md.decode_context_lens.tolist() == [10]  # row 1 decodes position 9
     first, second = md.prefills
     assert (first.start, first.end, second.start, second.end) == (1, 7, 7, 10)
-    assert first.block_table.tolist() == [[5, 6]] and second.block_table.tolist() == [[10, 11]]
+    # Row 0's chunk starts its prompt: no earlier context, no blocks to read.
+    assert first.block_table is None and first.mask is None
+    assert second.block_table.tolist() == [[10, 11]]
     # Row 2's chunk at positions 4-6 sees the cached positions 0-3 and itself causally.
     assert second.mask.shape == (1, 1, 3, 8)
     assert second.mask[0, 0].int().tolist() == [
@@ -118,7 +120,7 @@ def test_forwards_cut_the_sequence_and_chunks_keep_their_context():
     md = first.attn_metadata
     assert md.num_decodes == 1 and md.decode_block_table.tolist() == [[7, 8, 9, 0]]
     (chunk,) = md.prefills
-    assert (chunk.start, chunk.end, chunk.block_table.tolist()) == (1, 4, [[5]])
+    assert (chunk.start, chunk.end, chunk.block_table) == (1, 4, None)  # the prompt's start
     assert first.positions[0].tolist() == [9, 0, 1, 2]
     # Forward 2: row 0's positions 3..5 (context 6: blocks 5 and 6), row 2's position 4.
     md = second.attn_metadata

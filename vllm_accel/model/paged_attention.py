@@ -15,7 +15,8 @@ tables, masks) from ``attention_context``. Per layer it
    which vLLM never hands to a request);
 2. attends: all decodes at once, over block tables padded to a context bucket
    (on the CPU with our kernel that reads the blocks in place, decode_kernel.py);
-   each prefill chunk over its own context.
+   each prefill chunk over its own context (a chunk that starts its prompt:
+   causally over its own new keys, nothing read from the cache).
 
 On a GPU the layout comes as one ``SequenceTable`` instead (decodes and
 chunks alike are sequences of queries over their blocks), and one launch of
@@ -41,10 +42,14 @@ ATTN_NAME = "vllm_accel_paged"
 
 @dataclass
 class PrefillChunk:
+    """One request's prompt tokens in a forward. A chunk that starts the
+    prompt (no earlier context) attends to its own new keys/values causally;
+    one with earlier context, over its blocks in the cache."""
+
     start: int  # first token of the chunk in the packed sequence
     end: int
-    block_table: torch.Tensor  # [1, blocks] the request's blocks
-    mask: torch.Tensor  # [1, 1, chunk_len, blocks * block_size] bool
+    block_table: torch.Tensor | None = None  # [1, blocks] the request's blocks
+    mask: torch.Tensor | None = None  # [1, 1, chunk_len, blocks * block_size] bool
 
 
 @dataclass
@@ -173,10 +178,19 @@ def paged_attention(
                                                    value_cache, md, scale)
     for chunk in md.prefills:
         # One request's chunk: its tokens are the query rows of one sequence.
-        chunk_query = query[0, chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-        out[0, chunk.start : chunk.end] = _attend(
-            chunk_query, key_cache, value_cache, chunk.block_table, chunk.mask, scale
-        )[0].transpose(0, 1)
+        rows = slice(chunk.start, chunk.end)
+        chunk_query = query[0, rows].transpose(0, 1).unsqueeze(0)
+        if chunk.block_table is None:
+            # The prompt's start: its keys are the chunk's own, and a causal
+            # SDPA (flash on the CPU) needs no gathered copy and no mask.
+            keys, values = (t[0, rows].transpose(0, 1).unsqueeze(0) for t in (key, value))
+            attended = F.scaled_dot_product_attention(
+                chunk_query, keys, values, is_causal=True, scale=scale,
+                enable_gqa=chunk_query.shape[1] != keys.shape[1])
+        else:
+            attended = _attend(chunk_query, key_cache, value_cache, chunk.block_table,
+                               chunk.mask, scale)
+        out[0, rows] = attended[0].transpose(0, 1)
     return out
 
 

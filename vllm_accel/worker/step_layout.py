@@ -170,6 +170,9 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
         hi = min(int(packed.first_tokens[i] + packed.counts[i]), end)
         if lo >= hi:
             continue
+        if pos[lo] == 0:  # the prompt's start: no earlier context to read
+            prefills.append(PrefillChunk(start=lo - begin, end=hi - begin))
+            continue
         row = packed.order[i]
         context_len = int(pos[hi - 1]) + 1
         blocks = cdiv(context_len, bs)
