@@ -110,6 +110,39 @@ def test_text_parity_batch_chunked_and_prefix_hit(text_model, tmp_path):
         assert runner.compile_stats.runtime_compiles == 0
 
 
+def test_a_step_of_several_forwards_replays_each_and_keeps_their_outputs(tmp_path):
+    """Steps beyond the largest bucket (16) run as several forwards of one
+    bucket: the same graph replays in one step, so each replay's logits (and,
+    for prompt logprobs, hidden states) must be kept before the next."""
+    from vllm import SamplingParams
+
+    model = make_tiny_model("llama", tmp_path / "llama")
+    expected = hf_cuda_greedy(model, PROMPTS)
+    config = {"accel": {**CUDA["accel"], "token_buckets": "1,4,16",
+                        "compile_cache_dir": str(tmp_path / "cache")}}
+    with running_llm(model, additional_config=config, max_num_seqs=8,
+                     max_num_batched_tokens=64, **GPU_SHARE) as llm:
+        runner = model_runner(llm)
+        replays = runner.graphs.replays
+        assert greedy(llm, PROMPTS) == expected  # the first step: 64 tokens, 4 forwards
+        assert runner.graphs.replays - replays > MAX_TOKENS  # more replays than steps
+        with_logprobs = llm.generate(PROMPTS, SamplingParams(
+            temperature=0, max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+        assert runner.compile_stats.runtime_compiles == 0
+    assert [list(o.outputs[0].token_ids) for o in with_logprobs] == [t[:2] for t in expected]
+    # Every prompt token's logprob, as HF's model gives it.
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).cuda().eval()
+    for out in with_logprobs:
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            reference = hf(torch.tensor([ids], device="cuda")).logits[0].log_softmax(-1)
+        got = [out.prompt_logprobs[i][token].logprob for i, token in enumerate(ids) if i]
+        want = [reference[i - 1, token].item() for i, token in enumerate(ids) if i]
+        assert np.allclose(got, want, atol=1e-3), (got, want)
+
+
 def test_mixed_traffic_compiles_nothing_after_warmup(tmp_path):
     from vllm import SamplingParams
 

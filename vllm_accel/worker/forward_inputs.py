@@ -3,10 +3,10 @@
 A forward reads token ids, rotary positions, KV cache slots, the sequence
 table (query starts, context lengths, block tables), the rows whose logits
 it computes and, under async scheduling, where the tokens still in flight go.
-Sent as separate tensors that is ~9 host-to-device copies a forward, each a
-driver call from pageable memory, then as many copies into the CUDA graph's
-own tensors: host time the GPU waits for, every step (the engine is bound by
-its host on a GPU). Here all of a token bucket's inputs live in one device
+Sent as separate tensors that was eight host-to-device copies a one-forward
+step, each a driver call from pageable memory, then six copies into the CUDA
+graph's own tensors: host time the GPU waits for, every step (the engine is
+bound by its host on a GPU). Here all of a token bucket's inputs live in one device
 buffer, which the bucket's graph reads in place; each forward writes them
 into pinned host memory and sends them with one non-blocking copy.
 """
