@@ -116,17 +116,19 @@ class ForwardInputs:
         forward and the previous step's rows of the tokens in flight) and
         queue their copy to the device."""
         host, views, event = self._free_host_buffer()
-        table = forward.attn_metadata.sequences
-        assert forward.bucket == self.bucket and table.block_table.shape[0] == self.rows
-        views["input_ids"][:] = forward.input_ids.numpy()
-        views["positions"][:] = forward.positions.numpy()
-        views["slots"][:] = forward.attn_metadata.slot_mapping.numpy()
-        views["query_start"][:] = table.query_start.numpy()
-        views["seq_lens"][:] = table.seq_lens.numpy()
-        views["block_table"][:] = table.block_table.numpy()
-        num_logits = len(forward.logit_rows)
-        views["logit_rows"][:num_logits] = forward.logit_rows.numpy()
-        views["logit_rows"][num_logits:] = 0
+        assert forward.bucket == self.bucket
+        n = forward.end - forward.begin
+        _put(views["input_ids"][0], forward.token_ids, n)
+        _put(views["positions"].reshape(-1, self.bucket), forward.rotary, n)
+        _put(views["slots"], forward.slots, n)  # padding writes into block 0
+        first, seq_lens, blocks = forward.table_rows()
+        rows = len(first)
+        _put(views["query_start"], first, rows, fill=n)  # padding rows: no queries
+        _put(views["seq_lens"], seq_lens, rows)
+        views["block_table"][:rows] = blocks
+        views["block_table"][rows:] = 0
+        num_logits = len(forward.logit_index)
+        _put(views["logit_rows"], forward.logit_index, num_logits)
         targets, sources = in_flight
         views["in_flight_targets"][: len(targets)] = targets
         views["in_flight_sources"][: len(sources)] = sources
@@ -144,6 +146,12 @@ class ForwardInputs:
                  torch.cuda.Event() if self._on_gpu else _CopyDone())
         self._host.append(entry)
         return entry
+
+
+def _put(view: np.ndarray, values: np.ndarray, count: int, fill: int = 0) -> None:
+    """``view[..., :count]`` takes ``values``; the rest is padding (``fill``)."""
+    view[..., :count] = values
+    view[..., count:] = fill
 
 
 class _CopyDone:

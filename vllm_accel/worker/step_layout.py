@@ -14,6 +14,7 @@ tests/test_step_layout.py.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,23 +31,95 @@ from vllm_accel.model.paged_attention import (
 )
 
 
-@dataclass
 class BucketedForward:
     """One model call: tokens [begin, end) of the step's packed sequence,
     padded to ``bucket`` tokens (padding sits at position 0 and writes its
-    keys/values into block 0, vLLM's null block)."""
+    keys/values into block 0, vLLM's null block).
 
-    begin: int
-    end: int
-    bucket: int
-    input_ids: torch.Tensor  # [1, bucket], padded with 0
-    # Rotary positions: [1, bucket], or [3, 1, bucket] for models with 3-D
-    # (M-RoPE) positions.
-    positions: torch.Tensor
-    attn_metadata: PagedAttentionMetadata
-    # The requests whose last token this forward holds, in packed order: that
-    # token's index in the forward (its hidden state gives the request's logits).
-    logit_rows: torch.Tensor
+    Two views of it: its unpadded rows as numpy (``token_ids``, ``rotary``,
+    ``slots``, ``logit_index``, ``table_rows``: what a device buffer takes,
+    forward_inputs.py, without building tensors first) and its padded tensors
+    (``input_ids``, ``positions``, ``attn_metadata``, ``logit_rows``), built
+    on first use.
+    """
+
+    def __init__(self, packed: _Packed, begin: int, end: int, bucket: int,
+                 block_table: np.ndarray, block_size: int,
+                 context_bucket: Callable[[int], int], table_shape: TableShape | None):
+        self.begin, self.end, self.bucket = begin, end, bucket
+        self._packed, self._block_table, self._block_size = packed, block_table, block_size
+        self._context_bucket, self._table_shape = context_bucket, table_shape
+        last = packed.last_tokens
+        whole = begin == 0 and end == len(packed.ids)  # the common case: one forward
+        # The requests whose last token this forward holds, in packed order:
+        # that token's index in the forward (its hidden state gives the
+        # request's logits).
+        self.logit_index = last if whole else last[(last >= begin) & (last < end)] - begin
+        self.token_ids = packed.ids[begin:end]
+        self.rotary = packed.rotary[:, begin:end]  # [1 or 3, tokens]
+        self.slots = packed.slots[begin:end]
+
+    def table_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The forward's sequences, unpadded: each one's first query (its
+        packed index in the forward), context length and block table row
+        (``table_shape``'s width)."""
+        packed, begin, end = self._packed, self.begin, self.end
+        lo, hi, order = packed.first_tokens, packed.first_tokens + packed.counts, packed.order
+        if begin > 0 or end < len(packed.ids):
+            lo, hi = np.clip(lo, begin, end), np.clip(hi, begin, end)
+            inside = lo < hi
+            lo, hi, order = lo[inside], hi[inside], order[inside]
+        return (lo - begin, packed.pos[hi - 1] + 1,
+                self._block_table[order, : self._table_shape.width])
+
+    @functools.cached_property
+    def input_ids(self) -> torch.Tensor:
+        """[1, bucket], padded with 0."""
+        return torch.from_numpy(_padded(self.token_ids, self.bucket))[None]
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """Rotary positions: [1, bucket], or [3, 1, bucket] for models with 3-D
+        (M-RoPE) positions."""
+        positions = torch.from_numpy(_padded(self.rotary, self.bucket))
+        return positions if positions.shape[0] == 1 else positions[:, None]
+
+    @functools.cached_property
+    def logit_rows(self) -> torch.Tensor:
+        return torch.from_numpy(self.logit_index)
+
+    @functools.cached_property
+    def attn_metadata(self) -> PagedAttentionMetadata:
+        packed, begin, end = self._packed, self.begin, self.end
+        slots = torch.from_numpy(_padded(self.slots, self.bucket))  # padding: block 0
+        num_decodes = max(0, min(end, packed.num_decodes) - begin)
+        if self._table_shape is not None:
+            return PagedAttentionMetadata(slots, num_decodes, sequences=self._sequence_table())
+        return _split_metadata(packed, begin, end, slots, num_decodes, self._block_table,
+                               self._block_size, self._context_bucket)
+
+    def _sequence_table(self) -> SequenceTable:
+        """``table_rows`` as a ``SequenceTable`` of the bucket's fixed shape
+        (padding rows: no queries, no context)."""
+        rows = self._table_shape.rows(self.bucket)
+        first, seq_lens, blocks = self.table_rows()
+        query_start = np.full(rows + 1, self.end - self.begin, dtype=np.int32)
+        query_start[: len(first)] = first
+        return SequenceTable(torch.from_numpy(query_start),
+                             torch.from_numpy(_padded(seq_lens.astype(np.int32), rows)),
+                             torch.from_numpy(_padded(blocks.astype(np.int32), rows, axis=0)))
+
+
+def _padded(values: np.ndarray, size: int, axis: int = -1) -> np.ndarray:
+    """``values`` zero-padded to ``size`` along ``axis`` (the first or last)."""
+    shape = list(values.shape)
+    shape[axis] = size
+    out = np.zeros(shape, dtype=values.dtype)
+    if axis == 0:
+        out[: len(values)] = values
+    else:
+        out[..., : values.shape[-1]] = values
+    return out
 
 
 @dataclass
@@ -102,12 +175,13 @@ def pack_step(
         rotary = _rope_positions(rope_positions, order, first_tokens, counts, start, total)
 
     ids = token_ids[row_of_token, pos].astype(np.int64)
-    packed = _Packed(order, first_tokens, counts, int(is_decode.sum()), ids, pos, slots, rotary)
+    packed = _Packed(order, first_tokens, counts, int(is_decode.sum()), ids, pos, slots, rotary,
+                     ends - 1)
     forwards, begin = [], 0
     for bucket in plan_forwards(total):
         end = min(total, begin + bucket)
-        forwards.append(_forward(packed, begin, end, bucket, block_table, bs, context_bucket,
-                                 table_shape))
+        forwards.append(BucketedForward(packed, begin, end, bucket, block_table, bs,
+                                        context_bucket, table_shape))
         begin = end
     assert begin == total, f"the forwards cover {begin} of {total} tokens"
     return StepLayout(
@@ -132,31 +206,14 @@ class _Packed:
     pos: np.ndarray  # [tokens] position of each token in its sequence
     slots: np.ndarray  # [tokens] its KV cache slot
     rotary: np.ndarray  # [1 or 3, tokens] its rotary positions
+    last_tokens: np.ndarray  # packed index of each packed request's last token
 
 
-def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np.ndarray,
-             bs: int, context_bucket: Callable[[int], int],
-             table_shape: TableShape | None) -> BucketedForward:
-    """The forward over packed tokens [begin, end), padded to ``bucket``."""
-    ids = np.zeros((1, bucket), dtype=np.int64)
-    ids[0, : end - begin] = packed.ids[begin:end]
-    last = packed.first_tokens + packed.counts - 1
-    logit_rows = torch.from_numpy(last[(last >= begin) & (last < end)] - begin)
-    positions = np.zeros((packed.rotary.shape[0], bucket), dtype=np.int64)
-    positions[:, : end - begin] = packed.rotary[:, begin:end]
-    positions = torch.from_numpy(positions)
-    # [1, bucket] for 1-D positions, [3, 1, bucket] for 3-D ones.
-    positions = positions if packed.rotary.shape[0] == 1 else positions[:, None]
-    slots = np.zeros(bucket, dtype=np.int64)  # padding writes into block 0 (vLLM's null block)
-    slots[: end - begin] = packed.slots[begin:end]
-    slots = torch.from_numpy(slots)
-    num_decodes = max(0, min(end, packed.num_decodes) - begin)
-    if table_shape is not None:
-        table = _sequence_table(packed, begin, end, table_shape.rows(bucket), block_table,
-                                table_shape.width)
-        metadata = PagedAttentionMetadata(slots, num_decodes, sequences=table)
-        return BucketedForward(begin, end, bucket, torch.from_numpy(ids), positions, metadata,
-                               logit_rows)
+def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
+                    num_decodes: int, block_table: np.ndarray, bs: int,
+                    context_bucket: Callable[[int], int]) -> PagedAttentionMetadata:
+    """The layout of packed tokens [begin, end) as decodes and prefill chunks
+    apart (cpu, hpu)."""
     pos = packed.pos
     # Decodes are the first packed tokens, one per request.
     decodes = np.arange(begin, min(end, packed.num_decodes))
@@ -183,33 +240,13 @@ def _forward(packed: _Packed, begin: int, end: int, bucket: int, block_table: np
             mask=causal_context_mask(
                 torch.from_numpy(pos[lo:hi][None]), torch.tensor([context_len]), blocks * bs),
         ))
-    metadata = PagedAttentionMetadata(
+    return PagedAttentionMetadata(
         slot_mapping=slots,
         num_decodes=num_decodes,
         decode_block_table=torch.from_numpy(block_table[decode_rows, :width].astype(np.int64)),
         decode_context_lens=torch.from_numpy(context_lens.astype(np.int64)),
         prefills=prefills,
     )
-    return BucketedForward(begin, end, bucket, torch.from_numpy(ids), positions, metadata,
-                           logit_rows)
-
-
-def _sequence_table(packed: _Packed, begin: int, end: int, rows: int, block_table: np.ndarray,
-                    width: int) -> SequenceTable:
-    """The packed requests' parts within tokens [begin, end) as the rows of a
-    ``SequenceTable`` of ``rows`` rows (padding rows: no queries, no context)."""
-    lo = np.clip(packed.first_tokens, begin, end)
-    hi = np.clip(packed.first_tokens + packed.counts, begin, end)
-    inside = lo < hi
-    lo, hi, order = lo[inside], hi[inside], packed.order[inside]
-    query_start = np.full(rows + 1, end - begin, dtype=np.int32)
-    query_start[: len(lo)] = lo - begin
-    seq_lens = np.zeros(rows, dtype=np.int32)
-    seq_lens[: len(lo)] = packed.pos[hi - 1] + 1
-    table = np.zeros((rows, width), dtype=np.int32)
-    table[: len(lo)] = block_table[order, :width]
-    return SequenceTable(torch.from_numpy(query_start), torch.from_numpy(seq_lens),
-                         torch.from_numpy(table))
 
 
 @dataclass(frozen=True)
