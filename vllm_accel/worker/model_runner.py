@@ -237,7 +237,6 @@ class AccelModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
 
         batch = self.input_batch
-        states = self.requests.in_batch_order()
         num_scheduled = np.array(
             [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64
         )
@@ -245,8 +244,8 @@ class AccelModelRunner:
         step = pack_step(
             batch.token_ids_cpu, batch.block_table[0].get_numpy_array(), num_scheduled, start,
             self.block_size, self._plan_forwards, self._context_bucket,
-            [s.rope_positions for s in states] if self.vision and self.vision.uses_3d_positions
-            else None,
+            [s.rope_positions for s in self.requests.in_batch_order()]
+            if self.vision and self.vision.uses_3d_positions else None,
             self.table_shape,
         )
         in_flight = (tokens_in_flight(batch, step.rows, step.first_tokens, step.input_ids)
@@ -278,11 +277,10 @@ class AccelModelRunner:
             if keep_hidden:
                 prompt_logprobs = self._prompt_logprobs(step, hidden, scheduler_output)
 
-        num_tokens = np.array([s.num_tokens for s in states])
         self.pending = PendingSample(
             scheduler_output=scheduler_output,
             logits=logits,
-            discard=start + num_scheduled < num_tokens,
+            discard=start + num_scheduled < batch.num_tokens_no_spec[: batch.num_reqs],
             prompt_logprobs=prompt_logprobs,
         )
         return None
@@ -296,8 +294,9 @@ class AccelModelRunner:
         overwritten by its next replay; copy them when the step replays again
         before reading them."""
         targets, sources = in_flight
-        inside = (targets >= forward.begin) & (targets < forward.end)
-        in_flight = targets[inside] - forward.begin, sources[inside]
+        if len(targets) and (forward.begin > 0 or targets.max() >= forward.end):
+            inside = (targets >= forward.begin) & (targets < forward.end)
+            in_flight = targets[inside] - forward.begin, sources[inside]
         if self.forward_inputs is not None:
             inputs = self.forward_inputs[forward.bucket].send(forward, in_flight)
         else:
@@ -400,37 +399,39 @@ class AccelModelRunner:
             sampled_token_ids=[],
             prompt_logprobs_dict=pending.prompt_logprobs,
         )
-        kept = ~pending.discard
+        kept = np.flatnonzero(~pending.discard).tolist()  # rows whose token is kept
         if self.async_scheduling:
             # The tokens stay on the device for the next step's inputs; the host
             # gets placeholders now and the tokens when vLLM asks for them.
             batch.prev_sampled_token_ids = sampled_ids.to(self.device)
-            batch.prev_req_id_to_index = {
-                req_id: i for i, req_id in enumerate(batch.req_ids) if kept[i]}
-            self._append_tokens([PLACEHOLDER if k else None for k in kept])
+            # Its own dict: removing a request pops it from this one.
+            batch.prev_req_id_to_index = (
+                dict(result.req_id_to_index) if len(kept) == batch.num_reqs
+                else {batch.req_ids[i]: i for i in kept})
+            self._append_tokens(kept, [PLACEHOLDER] * len(kept))
             in_flight = InFlightOutput(result, sampled_ids, logprobs, pending.discard)
             batch.set_async_sampled_token_ids(in_flight.sampled_cpu, in_flight.ready)
             return in_flight
         sampled = [token_ids[0] for token_ids in sampled_ids.tolist()]
-        self._append_tokens([token if k else None for token, k in zip(sampled, kept)])
-        result.sampled_token_ids = [[token] if k else [] for token, k in zip(sampled, kept)]
+        self._append_tokens(kept, [sampled[i] for i in kept])
+        result.sampled_token_ids = [[token] for token in sampled]
+        for i in np.flatnonzero(pending.discard):
+            result.sampled_token_ids[i] = []
         result.logprobs = logprobs.tolists() if logprobs is not None else None
         return result
 
-    def _append_tokens(self, tokens: list[int | None]) -> None:
-        """Each batch row's new token (None: none kept) onto its sequence."""
-        batch = self.input_batch
-        rows = np.array([i for i, token in enumerate(tokens) if token is not None], dtype=np.int64)
-        if not len(rows):
+    def _append_tokens(self, rows: list[int], tokens: list[int]) -> None:
+        """Batch row ``rows[i]``'s new token ``tokens[i]`` onto its sequence."""
+        if not rows:
             return
-        kept = [tokens[i] for i in rows]
+        batch = self.input_batch
         ends = batch.num_tokens_no_spec[rows]
-        batch.token_ids_cpu[rows, ends] = kept
+        batch.token_ids_cpu[rows, ends] = tokens
         batch.is_token_ids[rows, ends] = True
         batch.num_tokens_no_spec[rows] = ends + 1
-        req_ids = batch.req_ids
-        for row, token in zip(rows.tolist(), kept):
-            self.requests[req_ids[row]].output_token_ids.append(token)
+        req_ids, states = batch.req_ids, self.requests
+        for row, token in zip(rows, tokens):
+            states[req_ids[row]].output_token_ids.append(token)
 
     def _sample(self, pending: PendingSample, grammar_output: GrammarOutput | None):
         batch = self.input_batch
