@@ -143,6 +143,20 @@ def test_a_step_of_several_forwards_replays_each_and_keeps_their_outputs(tmp_pat
         assert np.allclose(got, want, atol=1e-3), (got, want)
 
 
+def test_a_token_bucket_beyond_the_models_rotary_positions_starts(tmp_path):
+    """The memory profile runs the largest bucket as one prefill forward: a
+    bucket of 4096 tokens on a model of 2048 rotary positions (max_model_len
+    512) is eight prompts of 512, not one of 4096 (a device-side assert at
+    start-up before)."""
+    model = make_tiny_model("llama", tmp_path / "llama")
+    config = {"accel": {**CUDA["accel"], "token_buckets": "1,8,4096",
+                        "compile_cache_dir": str(tmp_path / "cache")}}
+    with running_llm(model, additional_config=config, max_num_seqs=16,
+                     max_num_batched_tokens=4096, **GPU_SHARE) as llm:
+        assert model_runner(llm).token_buckets == [1, 8, 4096]
+        assert greedy(llm, PROMPTS) == hf_cuda_greedy(model, PROMPTS)
+
+
 def test_mixed_traffic_compiles_nothing_after_warmup(tmp_path):
     from vllm import SamplingParams
 

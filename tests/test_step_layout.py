@@ -243,3 +243,21 @@ def test_forward_inputs_send_a_forward_in_one_buffer():
     staged.clear()
     assert staged.metadata.slot_mapping.tolist() == [0] * 4
     assert staged.metadata.sequences.seq_lens.tolist() == [0] * 3
+
+
+def test_the_memory_profile_fills_a_bucket_with_prompts_within_the_context():
+    """cuda sizes its KV cache after a prefill forward of the largest token
+    bucket; a bucket beyond max_model_len is several prompts, none reading a
+    position past the model's context (one prompt of 8192 tokens read rotary
+    positions past a 4096-position table: a device-side assert at start-up)."""
+    from vllm_accel.worker.cuda import prefill_filling
+
+    step, num_blocks = prefill_filling(600, 256, 32, TableShape(max_sequences=64, width=8))
+    (forward,) = step.forwards
+    assert (forward.begin, forward.end, forward.bucket) == (0, 600, 600)
+    assert step.counts.tolist() == [256, 256, 88]
+    assert int(forward.positions.max()) == 255
+    slots = forward.attn_metadata.slot_mapping
+    assert len(set(slots.tolist())) == 600 and int(slots.min()) >= 32  # never block 0
+    assert num_blocks == 8 + 8 + 3 + 1
+    assert forward.attn_metadata.sequences.seq_lens.tolist()[:4] == [256, 256, 88, 0]

@@ -7,46 +7,44 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
-from vllm.utils.math_utils import cdiv
 
-from vllm_accel.model.paged_attention import PagedAttentionMetadata, SequenceTable
+from vllm_accel.model.paged_attention import TableShape
 from vllm_accel.patches import inductor_cache_dir
 from vllm_accel.worker.cuda_graphs import ForwardGraphs
+from vllm_accel.worker.in_flight import NO_TOKENS_IN_FLIGHT
 from vllm_accel.worker.kv_cache import allocate_kv_caches
+from vllm_accel.worker.step_layout import StepLayout, pack_step
 
 if TYPE_CHECKING:
     from vllm_accel.worker.model_runner import AccelModelRunner
 
 
-def dummy_inputs(runner: AccelModelRunner, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero inputs and positions of a forward of ``bucket`` tokens, as the
-    runner feeds its model (embeddings for a vision model, 3-D positions for
-    M-RoPE)."""
-    device, vision = runner.device, runner.vision
-    positions = torch.arange(bucket, device=device)[None]
-    if vision is not None and vision.uses_3d_positions:
-        positions = positions[None].expand(3, 1, bucket).contiguous()
-    if vision is not None:  # a vision model always runs on embeddings
-        inputs = torch.zeros(1, bucket, runner.model.hidden_size, dtype=runner.dtype,
-                             device=device)
-    else:
-        inputs = torch.zeros(1, bucket, dtype=torch.int64, device=device)
-    return inputs, positions
+def dummy_embeddings(runner: AccelModelRunner, bucket: int) -> torch.Tensor:
+    """Zero embeddings of a forward of ``bucket`` tokens: a vision model
+    always runs on embeddings, computed before the forward."""
+    return torch.zeros(1, bucket, runner.model.hidden_size, dtype=runner.dtype,
+                       device=runner.device)
 
 
-def empty_layout(tokens: int, rows: int, width: int,
-                 device: torch.device) -> PagedAttentionMetadata:
-    """A forward of ``tokens`` padding tokens: every table row empty."""
-    return PagedAttentionMetadata(
-        slot_mapping=torch.zeros(tokens, dtype=torch.int64, device=device),
-        num_decodes=0,
-        sequences=SequenceTable(
-            query_start=torch.zeros(rows + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.zeros(rows, dtype=torch.int32, device=device),
-            block_table=torch.zeros(rows, width, dtype=torch.int32, device=device),
-        ),
-    )
+def prefill_filling(bucket: int, max_model_len: int, block_size: int,
+                    table_shape: TableShape) -> tuple[StepLayout, int]:
+    """One forward of prompts that fill ``bucket`` tokens, and the KV blocks
+    it writes (block 0 included, never a request's). No prompt is longer than
+    the model's context: a longer one would read rotary positions the model
+    does not have (a token bucket may be larger than max_model_len)."""
+    full, rest = divmod(bucket, max_model_len)
+    lengths = np.array([max_model_len] * full + [rest] * (rest > 0))
+    blocks = -(-lengths // block_size)
+    first = np.cumsum(blocks) - blocks + 1  # each prompt in blocks of its own
+    block_table = np.zeros((len(lengths), table_shape.width), dtype=np.int32)
+    for row, (lo, count) in enumerate(zip(first, blocks)):
+        block_table[row, :count] = np.arange(lo, lo + count)
+    token_ids = np.zeros((len(lengths), max_model_len), dtype=np.int64)
+    step = pack_step(token_ids, block_table, lengths, np.zeros_like(lengths), block_size,
+                     lambda tokens: [bucket], lambda width: width, None, table_shape)
+    return step, int(blocks.sum()) + 1
 
 
 def profile_peak_memory(runner: AccelModelRunner) -> int:
@@ -55,26 +53,20 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
     blocks it needs; the memory is freed again."""
     bucket, bs, model, device = runner.token_buckets[-1], runner.block_size, runner.model, \
         runner.device
-    blocks = cdiv(bucket, bs) + 1  # block 0 is never a request's
-    kv_caches = allocate_kv_caches(model.num_layers, blocks, bs, model.num_kv_heads,
+    step, num_blocks = prefill_filling(bucket, runner.max_model_len, bs, runner.table_shape)
+    kv_caches = allocate_kv_caches(model.num_layers, num_blocks, bs, model.num_kv_heads,
                                    model.head_dim, runner.dtype, device)
-    # One prompt of the whole bucket, in blocks 1, 2, ...
-    shape = runner.table_shape
-    metadata = empty_layout(bucket, shape.rows(bucket), max(shape.width, blocks - 1), device)
-    metadata.slot_mapping += torch.arange(bs, bs + bucket, device=device)
-    table = metadata.sequences
-    table.query_start[1:] = bucket
-    table.seq_lens[0] = bucket
-    table.block_table[0, : blocks - 1] = torch.arange(1, blocks, device=device)
-    inputs, positions = dummy_inputs(runner, bucket)
-    logit_rows = torch.zeros(shape.rows(bucket), dtype=torch.int64, device=device)
+    staged = runner.forward_inputs[bucket]
+    sent = staged.send(step.forwards[0], NO_TOKENS_IN_FLIGHT)
+    # A vision model runs on embeddings (computed before the forward).
+    inputs = sent.input_ids if runner.vision is None else dummy_embeddings(runner, bucket)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     serving_caches, runner.kv_caches = runner.kv_caches, kv_caches
     try:
         with torch.inference_mode(), inductor_cache_dir(runner.compile_stats.cache_dir):
-            runner.model_call(inputs, positions, metadata, logit_rows)
+            runner.model_call(inputs, sent.positions, sent.metadata, sent.logit_rows)
     finally:
         runner.kv_caches = serving_caches
     peak = torch.cuda.max_memory_allocated(device) - before
@@ -92,7 +84,7 @@ def capture_graphs(runner: AccelModelRunner) -> ForwardGraphs:
             staged = runner.forward_inputs[bucket]
             # A vision model runs on embeddings, computed before the graph.
             inputs = staged.input_ids if runner.vision is None \
-                else dummy_inputs(runner, bucket)[0]
+                else dummy_embeddings(runner, bucket)
             graphs.capture(bucket, inputs, staged, runner.model_call)
     runner.compile_stats.after_step("capturing CUDA graphs")
     return graphs
