@@ -303,13 +303,16 @@ def gpu_profile(model: Path, prompts: list[list[int]], cache: Path) -> None:
 def host_split(model: Path, prompts: list[list[int]], cache: Path, batches: int = 5) -> dict:
     """Where an engine step's wall time goes on the host (engine core in this
     process, throughput batches): mean microseconds per step in vLLM's
-    scheduler, in our runner (the graph launch apart) and waiting for the
-    GPU's tokens; the rest is vLLM's engine loop and output processing."""
+    scheduler, in our runner (and the parts of it: layout, input copy, graph
+    launch, sampler, ...) and waiting for the GPU's tokens; the rest is vLLM's
+    engine loop and output processing."""
     import collections
 
     from vllm.inputs import TokensPrompt
 
+    from vllm_accel.worker import model_runner
     from vllm_accel.worker.cuda_graphs import ForwardGraphs
+    from vllm_accel.worker.forward_inputs import ForwardInputs
     from vllm_accel.worker.in_flight import InFlightOutput
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -337,6 +340,14 @@ def host_split(model: Path, prompts: list[list[int]], cache: Path, batches: int 
     timed(runner, "sample_tokens", "runner_sample_tokens")
     timed(ForwardGraphs, "replay", "graph_replay (in execute_model)")
     timed(InFlightOutput, "get_output", "waiting_for_tokens (get_output)")
+    # Inside execute_model and sample_tokens.
+    timed(runner.requests, "update", "execute_model.requests_update")
+    timed(model_runner, "pack_step", "execute_model.pack_step")
+    timed(model_runner, "tokens_in_flight", "execute_model.tokens_in_flight")
+    timed(ForwardInputs, "send", "execute_model.send")
+    timed(runner, "_sample", "sample_tokens.vllm_sampler")
+    timed(runner, "_append_tokens", "sample_tokens.append_tokens")
+    timed(InFlightOutput, "__init__", "sample_tokens.in_flight_output")
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = params_like_hf()
     llm.generate(requests, params, use_tqdm=False)

@@ -1,0 +1,138 @@
+"""An A/B of two vllm-accel checkouts on one GPU (run on the accelerator host):
+gpu.py's throughput workload, the checkout under test against a baseline.
+
+    VLLM_ACCEL_BASELINE=DIR python3 benchmarks/gpu_ab.py [--rounds 2] [--parts split,tput]
+
+DIR is another checkout (e.g. a git worktree of main before a change); its
+``vllm_accel`` runs the baseline. Each measurement is a process of its own,
+with one checkout first on PYTHONPATH, and the two alternate:
+
+- ``split``: one ``gpu.host_split`` each (engine core in process): the host's
+  microseconds per engine step in vLLM's scheduler, our runner, waiting for
+  the GPU.
+- ``tput``: ``--rounds`` rounds of one process per checkout, in alternating
+  order; each times the engine (own process, CUDA graphs, async scheduling)
+  and then HF's ``generate`` on the same workload (>= 10 s each), so every
+  engine figure has an HF figure from the same process. HF does not depend
+  on the checkout: its figures from both arms describe one reference.
+
+Medians with min-max go to ``$OUT/ab_summary.json`` (or ./), every process's
+figures to ``ab.json``, its log to ``worker<i>_<label>_<part>.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import gpu  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "."))
+
+
+def worker(label: str, model: str, cache: str, out: str, part: str) -> None:
+    from vllm.inputs import TokensPrompt
+
+    import vllm_accel
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, gpu.SHAPE["vocab_size"], (gpu.NUM_PROMPTS, gpu.PROMPT_LEN),
+                            generator=gen).tolist()
+    res = {"label": label, "code": vllm_accel.__file__}
+    if part == "split":
+        res["host_split"] = gpu.host_split(Path(model), prompts, Path(cache))
+    else:
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        params = gpu.params_like_hf()
+        llm = gpu.engine(Path(model), Path(cache), True, enable_prefix_caching=False)
+
+        def run():
+            llm.generate(requests, params, use_tqdm=False)
+
+        run()
+        run()
+        seconds, _ = gpu.timed(run)
+        res["accel_tok_s"] = gpu.NUM_PROMPTS * gpu.OUTPUT_LEN / seconds
+        gpu.shutdown(llm)
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+        ids = torch.tensor(prompts, device="cuda")
+
+        def run_hf():
+            with torch.no_grad():
+                hf.generate(ids, attention_mask=torch.ones_like(ids),
+                            max_new_tokens=gpu.OUTPUT_LEN, min_new_tokens=gpu.OUTPUT_LEN,
+                            do_sample=False, pad_token_id=0)
+
+        run_hf()
+        seconds, _ = gpu.timed(run_hf)
+        res["hf_tok_s"] = gpu.NUM_PROMPTS * gpu.OUTPUT_LEN / seconds
+        res["ratio"] = res["accel_tok_s"] / res["hf_tok_s"]
+    Path(out).write_text(json.dumps(res))
+    print(label, json.dumps(res), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--parts", default="split,tput")
+    args = parser.parse_args()
+    if "VLLM_ACCEL_BASELINE" not in os.environ:
+        sys.exit("gpu_ab.py: set VLLM_ACCEL_BASELINE to the baseline checkout's directory")
+    checkouts = {"baseline": os.environ["VLLM_ACCEL_BASELINE"], "this": str(HERE.parent)}
+    parts = args.parts.split(",")
+    plan = [(label, "split") for label in ("this", "baseline")] if "split" in parts else []
+    if "tput" in parts:
+        for r in range(args.rounds):
+            order = ("baseline", "this") if r % 2 == 0 else ("this", "baseline")
+            plan += [(label, "tput") for label in order]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = gpu.make_model(root / "llama-1b")
+        torch.cuda.empty_cache()
+        for i, (label, part) in enumerate(plan):
+            # The checkout's package first; the script's directory is sys.path[0].
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkouts[label], str(HERE)]))
+            out = root / f"r{i}.json"
+            done = subprocess.run(
+                [sys.executable, __file__, "--worker", label, str(model), str(root / "cache"),
+                 str(out), part], env=env, cwd=checkouts[label], capture_output=True, text=True)
+            (OUT / f"worker{i}_{label}_{part}.log").write_text(
+                done.stdout[-20000:] + "\n---\n" + done.stderr[-30000:])
+            results.append(json.loads(out.read_text()) if done.returncode == 0
+                           else {"label": label, "part": part, "failed": done.returncode})
+            (OUT / "ab.json").write_text(json.dumps(results, indent=1))
+            print("done", label, part, json.dumps(results[-1]), flush=True)
+    summary = {}
+    for label in checkouts:
+        for key in ("accel_tok_s", "hf_tok_s", "ratio"):
+            values = [r[key] for r in results if r.get("label") == label and key in r]
+            if values:
+                summary[f"{label}.{key}"] = {"median": statistics.median(values),
+                                             "min": min(values), "max": max(values)}
+    hf = [r["hf_tok_s"] for r in results if "hf_tok_s" in r]
+    if hf:  # one reference: HF's figures from both arms
+        summary["hf_tok_s_all"] = {"median": statistics.median(hf), "min": min(hf),
+                                   "max": max(hf)}
+    print("summary", json.dumps(summary, indent=1), flush=True)
+    (OUT / "ab_summary.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(*sys.argv[2:7])
+    else:
+        main()
