@@ -109,9 +109,9 @@ def test_bucket_strategies():
     assert make_buckets("lin:step=40", 40, 100) == [40, 80, 100]
     assert find_bucket([1, 8, 64], 9) == 64
     assert find_bucket([1, 8, 64], 65) is None
-    # The defaults: token buckets doubling from 8 to 64, then 512 (never above
+    # The defaults: token buckets doubling from 8 to 64, then 256, 384, 512 (never above
     # what one step holds), half-octave contexts, thinned vision buckets.
-    assert token_buckets("", 8192) == [1, 8, 16, 32, 48, 64, 512]
+    assert token_buckets("", 8192) == [1, 8, 16, 32, 48, 64, 256, 384, 512]
     assert token_buckets("", 100) == [1, 8, 16, 32, 48, 64, 100]
     assert token_buckets("", 16) == [1, 8, 16]
     assert token_buckets("exp:min=1,limit=4", 8192) == [1, 8, 64, 512]

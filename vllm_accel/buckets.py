@@ -38,9 +38,12 @@ DEFAULT_LIMIT = 8
 # 32 and 64 (48 running requests padded to 64 computed a third more rows than
 # needed: the ~128M Llama at 48 concurrent ran 1.32x faster with it; 24 would
 # cost one more graph); a lone decode keeps its own bucket (padded to 8 rows it
-# took twice as long). Bigger steps run as forwards of 512 and smaller ones
-# (plan_forwards). Measurements: benchmarks/README.md.
-DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 48, 64, 512)
+# took twice as long). Bigger steps are mostly prompts: 256 and 384 between 64
+# and 512 run a prompt of 129-384 tokens as one forward padded by at most half,
+# not as forwards of 64 or padded to 512 (time to first token 14-41 % lower,
+# for ~4-5 s more cold start). Steps beyond 512 run as forwards of 512 and a
+# smaller one (plan_forwards). Measurements: benchmarks/README.md.
+DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 48, 64, 256, 384, 512)
 # What one more forward costs, in padded tokens (its fixed per-call work:
 # Python, one pass over the weights, attention set-up), for cutting a step into
 # forwards: a rough estimate from profiles, not tuned.

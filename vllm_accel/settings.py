@@ -43,7 +43,7 @@ class AccelSettings:
     # Compile lazily, on first use of each bucket, instead of during start-up.
     skip_warmup: bool = False
     # Token-count buckets of the compiled forward (see buckets.py): "" is
-    # 1,8,16,32,64,512 (smaller when max_num_batched_tokens is); "1,8,64,512"
+    # buckets.DEFAULT_TOKEN_BUCKETS (none above max_num_batched_tokens); "1,8,64,512"
     # is an explicit list; "exp:min=1,max=2048,limit=8" or "lin:min=64,step=64,max=512" a range.
     token_buckets: str = ""
     # Context-length buckets, in KV blocks, that decode attention pads to
