@@ -41,8 +41,9 @@ DEFAULT_LIMIT = 8
 # took twice as long). Bigger steps are mostly prompts: 256 and 384 between 64
 # and 512 run a prompt of 129-384 tokens as one forward padded by at most half,
 # not as forwards of 64 or padded to 512 (time to first token 14-41 % lower,
-# for ~4-5 s more cold start). Steps beyond 512 run as forwards of 512 and a
-# smaller one (plan_forwards). Measurements: benchmarks/README.md.
+# for 3.5-4.7 s more cold start on the tiny fixtures). Steps beyond 512 run as
+# forwards of 512 and a smaller one (plan_forwards). Measurements:
+# benchmarks/README.md.
 DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 48, 64, 256, 384, 512)
 # What one more forward costs, in padded tokens (its fixed per-call work:
 # Python, one pass over the weights, attention set-up), for cutting a step into
