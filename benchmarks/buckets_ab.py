@@ -18,6 +18,7 @@ Medians with the middle half (p25-p75) or min-max. A set's spec is what
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -61,10 +62,7 @@ def report(what, times, unit=1e3, suffix="ms"):
 
 
 def main():
-    import numpy as np
     import torch
-    from PIL import Image
-    from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -90,28 +88,28 @@ def main():
         for llm in llms.values():
             llm.llm_engine.engine_core.shutdown()
     if "vision" in a.parts:
-        model = make_tiny_model("llava_next", f"{a.dir}/llava_next")
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"},
-                                          {"type": "text", "text": "What is in the image?"}]}],
-            add_generation_prompt=True, tokenize=False)
-        rng = np.random.default_rng(0)
+        from _vision_worker import THROUGHPUT, TTFT, chat_prompt, image
+        from transformers import AutoProcessor
 
-        def request(width=336, height=336):
-            pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
-            return {"prompt": text, "multi_modal_data": {"image": Image.fromarray(pixels)}}
+        model = make_tiny_model("llava_next", f"{a.dir}/llava_next")
+        text = chat_prompt(AutoProcessor.from_pretrained(model), "What is in the image?")
+        count = itertools.count()  # a new image every request: no cache hits
+
+        def request(phase, width=336, height=336):
+            return {"prompt": text,
+                    "multi_modal_data": {"image": image(phase, next(count), width, height)}}
 
         llms = engines(model, sets)
         if "vision_ttft" in a.parts:
             report("LlavaNext TTFT, one 336x336 image", interleaved(
-                llms, request, first, a.requests))
+                llms, lambda: request(TTFT), first, a.requests))
         if "vision_batch" in a.parts:
             batch = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-            times = interleaved(llms, lambda: [request(*SIZES[i % 4]) for i in range(32)],
-                                batch, a.batches, skip=1)
-            report("LlavaNext batch of 32 image prompts, images/s",
-                   {name: [1 / t for t in v] for name, v in times.items()}, unit=32,
+            times = interleaved(
+                llms, lambda: [request(THROUGHPUT, *SIZES[i % 4]) for i in range(32)],
+                batch, a.batches, skip=1)
+            report("LlavaNext batch of 32 image prompts",
+                   {name: [32 / t for t in v] for name, v in times.items()}, unit=1,
                    suffix="images/s")
 
 

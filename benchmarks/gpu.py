@@ -112,10 +112,17 @@ VARIANTS = [("cuda_graphs", True, "on"), ("cuda_graphs_sync", True, "off"),
             ("no_cuda_graphs", False, "on"), ("no_cuda_graphs_sync", False, "off")]
 
 
-def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path,
-               variants: list[str]) -> dict:
+def workload_prompts() -> list[list[int]]:
+    """The throughput workload's prompts: random token ids, the same every run."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(2, SHAPE["vocab_size"], (NUM_PROMPTS, PROMPT_LEN),
+                         generator=gen).tolist()
+
+
+def hf_batch(model: Path, prompts: list[list[int]]):
+    """HF's batched ``generate`` of the workload, as a function to time (run
+    once here: cuBLAS and the allocator warm)."""
     from transformers import AutoModelForCausalLM
-    from vllm.inputs import TokensPrompt
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor(prompts, device="cuda")
@@ -125,21 +132,36 @@ def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path,
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_LEN,
                         min_new_tokens=OUTPUT_LEN, do_sample=False, pad_token_id=0)
 
+    run_hf()
+    return run_hf
+
+
+def engine_batch(llm, prompts: list[list[int]]):
+    """The engine's batch of the workload, as a function to time (run once
+    here: allocator, graph pools)."""
+    from vllm.inputs import TokensPrompt
+
     params = params_like_hf()
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+    def run_accel():
+        outs = llm.generate(requests, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == OUTPUT_LEN for o in outs)
+
+    run_accel()
+    return run_accel
+
+
+def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path,
+               variants: list[str]) -> dict:
+    run_hf = hf_batch(model, prompts)
     results = {}
     tokens = NUM_PROMPTS * OUTPUT_LEN
-    run_hf()  # outside the timing: cuBLAS and the allocator warm
     for name, graphs, async_scheduling in VARIANTS:
         if name not in variants:
             continue
         llm = engine(model, cache, graphs, async_scheduling, enable_prefix_caching=False)
-
-        def run_accel():
-            outs = llm.generate(requests, params, use_tqdm=False)
-            assert all(len(o.outputs[0].token_ids) == OUTPUT_LEN for o in outs)
-
-        run_accel()  # first batch outside the timing (allocator, graph pools)
+        run_accel = engine_batch(llm, prompts)
         hf_tps, accel_tps = [], []
         for _ in range(rounds):
             seconds, _ = timed(run_hf)  # the engine is up, idle
@@ -386,9 +408,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = make_model(root / "llama-1b")
-        gen = torch.Generator().manual_seed(0)
-        prompts = torch.randint(2, SHAPE["vocab_size"], (NUM_PROMPTS, PROMPT_LEN),
-                                generator=gen).tolist()
+        prompts = workload_prompts()
         if "floor" in parts:
             results["weight_read_floor"] = weight_read_floor(model)
             print("floor", results["weight_read_floor"], flush=True)

@@ -42,42 +42,20 @@ OUT = Path(os.environ.get("OUT", "."))
 
 
 def worker(label: str, model: str, cache: str, out: str, part: str) -> None:
-    from vllm.inputs import TokensPrompt
-
     import vllm_accel
 
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, gpu.SHAPE["vocab_size"], (gpu.NUM_PROMPTS, gpu.PROMPT_LEN),
-                            generator=gen).tolist()
+    prompts = gpu.workload_prompts()
     res = {"label": label, "code": vllm_accel.__file__}
     if part == "split":
         res["host_split"] = gpu.host_split(Path(model), prompts, Path(cache))
     else:
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        params = gpu.params_like_hf()
         llm = gpu.engine(Path(model), Path(cache), True, enable_prefix_caching=False)
-
-        def run():
-            llm.generate(requests, params, use_tqdm=False)
-
-        run()
+        run = gpu.engine_batch(llm, prompts)
         run()
         seconds, _ = gpu.timed(run)
         res["accel_tok_s"] = gpu.NUM_PROMPTS * gpu.OUTPUT_LEN / seconds
         gpu.shutdown(llm)
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
-        ids = torch.tensor(prompts, device="cuda")
-
-        def run_hf():
-            with torch.no_grad():
-                hf.generate(ids, attention_mask=torch.ones_like(ids),
-                            max_new_tokens=gpu.OUTPUT_LEN, min_new_tokens=gpu.OUTPUT_LEN,
-                            do_sample=False, pad_token_id=0)
-
-        run_hf()
-        seconds, _ = gpu.timed(run_hf)
+        seconds, _ = gpu.timed(gpu.hf_batch(Path(model), prompts))
         res["hf_tok_s"] = gpu.NUM_PROMPTS * gpu.OUTPUT_LEN / seconds
         res["ratio"] = res["accel_tok_s"] / res["hf_tok_s"]
     Path(out).write_text(json.dumps(res))
