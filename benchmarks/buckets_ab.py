@@ -12,7 +12,11 @@ every other request), so the machine's drift hits every set alike.
   256x256, new images each batch), 32 tokens out, ``--batches`` per set.
 
 Medians with the middle half (p25-p75) or min-max. A set's spec is what
-``VLLM_ACCEL_TOKEN_BUCKETS`` takes ("" = the defaults).
+``VLLM_ACCEL_TOKEN_BUCKETS`` takes ("" = the defaults); ``SPEC|estimate``
+cuts steps into forwards by the token-count estimate instead of the forward
+times warmup measured (``buckets.plan_forwards``):
+
+    .venv/bin/python benchmarks/buckets_ab.py --sets "estimated=|estimate;measured="
 """
 
 from __future__ import annotations
@@ -32,10 +36,23 @@ SIZES = [(336, 336), (448, 224), (224, 448), (256, 256)]
 def engines(model, sets):
     from vllm import LLM
 
-    return {name: LLM(model=str(model), dtype="float32", max_model_len=2048, seed=0,
-                      enable_prefix_caching=False,
-                      additional_config={"accel": {"token_buckets": spec}})
-            for name, spec in sets.items()}
+    from vllm_accel.buckets import token_count_costs
+
+    llms = {}
+    for name, spec in sets.items():
+        buckets, _, costs = spec.partition("|")
+        llms[name] = LLM(model=str(model), dtype="float32", max_model_len=2048, seed=0,
+                         enable_prefix_caching=False,
+                         additional_config={"accel": {"token_buckets": buckets}})
+        runner = (llms[name].llm_engine.engine_core.engine_core.model_executor
+                  .driver_worker.worker.model_runner)
+        if costs == "estimate":
+            runner.forward_costs = token_count_costs(runner.token_buckets)
+        costs = runner.forward_costs
+        print(f"{name}: token buckets {runner.token_buckets}, forward costs: first "
+              f"{[round(c, 4) for c in costs.first]}, later "
+              f"{[round(c, 4) for c in costs.later]}", flush=True)
+    return llms
 
 
 def interleaved(llms, make_request, params, count, skip=2):

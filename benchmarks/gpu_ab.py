@@ -1,7 +1,7 @@
 """An A/B of two vllm-accel checkouts on one GPU (run on the accelerator host):
 gpu.py's throughput workload, the checkout under test against a baseline.
 
-    VLLM_ACCEL_BASELINE=DIR python3 benchmarks/gpu_ab.py [--rounds 2] [--parts split,tput]
+    VLLM_ACCEL_BASELINE=DIR python3 benchmarks/gpu_ab.py [--rounds 2] [--parts split,ttft,tput]
 
 DIR is another checkout (e.g. a git worktree of main before a change); its
 ``vllm_accel`` runs the baseline. Each measurement is a process of its own,
@@ -10,6 +10,10 @@ with one checkout first on PYTHONPATH, and the two alternate:
 - ``split``: one ``gpu.host_split`` each (engine core in process): the host's
   microseconds per engine step in vLLM's scheduler, our runner, waiting for
   the GPU.
+- ``ttft``: ``--rounds`` rounds of one process per checkout, alternating:
+  time to first token (``max_tokens=1``, one request at a time) of prompts
+  of TTFT_LENGTHS tokens, 20 of each, median: where a prompt is cut into
+  forwards (``plan_forwards``) shows.
 - ``tput``: ``--rounds`` rounds of one process per checkout, in alternating
   order; each times the engine (own process, CUDA graphs, async scheduling)
   and then HF's ``generate`` on the same workload (>= 10 s each), so every
@@ -39,6 +43,26 @@ sys.path.insert(0, str(HERE))
 import gpu  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
+TTFT_LENGTHS = (100, 200, 300, 370, 450)  # tokens, none a token bucket
+
+
+def ttft(llm, repeats: int = 20) -> dict:
+    """Median time to first token (ms) per prompt length, one request at a
+    time, fresh random prompts (no prefix hits)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
+    gen = torch.Generator().manual_seed(1)
+    times = {n: [] for n in TTFT_LENGTHS}
+    for i in range(repeats + 1):
+        for n in TTFT_LENGTHS:
+            prompt = torch.randint(2, gpu.SHAPE["vocab_size"], (n,), generator=gen).tolist()
+            started = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            if i:  # the first of each length warms the host paths
+                times[n].append((time.perf_counter() - started) * 1e3)
+    return {str(n): statistics.median(t) for n, t in times.items()}
 
 
 def worker(label: str, model: str, cache: str, out: str, part: str) -> None:
@@ -48,6 +72,10 @@ def worker(label: str, model: str, cache: str, out: str, part: str) -> None:
     res = {"label": label, "code": vllm_accel.__file__}
     if part == "split":
         res["host_split"] = gpu.host_split(Path(model), prompts, Path(cache))
+    elif part == "ttft":
+        llm = gpu.engine(Path(model), Path(cache), True, enable_prefix_caching=False)
+        res["ttft_ms"] = ttft(llm)
+        gpu.shutdown(llm)
     else:
         llm = gpu.engine(Path(model), Path(cache), True, enable_prefix_caching=False)
         run = gpu.engine_batch(llm, prompts)
@@ -72,10 +100,11 @@ def main() -> None:
     checkouts = {"baseline": os.environ["VLLM_ACCEL_BASELINE"], "this": str(HERE.parent)}
     parts = args.parts.split(",")
     plan = [(label, "split") for label in ("this", "baseline")] if "split" in parts else []
-    if "tput" in parts:
-        for r in range(args.rounds):
-            order = ("baseline", "this") if r % 2 == 0 else ("this", "baseline")
-            plan += [(label, "tput") for label in order]
+    for part in ("ttft", "tput"):
+        if part in parts:
+            for r in range(args.rounds):
+                order = ("baseline", "this") if r % 2 == 0 else ("this", "baseline")
+                plan += [(label, part) for label in order]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -101,6 +130,12 @@ def main() -> None:
             if values:
                 summary[f"{label}.{key}"] = {"median": statistics.median(values),
                                              "min": min(values), "max": max(values)}
+        for n in TTFT_LENGTHS:
+            values = [r["ttft_ms"][str(n)] for r in results
+                      if r.get("label") == label and "ttft_ms" in r]
+            if values:
+                summary[f"{label}.ttft_ms.{n}"] = {"median": statistics.median(values),
+                                                   "min": min(values), "max": max(values)}
     hf = [r["hf_tok_s"] for r in results if "hf_tok_s" in r]
     if hf:  # one reference: HF's figures from both arms
         summary["hf_tok_s_all"] = {"median": statistics.median(hf), "min": min(hf),

@@ -81,6 +81,22 @@ def test_warmup_compiles_every_bucket_once(compiled):
     assert torch._inductor.config.compile_threads == torch.get_num_threads()
 
 
+def test_warmup_times_every_buckets_forward(compiled):
+    """Warmup times each bucket's forward and plans steps with those times
+    (not the token-count estimate the runner starts with)."""
+    from vllm_accel.buckets import plan_forwards, token_count_costs
+
+    runner = model_runner(compiled[0])
+    costs = runner.forward_costs
+    assert costs != token_count_costs(runner.token_buckets)
+    for seconds in (costs.first, costs.later):
+        assert len(seconds) == 4 and 0 < seconds[0] and list(seconds) == sorted(seconds)
+        assert seconds[-1] < 10, f"forward times are seconds, got {costs}"
+    assert runner.forward_times is None  # timing is over
+    for bucket in runner.token_buckets:  # a step of exactly one bucket: one forward
+        assert plan_forwards(bucket, runner.token_buckets, costs) == [bucket]
+
+
 def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
     llm, _ = compiled
     runner = model_runner(llm)
@@ -176,6 +192,9 @@ def test_skip_warmup_compiles_lazily(tiny_models, cache_dir, warmup_log, monkeyp
                      **ENGINE) as llm:
         runner = model_runner(llm)
         assert runner.compile_stats.graphs_compiled == 0
+        # Nothing was timed: steps are cut by the token-count estimate.
+        from vllm_accel.buckets import token_count_costs
+        assert runner.forward_costs == token_count_costs(runner.token_buckets)
         prompt = random_prompts([10], seed=17)
         assert greedy(llm, prompt) == hf_greedy(tiny_models["llama"], prompt, 8)
         assert runner.compile_stats.graphs_compiled == 2  # 16 (prefill), 1 (decode)

@@ -142,17 +142,48 @@ def test_forwards_cut_the_sequence_and_chunks_keep_their_context():
 
 
 def test_plan_forwards_pads_less_than_one_big_bucket():
-    from vllm_accel.buckets import plan_forwards
+    from vllm_accel.buckets import plan_forwards, token_count_costs
 
     buckets = [1, 4, 16, 64, 256, 1024]
-    assert plan_forwards(256, buckets, 32) == [256]  # a bucket: exactly one forward
-    assert plan_forwards(3, buckets, 32) == [4]
-    assert sorted(plan_forwards(370, buckets, 32)) == [64, 64, 256]
-    assert plan_forwards(2500, buckets, 32)[:2] == [1024, 1024]  # beyond the largest
+    costs = token_count_costs(buckets, overhead=32)
+    assert plan_forwards(256, buckets, costs) == [256]  # a bucket: exactly one forward
+    assert plan_forwards(3, buckets, costs) == [4]
+    assert sorted(plan_forwards(370, buckets, costs)) == [64, 64, 256]
+    assert plan_forwards(2500, buckets, costs)[:2] == [1024, 1024]  # beyond the largest
     for total in range(1, 3000, 7):
-        plan = plan_forwards(total, buckets, 32)
+        plan = plan_forwards(total, buckets, costs)
         assert all(b in buckets for b in plan)
         assert sum(plan[:-1]) < total <= sum(plan)  # every forward but the last is full
+
+
+def test_plan_forwards_follows_measured_times():
+    from vllm_accel.buckets import ForwardCosts, plan_forwards
+
+    buckets = [1, 8, 16, 32, 48, 64, 256, 384, 512]
+    # A GPU-like profile: a forward costs about the same up to 512 tokens.
+    flat = (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.1, 1.15, 1.2)
+    assert plan_forwards(300, buckets, ForwardCosts(flat, flat)) == [384]
+    assert plan_forwards(40, buckets, ForwardCosts(flat, flat)) == [48]
+    # A CPU-like profile, time growing with the tokens: 40 decodes run as
+    # 32 + 8 when that is faster than padding to 48 ...
+    steep = ForwardCosts.measured([1.0, 1.2, 1.5, 2.0, 3.3, 4.0, 15.0, 22.0, 29.0],
+                                  [1.0, 1.2, 1.5, 2.0, 3.3, 4.0, 15.0, 22.0, 29.0])
+    assert sorted(plan_forwards(40, buckets, steep)) == [8, 32]
+    # ... and 300 tokens as 256 + 48 when the 384 forward costs more,
+    assert sorted(plan_forwards(300, buckets, steep)) == [48, 256]
+    # but not when going on after a cut costs more than starting.
+    dear_later = ForwardCosts(steep.first, tuple(c + 8.0 for c in steep.later))
+    assert plan_forwards(300, buckets, dear_later) == [384]
+
+
+def test_measured_costs_never_favour_a_larger_bucket():
+    from vllm_accel.buckets import ForwardCosts, plan_forwards
+
+    costs = ForwardCosts.measured([2.0, 1.5, 3.0, 2.9, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0])
+    assert costs.first == (2.0, 2.0, 3.0, 3.0, 4.0)
+    # The 16 bucket timed faster than the 8 one (noise): 5 tokens still pad to 8.
+    noisy = ForwardCosts.measured([1.0, 2.0, 1.8], [1.0, 2.0, 1.8])
+    assert plan_forwards(5, [1, 8, 16], noisy) == [8]
 
 
 def test_placeholder_rows_whole_image_and_chunk_cut():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from dataclasses import dataclass
 
 from vllm_accel.log import get_logger
 
@@ -47,7 +48,8 @@ DEFAULT_LIMIT = 8
 DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 48, 64, 256, 384, 512)
 # What one more forward costs, in padded tokens (its fixed per-call work:
 # Python, one pass over the weights, attention set-up), for cutting a step into
-# forwards: a rough estimate from profiles, not tuned.
+# forwards before the forwards' times are measured (warmup measures them;
+# without warmup this estimate stays).
 FORWARD_COST_IN_TOKENS = 32
 
 
@@ -151,31 +153,79 @@ def make_buckets(spec: str, default_min: int, default_max: int,
     return linear_buckets(lo, fields.get("step", lo), hi)
 
 
-def plan_forwards(total: int, buckets: list[int], overhead: int) -> list[int]:
+@dataclass(frozen=True)
+class ForwardCosts:
+    """What one forward of each token bucket costs (any unit, one per bucket):
+    as a step's first forward, and as a later one, where a prompt the forward
+    before cut goes on and attends to all that forward wrote (on cpu that
+    gathers its context: dearer than a prompt's start)."""
+
+    first: tuple[float, ...]
+    later: tuple[float, ...]
+
+    @classmethod
+    def measured(cls, first: list[float], later: list[float]) -> ForwardCosts:
+        return cls(_non_decreasing(first), _non_decreasing(later))
+
+
+def token_count_costs(buckets: list[int], overhead: int = FORWARD_COST_IN_TOKENS
+                      ) -> ForwardCosts:
+    """The estimate when nothing was measured: a forward costs its padded
+    tokens plus ``overhead`` tokens for the call itself."""
+    costs = tuple(float(b + overhead) for b in buckets)
+    return ForwardCosts(costs, costs)
+
+
+def _non_decreasing(costs: list[float]) -> tuple[float, ...]:
+    """Measured costs made non-decreasing in the bucket size: a larger bucket
+    does at least the work of a smaller one, and timing noise must not make a
+    step pad to a larger bucket because it happened to time faster."""
+    out, floor = [], 0.0
+    for cost in costs:
+        floor = max(floor, cost)
+        out.append(floor)
+    return tuple(out)
+
+
+def plan_forwards(total: int, buckets: list[int], costs: ForwardCosts) -> list[int]:
     """The buckets of the forwards that run ``total`` tokens, in order: every
     forward but the last is full, the last pads up to its bucket.
 
-    Minimises padded tokens plus ``overhead`` per forward (what one more forward
-    costs, in tokens): 370 tokens with buckets 64, 256, 1024 run as 256 + 64 +
-    64 instead of one forward padded to 1024; beyond the largest bucket, full
-    forwards of it. Exact when ``total`` is a bucket: one forward."""
+    Minimises the summed cost of the forwards (``costs``: measured at warmup,
+    or ``token_count_costs``): with a fixed cost of 32 tokens a forward, 370
+    tokens with buckets 64, 256, 1024 run as 256 + 64 + 64 instead of one
+    forward padded to 1024; beyond the largest bucket, full forwards of it.
+    Exact when ``total`` is a bucket and costs grow with the bucket: one
+    forward."""
     largest = buckets[-1]
     full, rest = divmod(total, largest)
-    if rest == 0:
-        return [largest] * full
-    return [largest] * full + list(_plan_below(tuple(buckets), overhead)[rest])
+    buckets = tuple(buckets)
+    if full:
+        return [largest] * full + (list(_plan_later(buckets, costs.later)[1][rest]) if rest
+                                   else [])
+    totals, plans = _plan_later(buckets, costs.later)
+    first = min(range(len(buckets)), key=lambda i: costs.first[i] + (
+        totals[total - buckets[i]] if buckets[i] < total else 0.0))
+    b = buckets[first]
+    return [b] + (list(plans[total - b]) if b < total else [])
 
 
 @functools.lru_cache(maxsize=8)
-def _plan_below(buckets: tuple[int, ...], overhead: int) -> list[tuple[int, ...]]:
-    """plan[n] for every n <= the largest bucket, by dynamic programming over
-    the first forward: cost(n) = min over buckets b of overhead + b + cost(n - b)."""
-    cost, plan = [0], [()]
+def _plan_later(buckets: tuple[int, ...], costs: tuple[float, ...]
+                ) -> tuple[list[float], list[tuple[int, ...]]]:
+    """The cheapest forwards for every n <= the largest bucket (and their
+    cost), by dynamic programming over the first of them: total(n) = min over
+    buckets b of cost(b) + total(n - b)."""
+    totals, plans = [0.0], [()]
     for n in range(1, buckets[-1] + 1):
-        best = min(buckets, key=lambda b: b + (cost[n - b] if b < n else 0))
-        cost.append(overhead + best + (cost[n - best] if best < n else 0))
-        plan.append((best,) + plan[n - best] if best < n else (best,))
-    return plan
+        def after(i: int) -> float:  # n tokens, starting with a forward of bucket i
+            b = buckets[i]
+            return costs[i] + (totals[n - b] if b < n else 0.0)
+        best = min(range(len(buckets)), key=after)
+        b = buckets[best]
+        totals.append(after(best))
+        plans.append((b,) + plans[n - b] if b < n else (b,))
+    return totals, plans
 
 
 def find_bucket(buckets: list[int], size: int) -> int | None:

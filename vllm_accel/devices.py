@@ -56,6 +56,11 @@ class DeviceBackend:
         a stream), so that scheduling the next step can overlap this one."""
         return self.device == "cuda"
 
+    def synchronize(self) -> None:
+        """Wait until the device has done the work queued so far (for timing)."""
+        if self.device != "cpu":
+            getattr(torch, self.device).synchronize()
+
     @property
     def dist_backend(self) -> str:
         """torch.distributed backend the tensor-parallel workers use."""

@@ -16,6 +16,7 @@ positions the step covers.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,11 +32,11 @@ from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
 from vllm_accel.buckets import (
-    FORWARD_COST_IN_TOKENS,
     context_buckets,
     fit_bucket,
     plan_forwards,
     token_buckets,
+    token_count_costs,
 )
 from vllm_accel.compat import compile_sampler_logprob_ranks
 from vllm_accel.devices import DeviceBackend
@@ -119,6 +120,11 @@ class AccelModelRunner:
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
         self.token_buckets = token_buckets(settings.token_buckets, max_step)
         self.context_buckets = context_buckets(settings.context_buckets, self.max_blocks_per_req)
+        # The cost of one forward per token bucket, for cutting a step into
+        # forwards (plan_forwards): estimated here, measured at warmup.
+        self.forward_costs = token_count_costs(self.token_buckets)
+        # While warmup times forwards: bucket -> seconds of each forward run.
+        self.forward_times: dict[int, list[float]] | None = None
         # Attention in one launch per forward (cuda) reads a table of fixed
         # shape per token bucket: one graph per bucket.
         self.table_shape = (TableShape(self.max_num_reqs, self.context_buckets[-1])
@@ -260,8 +266,9 @@ class AccelModelRunner:
             if self.vision is not None:
                 self._encode_scheduled_images(scheduler_output)
                 multimodal = self._multimodal_rows(step)
-            outputs = [self._run_forward(fwd, in_flight, multimodal, keep_hidden,
-                                         copy_outputs=len(step.forwards) > 1)
+            run = self._run_forward if self.forward_times is None else self._timed_forward
+            outputs = [run(fwd, in_flight, multimodal, keep_hidden,
+                           copy_outputs=len(step.forwards) > 1)
                        for fwd in step.forwards]
         hidden = None
         if keep_hidden:
@@ -325,6 +332,16 @@ class AccelModelRunner:
         if replayed and copy_outputs:
             hidden, logits = (None if t is None else t.clone() for t in (hidden, logits))
         return hidden, logits
+
+    def _timed_forward(self, forward: BucketedForward, *args, **kwargs):
+        """``_run_forward``, its time (device work included) added to
+        ``forward_times`` (warmup.measure_forward_costs)."""
+        self.backend.synchronize()
+        started = time.perf_counter()
+        outputs = self._run_forward(forward, *args, **kwargs)
+        self.backend.synchronize()
+        self.forward_times.setdefault(forward.bucket, []).append(time.perf_counter() - started)
+        return outputs
 
     def model_call(self, inputs: torch.Tensor, positions: torch.Tensor,
                    metadata: PagedAttentionMetadata, logit_rows: torch.Tensor
@@ -528,7 +545,7 @@ class AccelModelRunner:
     # ---- helpers ------------------------------------------------------------
 
     def _plan_forwards(self, num_tokens: int) -> list[int]:
-        return plan_forwards(num_tokens, self.token_buckets, FORWARD_COST_IN_TOKENS)
+        return plan_forwards(num_tokens, self.token_buckets, self.forward_costs)
 
     def _context_bucket(self, blocks: int) -> int:
         return fit_bucket(self.context_buckets, blocks, "context blocks",

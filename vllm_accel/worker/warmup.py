@@ -1,10 +1,13 @@
-"""Warmup: run every token bucket through the real execute path once.
+"""Warmup: run every token bucket through the real execute path once, then
+time each bucket's forward.
 
 Each bucket gets a synthetic step made of prefill chunks that fill it exactly,
 then a decode step for the same requests, then the requests finish. This is
 vLLM's own scheduler-output format, so warmup exercises input packing,
 attention, the compiled layers and the sampler exactly as serving does. A
-vision model then encodes one real image per vision bucket.
+vision model then encodes one real image per vision bucket. Last, with every
+graph compiled (and captured, on cuda), each bucket's forward is timed: those
+times decide how a step is cut into forwards (``buckets.plan_forwards``).
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from vllm.distributed import get_tp_group
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
+from vllm_accel.buckets import ForwardCosts
 from vllm_accel.log import get_logger
 from vllm_accel.patches import inductor_cache_dir
 
@@ -44,26 +49,39 @@ def _step(runner: AccelModelRunner, scheduler_output: SchedulerOutput) -> None:
         runner.sample_tokens(None)
 
 
-def _run_bucket(runner: AccelModelRunner, bucket: int, params: SamplingParams) -> None:
-    # Room for the prefill, one decode token and the token it samples.
-    lengths = _prompt_lengths(bucket, runner.max_model_len - 2, runner.max_num_reqs)
+def _new_requests(runner: AccelModelRunner, name: str, lengths: list[int],
+                  params: SamplingParams, computed: int = 0) -> SchedulerOutput:
+    """A step that prefills ``lengths`` tokens of new prompts, each after
+    ``computed`` tokens taken as already in the KV cache (a prefix hit)."""
     next_block = 1  # block 0 is vLLM's null block; others are free during warmup
     new_reqs = []
     for i, length in enumerate(lengths):
-        blocks = -(-(length + 1) // runner.block_size)
+        # Room for the prefill, one decode token and the token it samples.
+        blocks = -(-(computed + length + 1) // runner.block_size)
         ids = [1 + (next_block + b - 1) % (runner.num_blocks - 1) for b in range(blocks)]
         next_block += blocks
         new_reqs.append(NewRequestData(
-            req_id=f"warmup-{bucket}-{i}", prompt_token_ids=[i % 7 + 10] * length,
+            req_id=f"{name}-{i}", prompt_token_ids=[i % 7 + 10] * (computed + length),
             mm_features=[], sampling_params=params, pooling_params=None,
-            block_ids=(ids,), num_computed_tokens=0, lora_request=None,
+            block_ids=(ids,), num_computed_tokens=computed, lora_request=None,
         ))
-    req_ids = [r.req_id for r in new_reqs]
-
     prefill = SchedulerOutput.make_empty()
     prefill.scheduled_new_reqs = new_reqs
-    prefill.num_scheduled_tokens = dict(zip(req_ids, lengths))
+    prefill.num_scheduled_tokens = {r.req_id: n for r, n in zip(new_reqs, lengths)}
     prefill.total_num_scheduled_tokens = sum(lengths)
+    return prefill
+
+
+def _finish(runner: AccelModelRunner, req_ids: list[str]) -> None:
+    finish = SchedulerOutput.make_empty()
+    finish.finished_req_ids = set(req_ids)
+    _step(runner, finish)
+
+
+def _run_bucket(runner: AccelModelRunner, bucket: int, params: SamplingParams) -> None:
+    lengths = _prompt_lengths(bucket, runner.max_model_len - 2, runner.max_num_reqs)
+    prefill = _new_requests(runner, f"warmup-{bucket}", lengths, params)
+    req_ids = list(prefill.num_scheduled_tokens)
     _step(runner, prefill)
 
     decode = SchedulerOutput.make_empty()
@@ -75,10 +93,7 @@ def _run_bucket(runner: AccelModelRunner, bucket: int, params: SamplingParams) -
     decode.num_scheduled_tokens = dict.fromkeys(req_ids, 1)
     decode.total_num_scheduled_tokens = len(req_ids)
     _step(runner, decode)
-
-    finish = SchedulerOutput.make_empty()
-    finish.finished_req_ids = set(req_ids)
-    _step(runner, finish)
+    _finish(runner, req_ids)
 
 
 def warm_up(runner: AccelModelRunner) -> None:
@@ -110,4 +125,56 @@ def warm_up(runner: AccelModelRunner) -> None:
     logger.info(
         "vllm_accel warmup finished in %.1f s: %d graphs (compile cache hits %d, misses %d)",
         time.perf_counter() - started, stats.warmup_graphs, hits, misses,
+    )
+
+
+def _timed_runs(bucket: int) -> int:
+    """How many times a bucket's forward is timed (the fastest counts): small
+    forwards are short and noisy, large ones cost start-up time. A fixed
+    number, not a time budget: under tensor parallelism every rank must run
+    the same forwards."""
+    return 3 if bucket <= 64 else 2
+
+
+def _forward_seconds(runner: AccelModelRunner, bucket: int, context: int) -> float:
+    """The fastest of a few forwards of ``bucket`` tokens: prompts as long
+    as the model's context allows, each going on after ``context`` tokens
+    already in the KV cache (as far as max_model_len leaves room)."""
+    room = runner.max_model_len - 2
+    context = max(0, min(context, room - bucket))
+    num_prompts = -(-bucket // (room - context))
+    lengths = _prompt_lengths(bucket, room - context, num_prompts)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    runner.forward_times = {}
+    try:
+        for run in range(_timed_runs(bucket)):
+            prefill = _new_requests(runner, f"timing-{bucket}-{run}", lengths, greedy, context)
+            _step(runner, prefill)
+            _finish(runner, list(prefill.num_scheduled_tokens))
+        return min(runner.forward_times[bucket])
+    finally:
+        runner.forward_times = None
+
+
+def measure_forward_costs(runner: AccelModelRunner) -> None:
+    """Time each token bucket's forward, as a step's first (new prompts) and
+    as a later one (a prompt going on after a forward of the largest bucket),
+    and cut steps into forwards by those times from now on. Under tensor
+    parallelism every rank takes the driver's times: all ranks must cut a
+    step the same way."""
+    started = time.perf_counter()
+    buckets = runner.token_buckets
+    first = [_forward_seconds(runner, b, 0) for b in buckets]
+    later = [_forward_seconds(runner, b, buckets[-1]) for b in buckets]
+    if runner.tp_size > 1:
+        first, later = get_tp_group().broadcast_object((first, later), src=0)
+    runner.forward_costs = ForwardCosts.measured(first, later)
+
+    def listed(seconds):
+        return " ".join(f"{b}={t * 1e3:.2f}" for b, t in zip(buckets, seconds))
+
+    logger.info(
+        "vllm_accel forward times by token bucket (ms, fastest of %d-%d runs): first %s; "
+        "later %s; measured in %.1f s", _timed_runs(buckets[-1]), _timed_runs(1),
+        listed(first), listed(later), time.perf_counter() - started,
     )

@@ -31,7 +31,7 @@ from vllm_accel.patches import exact_float32_dots, set_worker_threads
 from vllm_accel.settings import env_var_name, load_settings
 from vllm_accel.worker.cuda import capture_graphs, profile_peak_memory
 from vllm_accel.worker.model_runner import AccelModelRunner
-from vllm_accel.worker.warmup import warm_up
+from vllm_accel.worker.warmup import measure_forward_costs, warm_up
 
 logger = get_logger(__name__)
 
@@ -190,6 +190,7 @@ class AccelWorker(WorkerBase):
                 logger.info("vllm_accel captured %d CUDA graphs (one per token bucket) in %.1f s",
                             len(self.model_runner.token_buckets),
                             time.perf_counter() - captured)
+            measure_forward_costs(self.model_runner)
         # Warmup sampled with seeds: start serving from the configured seed.
         set_random_seed(self.model_config.seed)
         warmup_s = time.perf_counter() - started
