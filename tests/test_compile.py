@@ -65,6 +65,10 @@ def compiled(tiny_models, cache_dir):
     # As under `vllm serve`: vLLM's TORCHINDUCTOR_COMPILE_THREADS=1 is read when
     # torch comes after vllm (in this process torch came first, so set it here).
     torch._inductor.config.compile_threads = 1
+    # As in a new process: inductor has not probed the CPU's vector ISA yet.
+    from torch._inductor.cpu_vec_isa import VecISA, valid_vec_isa_list
+    valid_vec_isa_list.cache_clear()
+    VecISA._VecISA__bool__impl.cache_clear()
     started = time.perf_counter()
     with running_llm(tiny_models["llama"], additional_config=accel_config(cache_dir),
                      **ENGINE) as llm:
@@ -79,6 +83,18 @@ def test_warmup_compiles_every_bucket_once(compiled):
     assert runner.compile_stats.cache_hits == (0, 4)
     # vLLM pins inductor to one compile thread; the worker gives it its cores.
     assert torch._inductor.config.compile_threads == torch.get_num_threads()
+
+
+def test_the_vector_isa_probe_is_not_rebuilt_per_compile_cache(compiled, cache_dir):
+    """Inductor's probe of the CPU's vector instructions (a test program
+    built per instruction set) ran outside the engine's compile cache: a new
+    compile cache does not build it again (patches.py, 13)."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    assert valid_vec_isa_list.cache_info().currsize == 1  # probed by this engine
+    probes = [f for f in cache_dir.rglob("*.cpp") if "__avx_chk_kernel" in f.read_text()]
+    assert not probes, f"the vector-ISA probe was built in the compile cache: {probes}"
+    assert any(cache_dir.rglob("*.cpp")), "the engine compiled nothing into its cache"
 
 
 def test_warmup_times_every_buckets_forward(compiled):

@@ -1,8 +1,8 @@
 """Every change vllm-accel makes to process-wide state - torch, vLLM and
 transformers behaviour, environment variables, global settings - in one
 place, each with why. Patches 1-3 and 9-11 are applied by ``apply_patches`` (our
-``vllm.general_plugins`` entry point, once in every vLLM process); 4-8 and 12
-are functions called where the change is needed, named here so that one file lists
+``vllm.general_plugins`` entry point, once in every vLLM process); 4-8, 12 and
+13 are functions called where the change is needed, named here so that one file lists
 them all. None edits a file on disk; each is idempotent.
 
 1. transformers 5.16-5.20 / vLLM 0.33, without torchvision (no CPU build on the
@@ -97,6 +97,16 @@ them all. None edits a file on disk; each is idempotent.
    model we check tokens against. Only Triton dots of float32 inputs change
    (inductor states its precision; bfloat16 dots are bfloat16), and Triton's
    compile cache keys on the variable.
+
+13. ``probe_cpu_vector_isa`` (the worker, inductor on the cpu device): inductor
+   picks the CPU's vector instruction set by building a test program for each
+   candidate (AVX-512 VNNI, AVX-512, AVX2, ...) and loading it, once per
+   process, into its cache directory. Inside an engine that directory is the
+   engine's compile cache (7), so every new compile cache built the programs
+   again: ~6 s of each cold start on 2 cores. Probed first, outside it, they
+   land in inductor's own directory (where it keeps its precompiled headers
+   too: facts of the machine, not of a model), and later starts find them
+   built (~0.9 s to load-test them).
 
 Not a patch but process-wide all the same: ``model/paged_attention.py`` keeps
 the current step's attention layout in a module variable while a forward runs
@@ -439,6 +449,13 @@ def inductor_cache_dir(path):
             os.environ.pop(_INDUCTOR_CACHE_ENV, None)
         else:
             os.environ[_INDUCTOR_CACHE_ENV] = previous
+
+
+def probe_cpu_vector_isa() -> None:
+    """Patch 13: inductor's vector-ISA probe, under its own cache directory."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    valid_vec_isa_list()  # cached for the process: later compiles reuse it
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_accel.devices import check_dtype, select_backend
-from vllm_accel.patches import exact_float32_dots, set_worker_threads
+from vllm_accel.patches import exact_float32_dots, probe_cpu_vector_isa, set_worker_threads
 from vllm_accel.settings import env_var_name, load_settings
 from vllm_accel.worker.cuda import capture_graphs, profile_peak_memory
 from vllm_accel.worker.model_runner import AccelModelRunner
@@ -86,8 +86,11 @@ class AccelWorker(WorkerBase):
         check_dtype(self.backend.device, self.model_config.dtype)
         parallel = self.parallel_config
         # Torch threads, and inductor's kernel builds on them (patches.py, 5).
+        inductor = self.backend.compile_backend == "inductor"
         set_worker_threads(worker_threads(self.settings.num_threads, parallel.local_world_size),
-                           inductor=self.backend.compile_backend == "inductor")
+                           inductor=inductor)
+        if inductor and self.backend.device == "cpu":
+            probe_cpu_vector_isa()  # outside the compile cache (patches.py, 13)
         logger.info(
             "vllm-accel worker (rank %d of %d) on device backend '%s', compile backend "
             "'%s', %d torch threads",
