@@ -199,15 +199,24 @@ def plan_forwards(total: int, buckets: list[int], costs: ForwardCosts) -> list[i
     forward."""
     largest = buckets[-1]
     full, rest = divmod(total, largest)
-    buckets = tuple(buckets)
     if full:
-        return [largest] * full + (list(_plan_later(buckets, costs.later)[1][rest]) if rest
-                                   else [])
-    totals, plans = _plan_later(buckets, costs.later)
-    first = min(range(len(buckets)), key=lambda i: costs.first[i] + (
-        totals[total - buckets[i]] if buckets[i] < total else 0.0))
-    b = buckets[first]
-    return [b] + (list(plans[total - b]) if b < total else [])
+        return [largest] * full + (list(_plan_later(tuple(buckets), costs.later)[1][rest])
+                                   if rest else [])
+    return list(_plans(tuple(buckets), costs)[total])
+
+
+@functools.lru_cache(maxsize=8)
+def _plans(buckets: tuple[int, ...], costs: ForwardCosts) -> list[tuple[int, ...]]:
+    """plan[n] for every n <= the largest bucket: the first forward at its
+    cost as a first one, the rest by ``_plan_later``."""
+    totals, later = _plan_later(buckets, costs.later)
+    plans = [()]
+    for n in range(1, buckets[-1] + 1):
+        first = min(range(len(buckets)), key=lambda i: costs.first[i] + (
+            totals[n - buckets[i]] if buckets[i] < n else 0.0))
+        b = buckets[first]
+        plans.append((b,) + later[n - b] if b < n else (b,))
+    return plans
 
 
 @functools.lru_cache(maxsize=8)
