@@ -92,6 +92,18 @@ def test_tp2_seeded_sampling_matches_tp1(tp_llm):
     assert got == want
 
 
+def test_every_rank_cuts_steps_by_the_drivers_forward_times(tp_llm):
+    """Each rank times its own forwards at warmup, but all must cut a step
+    into the same forwards (their all-reduces pair up): they take rank 0's."""
+    from vllm_accel.buckets import token_count_costs
+
+    _, _, llm = tp_llm
+    costs = llm.collective_rpc(_forward_costs)
+    assert len(costs) == 2 and costs[0] == costs[1]
+    buckets = llm.collective_rpc(_token_buckets)[0]
+    assert costs[0] != token_count_costs(buckets)  # measured, not the estimate
+
+
 def test_killed_worker_fails_the_engine_not_hangs(tp_llm):
     """vLLM's executor watches its workers: when one dies, requests fail with
     an error at once (and a server exits) instead of waiting forever."""
@@ -185,3 +197,11 @@ def test_llava_next_tp2_matches_tp1(tmp_path_factory):
             encoded = [a - b for a, b in zip(llm.collective_rpc(_images_encoded), before)]
             assert sum(encoded) == 1, encoded  # one image, one rank
     assert got[2] == got[1]
+
+
+def _forward_costs(worker):
+    return worker.model_runner.forward_costs
+
+
+def _token_buckets(worker) -> list[int]:
+    return worker.model_runner.token_buckets
