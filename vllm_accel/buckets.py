@@ -156,9 +156,9 @@ def make_buckets(spec: str, default_min: int, default_max: int,
 @dataclass(frozen=True)
 class ForwardCosts:
     """What one forward of each token bucket costs (any unit, one per bucket):
-    as a step's first forward, and as a later one, where a prompt the forward
-    before cut goes on and attends to all that forward wrote (on cpu that
-    gathers its context: dearer than a prompt's start)."""
+    as a step's first forward, and as a later one, which continues a prompt
+    the forward before it cut and attends to all that forward wrote (on cpu
+    it gathers that context: dearer than a prompt's start)."""
 
     first: tuple[float, ...]
     later: tuple[float, ...]
@@ -195,8 +195,8 @@ def plan_forwards(total: int, buckets: list[int], costs: ForwardCosts) -> list[i
     or ``token_count_costs``): with a fixed cost of 32 tokens a forward, 370
     tokens with buckets 64, 256, 1024 run as 256 + 64 + 64 instead of one
     forward padded to 1024; beyond the largest bucket, full forwards of it.
-    Exact when ``total`` is a bucket and costs grow with the bucket: one
-    forward."""
+    ``total`` equal to a bucket runs as that one forward unless smaller ones
+    cost less in sum (never with the token-count estimate)."""
     largest = buckets[-1]
     full, rest = divmod(total, largest)
     if full:

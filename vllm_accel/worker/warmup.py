@@ -173,8 +173,9 @@ def measure_forward_costs(runner: AccelModelRunner) -> None:
     def listed(seconds):
         return " ".join(f"{b}={t * 1e3:.2f}" for b, t in zip(buckets, seconds))
 
+    runs = sorted({_timed_runs(b) for b in buckets})
     logger.info(
-        "vllm_accel forward times by token bucket (ms, fastest of %d-%d runs): first %s; "
-        "later %s; measured in %.1f s", _timed_runs(buckets[-1]), _timed_runs(1),
+        "vllm_accel forward times by token bucket (ms, fastest of %s runs): first %s; "
+        "later %s; measured in %.1f s", "-".join(map(str, runs)),
         listed(first), listed(later), time.perf_counter() - started,
     )
