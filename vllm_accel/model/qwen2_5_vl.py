@@ -264,7 +264,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
                                    pixel_values.shape[0], pixel_values.dtype,
                                    pixel_values.device)
         full = set(self.config.fullatt_block_indexes)
-        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))[layout.order]
+        x = self.patch_embed(pixel_values.to(self.merger.ln_q.weight.dtype))[layout.order]
         for i, layer in enumerate(self.layers):
             x = layer(x, layout.cos, layout.sin, layout.full_mask if i in full else layout.window_mask)
         merged = self.merger(x)

@@ -43,6 +43,7 @@ from vllm_accel.devices import DeviceBackend
 from vllm_accel.log import get_logger
 from vllm_accel.model import decode_kernel
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
+from vllm_accel.model.packed_linear import pack_linear_layers
 from vllm_accel.model.paged_attention import (
     PagedAttentionMetadata,
     TableShape,
@@ -178,6 +179,9 @@ class AccelModelRunner:
                                    self.backend.device,
                                    trust_remote_code=self.model_config.trust_remote_code,
                                    tp_group=tp_group)
+        if self.backend.device == "cpu":
+            packed = pack_linear_layers(fms_model)
+            logger.info("vllm_accel linear layers packed for oneDNN: %d (%s)", packed, self.dtype)
         adapter_class = vision_adapter_class(hf_config)
         if adapter_class is not None:
             self.vision = adapter_class(self.model_config, fms_model)

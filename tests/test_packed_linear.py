@@ -1,0 +1,116 @@
+"""Linear layers over oneDNN-packed weights (the cpu device): equal to
+nn.Linear, eager and compiled with the weights as graph inputs, and every
+linear layer of a served model packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import hf_greedy, model_runner, running_llm
+from test_generation import random_prompts
+from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def linear(in_features, out_features, bias, dtype, seed):
+    torch.manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    with torch.no_grad():
+        layer.bias.normal_() if bias else None
+    return layer
+
+
+def close(actual, expected, dtype):
+    scale = expected.abs().max().item()
+    return (actual.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_nn_linear(dtype, bias):
+    layer = linear(96, 160, bias, dtype, seed=0)
+    packed = PackedLinear(layer)
+    for shape in [(1, 96), (37, 96), (1, 19, 96)]:
+        x = torch.randn(shape).to(dtype)
+        with torch.inference_mode():
+            out = packed(x)
+        assert out.shape == (*shape[:-1], 160) and out.dtype == dtype
+        assert close(out, layer(x).detach(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_graph_shared_by_two_packed_layers(dtype):
+    """One inductor graph, the packed weight a graph input (as compile.py
+    shares one graph between layers): each layer gets its own result."""
+    layers = [linear(64, 128, True, dtype, seed) for seed in (1, 2)]
+    packed = [PackedLinear(layer) for layer in layers]
+
+    def block(module, x):
+        return torch.relu(module(x)) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="inductor", dynamic=False, fullgraph=True)
+    x = torch.randn(1, 8, 64).to(dtype)
+    with torch.inference_mode():
+        for layer, module in zip(layers, packed):
+            assert close(compiled(module, x), block(layer, x), dtype)
+
+
+def test_pack_linear_layers_keeps_read_weights_and_tied_embeddings():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(50, 32)
+            self.attention = nn.MultiheadAttention(32, 4, batch_first=True)
+            self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+            self.head = nn.Linear(32, 50, bias=False)
+            self.head.weight = self.embedding.weight  # tied
+            self.alias = self.mlp[0]  # one layer under two names
+
+        def forward(self, ids):
+            x = self.embedding(ids)
+            x = x + self.attention(x, x, x)[0]
+            return self.head(self.mlp(x))
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    ids = torch.randint(0, 50, (1, 7))
+    with torch.inference_mode():
+        expected = model(ids)
+    assert pack_linear_layers(model) == 3  # mlp's two and the head, not out_proj
+    assert isinstance(model.attention.out_proj, nn.Linear)  # MHA reads its weight
+    assert model.alias is model.mlp[0] and isinstance(model.alias, PackedLinear)
+    assert isinstance(model.embedding.weight, nn.Parameter)  # still dense for the lookup
+    with torch.inference_mode():
+        assert close(model(ids), expected, torch.float32)
+
+
+def test_pack_linear_layers_leaves_float16():
+    model = nn.Sequential(nn.Linear(8, 8)).half()
+    assert pack_linear_layers(model) == 0
+    assert type(model[0]) is nn.Linear
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_served_model_runs_packed_linears(tiny_models, dtype):
+    """The cpu device packs every linear layer of the model it serves; greedy
+    output stays HF's in float32 (bfloat16: packed and HF differ in rounding,
+    so only the counts are checked)."""
+    prompts = random_prompts([5, 17, 40], seed=7)
+    with running_llm(tiny_models["llama"], dtype=dtype) as llm:
+        runner = model_runner(llm)
+        modules = list(runner.model.modules())
+        assert not [m for m in modules if isinstance(m, nn.Linear)]
+        # 4 per decoder layer (fused q/k/v, output, fused gate/up, down) and the head
+        assert sum(isinstance(m, PackedLinear) for m in modules) == 4 * runner.model.num_layers + 1
+        if dtype == "float32":
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outs] == \
+                hf_greedy(tiny_models["llama"], prompts, 12)
