@@ -1,8 +1,8 @@
 """Every change vllm-accel makes to process-wide state - torch, vLLM and
 transformers behaviour, environment variables, global settings - in one
 place, each with why. Patches 1-3 and 9-11 are applied by ``apply_patches`` (our
-``vllm.general_plugins`` entry point, once in every vLLM process); 4-8, 12 and
-13 are functions called where the change is needed, named here so that one file lists
+``vllm.general_plugins`` entry point, once in every vLLM process); 4-8 and
+12-14 are functions called where the change is needed, named here so that one file lists
 them all. None edits a file on disk; each is idempotent.
 
 1. transformers 5.16-5.20 / vLLM 0.33, without torchvision (no CPU build on the
@@ -107,6 +107,17 @@ them all. None edits a file on disk; each is idempotent.
    land in inductor's own directory (where it keeps its precompiled headers
    too: facts of the machine, not of a model), and later starts find them
    built (~0.9 s to load-test them).
+
+14. ``keep_large_buffers_mapped`` (the worker, cpu device): glibc's malloc
+   serves an allocation above its mmap threshold (at most 32 MiB) with a
+   fresh mapping and unmaps it when freed, and the heap's freed top goes back
+   to the OS; every such buffer is then mapped in again page by page, a fault
+   each 4 KiB (~4 us on these VMs). A forward's large intermediates (the
+   full-size Molmo ViT's 13 crops: 61 MB a linear layer's output) are
+   allocated and freed every call: 900k faults a batch, its linear layers at
+   half their speed. The threshold goes to 1 GiB (or the largest glibc
+   takes) and the heap keeps what is freed: memory stays at its peak, as a
+   device's memory pool does.
 
 Not a patch but process-wide all the same: ``model/paged_attention.py`` keeps
 the current step's attention layout in a module variable while a forward runs
@@ -449,6 +460,22 @@ def inductor_cache_dir(path):
             os.environ.pop(_INDUCTOR_CACHE_ENV, None)
         else:
             os.environ[_INDUCTOR_CACHE_ENV] = previous
+
+
+def keep_large_buffers_mapped() -> bool:
+    """Patch 14. True where glibc's malloc took the settings (glibc only)."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not mallopt(m_trim_threshold, 2**31 - 1):  # the largest an int holds
+        return False
+    # glibc caps the mmap threshold (32 MiB where heaps are 64 MiB).
+    return bool(mallopt(m_mmap_threshold, 1 << 30) or mallopt(m_mmap_threshold, 32 << 20))
 
 
 def probe_cpu_vector_isa() -> None:

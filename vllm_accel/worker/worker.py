@@ -27,7 +27,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_accel.devices import check_dtype, select_backend
-from vllm_accel.patches import exact_float32_dots, probe_cpu_vector_isa, set_worker_threads
+from vllm_accel.patches import (
+    exact_float32_dots,
+    keep_large_buffers_mapped,
+    probe_cpu_vector_isa,
+    set_worker_threads,
+)
 from vllm_accel.settings import env_var_name, load_settings
 from vllm_accel.worker.cuda import capture_graphs, profile_peak_memory
 from vllm_accel.worker.model_runner import AccelModelRunner
@@ -89,6 +94,8 @@ class AccelWorker(WorkerBase):
         inductor = self.backend.compile_backend == "inductor"
         set_worker_threads(worker_threads(self.settings.num_threads, parallel.local_world_size),
                            inductor=inductor)
+        if self.backend.device == "cpu":
+            keep_large_buffers_mapped()  # patches.py, 14
         if inductor and self.backend.device == "cpu":
             probe_cpu_vector_isa()  # outside the compile cache (patches.py, 13)
         logger.info(
