@@ -145,3 +145,24 @@ def test_backbone_compiles(ours, items):
     with torch.no_grad():
         torch.testing.assert_close(compiled(images, masks), ours(images, masks),
                                    atol=ATOL, rtol=0)
+
+
+def test_bfloat16_attention_as_accurate_as_sdpa(vllm_model, ours, items, monkeypatch):
+    """In bfloat16 on the CPU the ViT attends by matmul, float32 softmax,
+    matmul (faster than SDPA's kernel there): against vLLM's float32 backbone
+    it must be as close as bfloat16 SDPA is."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from vllm_accel.model import molmo
+
+    item = items[(640, 480)]
+    half = copy.deepcopy(ours).to(torch.bfloat16)
+    with torch.no_grad():
+        reference = vllm_model.vision_backbone(item["images"][None], item["image_masks"][None])[0]
+        matmul_error = (half(item["images"], item["image_masks"]).float() - reference).abs()
+        monkeypatch.setattr(molmo, "_attention", F.scaled_dot_product_attention)
+        sdpa_error = (half(item["images"], item["image_masks"]).float() - reference).abs()
+    assert matmul_error.max() < 0.1 * reference.abs().max()
+    assert matmul_error.mean() <= 1.2 * sdpa_error.mean()

@@ -121,9 +121,21 @@ class ViTAttention(nn.Module):
         def heads(t):  # [b, s, h*d] -> [b, h, s, d]
             return t.unflatten(-1, (self.nheads, -1)).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(
-            heads(self.wq(x_q)), heads(self.wk(x_kv)), heads(self.wv(x_kv)))
+        out = _attention(heads(self.wq(x_q)), heads(self.wk(x_kv)), heads(self.wv(x_kv)))
         return self.wo(out.transpose(1, 2).flatten(2))
+
+
+def _attention(query, key, value):
+    """Unmasked attention, [b, h, s, d]. Half precision on the CPU: scores by a
+    matmul, softmax in float32, a matmul, as HF's eager attention computes it:
+    compiled, 2.2x faster than torch's flash kernel there (13 crops of the
+    full-size ViT, bfloat16: 51 vs 111 ms a layer; its half-precision path
+    runs at ~140 GFLOP/s against the matmuls' ~800). float32 keeps SDPA (the
+    same speed, and what vLLM's Molmo computes)."""
+    if query.device.type != "cpu" or query.dtype == torch.float32:
+        return F.scaled_dot_product_attention(query, key, value)
+    scores = torch.matmul(query * query.shape[-1] ** -0.5, key.transpose(-1, -2))
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(query.dtype), value)
 
 
 class ViTMLP(nn.Module):
