@@ -91,7 +91,7 @@ QWEN2_5_VL = VisionArch(
     # Coarse vision buckets: every image here is padded (16..256 patches -> 64 or 256).
     compile_settings={"token_buckets": "16,256,1024", "multimodal_buckets": "64,256"},
     compile_batched_tokens=1024,
-    warmup_graphs=3 + 2,  # token buckets + vision buckets
+    warmup_graphs=3 + 2 * 2,  # token buckets + vision buckets x 2 (window, full-attention blocks)
     vision_buckets=[64, 256],
     patch_before_processor=True,  # the stand-in video processor (no torchvision)
 )

@@ -57,7 +57,7 @@ class VisionEncoder:
         self._real_rows: int | None = None
         if compile_backend is not None:
             compile_shared_forward(adapter.vision_compile_units(), compile_backend,
-                                   len(self.buckets))
+                                   len(self.buckets) * adapter.vision_graphs_per_bucket)
             module = adapter.vision_module
             module.register_forward_pre_hook(self._pad_to_bucket, with_kwargs=True)
             module.register_forward_hook(self._slice_to_real_rows)

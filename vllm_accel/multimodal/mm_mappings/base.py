@@ -45,6 +45,9 @@ class VisionAdapter(ABC):
     # padded leading axis (e.g. Molmo's crops and their masks): all are padded
     # with zero rows alike.
     vision_padded_args: int = 1
+    # Graphs each vision bucket compiles: one, or one per kind of block whose
+    # inputs differ in shape (Qwen2.5-VL's window and full-attention blocks).
+    vision_graphs_per_bucket: int = 1
     # Whether the text model takes 3-D positions [3, 1, tokens] (see rope_positions).
     uses_3d_positions: bool = False
     unsupported_modalities: tuple[str, ...] = ()

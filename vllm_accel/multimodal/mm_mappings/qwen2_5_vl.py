@@ -30,6 +30,7 @@ from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 class Qwen2_5_VLVisionAdapter(VisionAdapter):
     uses_3d_positions = True
+    vision_graphs_per_bucket = 2  # window blocks, full-attention blocks
     unsupported_modalities = ("video",)
 
     def __init__(self, model_config, fms_model: nn.Module):
@@ -61,10 +62,11 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
                                   for it in items]))
 
     def vision_batch_rows(self, buckets: list[int]) -> int:
-        # The tower attends over the whole padded call (masks keep images
-        # apart), so attention work grows with the square of a call's rows.
-        # Pack only up to the rows where a block's attention costs as much as
-        # its linear layers: per row 4 * rows * width against
+        # Window blocks attend in bands (work linear in a call's rows), but
+        # full-attention blocks over the whole call (masks keep images apart):
+        # their work grows with the square of its rows. Pack only up to the
+        # rows where such a block's attention costs as much as its linear
+        # layers: per row 4 * rows * width against
         # 2 * (4 * width**2 + 3 * width * mlp) multiply-adds.
         config = self.fms_model.visual.config
         even = 2 * config.emb_dim + 1.5 * config.hidden_dim
