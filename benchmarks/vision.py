@@ -5,7 +5,9 @@ or Qwen2.5-VL (--arch).
 Same structure as benchmarks/throughput.py: each backend runs benchmarks/_vision_worker.py in its
 own Python and subprocess, one at a time, alternating over --rounds (order reversed every other
 round). Model: the tiny LlavaNext (SigLIP + Granite, 64-px tiles, anyres) or, with --arch,
-the tiny Qwen2.5-VL or Molmo from vllm_accel.testing (or --model DIR), float32, greedy. Molmo
+the tiny Qwen2.5-VL or Molmo from vllm_accel.testing (or --model DIR), float32, greedy;
+--vision-tower full gives it the hub's full-size vision tower (what a real checkpoint's batch
+evaluation spends its time on; the tiny towers leave processor and host work). Molmo
 has no HF transformers class (use --check-hf 0) and its tiny fixture's small vision tower is one
 vLLM's own Molmo class cannot build (it hard-codes the full-size tower): compare accel with
 accel-eager there. Per engine:
@@ -68,6 +70,10 @@ if "VLLM_ACCEL_BASELINE" in os.environ:
     BACKENDS["accel-baseline"] = (ACCEL[0], {**BACKENDS["accel"][1],
                                              "PYTHONPATH": os.environ["VLLM_ACCEL_BASELINE"]},
                                   False)
+# Names of the tiny models with the hub's full-size tower (--vision-tower full).
+FULL_SIZE_NAMES = {"molmo": "Molmo (full-size ViT)",
+                   "llava_next": "LlavaNext (full-size SigLIP)",
+                   "qwen2_5_vl": "Qwen2.5-VL (full-size ViT)"}
 # vllm-accel's own warm-up summary line.
 ACCEL_WARMUP = re.compile(r"vllm_accel warmup finished in ([\d.]+) s: .*compile cache hits "
                           r"(\d+), misses (\d+)")
@@ -77,15 +83,20 @@ def log(msg):
     print(f"[vision] {msg}", flush=True)
 
 
-def make_model(arch, out_dir, molmo_vision="small"):
-    log(f"generating the tiny {arch} in {out_dir}")
-    cmd = ([str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_molmo", out_dir,
-            "--vision", molmo_vision] if arch == "molmo"
-           else [str(ACCEL[0]), "-m", "vllm_accel.testing.fixtures", arch, out_dir])
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"could not generate the tiny {arch} ({' '.join(cmd)}):\n{r.stderr[-2000:]}\n"
-                 "pass --model DIR instead")
+def make_model(arch, out_dir, tower="small"):
+    """The tiny fixture of ``arch``; tower="full": with the hub's full-size vision tower
+    (tiny_molmo's own option; benchmarks/full_vision_model.py for the others)."""
+    log(f"generating the tiny {arch} ({tower} vision tower) in {out_dir}")
+    cmds = ([[str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_molmo", out_dir, "--vision", tower]]
+            if arch == "molmo" else
+            [[str(ACCEL[0]), "-m", "vllm_accel.testing.fixtures", arch, out_dir]]
+            + [[str(ACCEL[0]), str(BENCH / "full_vision_model.py"), arch, out_dir]]
+            * (tower == "full"))
+    for cmd in cmds:
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"could not generate the tiny {arch} ({' '.join(cmd)}):\n"
+                     f"{r.stderr[-2000:]}\npass --model DIR instead")
 
 
 def workload_args(args):
@@ -200,9 +211,10 @@ def main():
                    help="VLLM_ACCEL_TOKEN_BUCKETS for accel backends, e.g. "
                         "'1,8,16,32,48,64,256,512' (default: the plugin's own, "
                         "buckets.DEFAULT_TOKEN_BUCKETS)")
-    p.add_argument("--molmo-vision", choices=["small", "full"], default="small",
-                   help="the tiny Molmo's vision backbone: small (the tests'), or full (the "
-                        "hub's ~290M-parameter ViT, the one vLLM's own Molmo can build)")
+    p.add_argument("--vision-tower", choices=["small", "full"], default="small",
+                   help="the generated model's vision tower: small (the tests'), or full "
+                        "(the hub's: Molmo's ~290M-parameter ViT, the one vLLM's own Molmo "
+                        "can build; LlavaNext's SigLIP so400m; Qwen2.5-VL's ViT)")
     p.add_argument("--accel-multimodal-buckets", default="",
                    help="VLLM_MULTIMODAL_BUCKETS for accel backends (default: the model's own)")
     p.add_argument("--check-hf", type=int, default=8,
@@ -228,9 +240,9 @@ def main():
     model_name = Path(args.model).name if args.model else f"tiny {args.arch}"
     if not args.model:
         args.model = os.path.join(tmp.name, f"tiny-{args.arch}")
-        make_model(args.arch, args.model, args.molmo_vision)
-        if args.arch == "molmo" and args.molmo_vision == "full":
-            model_name = "Molmo (full-size ViT)"
+        make_model(args.arch, args.model, args.vision_tower)
+        if args.vision_tower == "full":
+            model_name = FULL_SIZE_NAMES[args.arch]
     args.model = os.path.abspath(args.model)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="vllm-accel-bench-vision-logs-")
     os.makedirs(log_dir, exist_ok=True)
