@@ -154,13 +154,11 @@ def banded_attention(q, k, v, mask):
             .permute(0, 1, 3, 2)
 
     queries = F.pad(q, (0, 0, 0, 0, 0, extra)).view(chunks, band, heads, dim).transpose(1, 2)
-    # By matmul, softmax (float32), matmul, which inductor fuses around the
-    # matmuls: 3x faster than the flash kernel on sequences this short in
-    # bfloat16, as fast in float32.
-    scores = torch.matmul(queries * dim**-0.5, keys(k).transpose(-1, -2))
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, keys(v))
+    # SDPA (the flash kernel), not matmul-softmax-matmul: in bfloat16 a
+    # matmul rounds the scores to bfloat16 before the softmax (1.7x SDPA's
+    # error against float32), and float32 scores by matmul cost more than
+    # the flash kernel here.
+    out = F.scaled_dot_product_attention(queries, keys(k), keys(v), attn_mask=mask[:, None])
     return out.transpose(1, 2).reshape(chunks * band, heads, dim)[:n]
 
 
