@@ -19,7 +19,6 @@ from pathlib import Path
 SIGLIP_SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
                      num_attention_heads=16, image_size=384, patch_size=14)
 GRANITE_VISION_FEATURE_LAYERS = [-24, -20, -12, -1]
-LLAVA_TILE = 384
 LLAVA_PINPOINTS = [[384, 384], [384, 768], [768, 384], [768, 768], [384, 1152], [1152, 384]]
 QWEN2_5_VL_VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
                       window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
@@ -46,14 +45,15 @@ def llava_next(out: Path, seed: int) -> None:
     from safetensors.torch import load_file, save_file
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
+    tile = SIGLIP_SO400M["image_size"]
     config = _edit_json(out / "config.json",
                         vision_config=SIGLIP_SO400M,
                         vision_feature_layer=GRANITE_VISION_FEATURE_LAYERS,
                         image_grid_pinpoints=LLAVA_PINPOINTS,
-                        image_seq_length=(LLAVA_TILE // SIGLIP_SO400M["patch_size"]) ** 2,
+                        image_seq_length=(tile // SIGLIP_SO400M["patch_size"]) ** 2,
                         # a 768 x 768 image is ~3,700 tokens at 729 a tile
                         text_config={"max_position_embeddings": 4096})
-    size = {"height": LLAVA_TILE, "width": LLAVA_TILE}
+    size = {"height": tile, "width": tile}
     _edit_json(out / "preprocessor_config.json", crop_size=size, size=size,
                image_grid_pinpoints=LLAVA_PINPOINTS)
     _edit_json(out / "processor_config.json", patch_size=SIGLIP_SO400M["patch_size"])

@@ -87,11 +87,13 @@ def make_model(arch, out_dir, tower="small"):
     """The tiny fixture of ``arch``; tower="full": with the hub's full-size vision tower
     (tiny_molmo's own option; benchmarks/full_vision_model.py for the others)."""
     log(f"generating the tiny {arch} ({tower} vision tower) in {out_dir}")
-    cmds = ([[str(ACCEL[0]), "-m", "vllm_accel.testing.tiny_molmo", out_dir, "--vision", tower]]
-            if arch == "molmo" else
-            [[str(ACCEL[0]), "-m", "vllm_accel.testing.fixtures", arch, out_dir]]
-            + [[str(ACCEL[0]), str(BENCH / "full_vision_model.py"), arch, out_dir]]
-            * (tower == "full"))
+    python = str(ACCEL[0])
+    if arch == "molmo":
+        cmds = [[python, "-m", "vllm_accel.testing.tiny_molmo", out_dir, "--vision", tower]]
+    else:
+        cmds = [[python, "-m", "vllm_accel.testing.fixtures", arch, out_dir]]
+        if tower == "full":
+            cmds.append([python, str(BENCH / "full_vision_model.py"), arch, out_dir])
     for cmd in cmds:
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if r.returncode != 0:

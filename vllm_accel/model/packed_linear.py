@@ -3,9 +3,9 @@
 torch runs a float32 ``nn.Linear`` on the CPU with MKL's sgemm, a bfloat16
 one with oneDNN over the plain weight. Packing each weight once into oneDNN's
 blocked layout for this CPU, as vLLM's own CPU backend does
-(``create_onednn_mm``), made a decoder layer's linears 2.5-5.2x faster in
-float32 and 1.1-3.0x in bfloat16 on an AMD EPYC, 1 to 512 rows
-(``benchmarks/linear.py``).
+(``create_onednn_mm``), made a decoder layer's linears 2.2-4.4x faster in
+float32 and 1.0-3.0x in bfloat16 on an AMD EPYC, 1 to 512 rows
+(``benchmarks/linear.py``, two days' runs; the most at 1-8 rows).
 
 The matmul is an opaque op (``vllm_accel::packed_linear``): inductor's own
 lowering of oneDNN's linear takes only weights it can freeze as constants,

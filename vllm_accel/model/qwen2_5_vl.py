@@ -257,16 +257,17 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
     order = torch.cat([patch_order, torch.arange(num_real, num_padded)])
     pad_seg = torch.full((num_pad,), -1)  # padding: one segment of its own
 
-    def same(seg_per_unit):
-        seg = torch.cat([seg_per_unit.repeat_interleave(unit), pad_seg])
+    def per_row(seg_per_unit):  # a segment per row: its unit's; padding its own
+        return torch.cat([seg_per_unit.repeat_interleave(unit), pad_seg])
+
+    def same(seg):
         return seg[:, None] == seg[None, :]
 
-    def same_in_band(seg_per_unit):
+    def same_in_band(seg):
         band = win * win * unit
         chunks = -(-num_padded // band)
         outside = torch.full((band,), -2)  # rows past either end (and the last chunk's rest)
-        seg = torch.cat([outside, seg_per_unit.repeat_interleave(unit), pad_seg,
-                         outside[: chunks * band - num_padded], outside])
+        seg = torch.cat([outside, seg, outside[: chunks * band - num_padded], outside])
         queries = seg[band : band + chunks * band].view(chunks, band)
         return queries[:, :, None] == seg.unfold(0, 3 * band, band)[:, None, :]
 
@@ -283,8 +284,8 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
         restore=torch.argsort(window_index).to(device),
         cos=angles.cos().to(device, dtype),
         sin=angles.sin().to(device, dtype),
-        full_mask=same(torch.cat(frame_seg)).to(device),
-        window_mask=same_in_band(torch.cat(window_seg)).to(device),
+        full_mask=same(per_row(torch.cat(frame_seg))).to(device),
+        window_mask=same_in_band(per_row(torch.cat(window_seg))).to(device),
     )
 
 
