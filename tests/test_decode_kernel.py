@@ -46,8 +46,9 @@ def test_kernel_matches_pytorch_path(tmp_path):
     kernel = decode_kernel.load(tmp_path)
     assert kernel is not None
     # Grouped (4 query heads per KV head), plain multi-head, and a single head;
+    # head sizes the kernel knows at compile time (64, 80, 128) and others;
     # rows from 1 token to the full padded width, and one that ends a block.
-    for heads, kv_heads, dim in ((8, 2, 64), (4, 4, 32), (1, 1, 16)):
+    for heads, kv_heads, dim in ((8, 2, 64), (4, 2, 128), (2, 2, 80), (4, 4, 32), (1, 1, 16)):
         step = _decode_step(heads, kv_heads, dim, context_lens=[1, 7, 12, 4, 9], width=3)
         expected = _run(None, *step)
         got = _run(kernel, *step)
