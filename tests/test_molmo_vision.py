@@ -4,6 +4,8 @@ processing; crop-axis padding; torch.compile of the ViT block."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from molmo_reference import (
@@ -147,22 +149,35 @@ def test_backbone_compiles(ours, items):
                                    atol=ATOL, rtol=0)
 
 
-def test_bfloat16_attention_as_accurate_as_sdpa(vllm_model, ours, items, monkeypatch):
-    """In bfloat16 on the CPU the ViT attends by matmul, float32 softmax,
-    matmul (faster than SDPA's kernel there): against vLLM's float32 backbone
-    it must be as close as bfloat16 SDPA is."""
+@pytest.mark.parametrize("path", ["kernel", "matmul"])
+def test_bfloat16_attention_as_accurate_as_sdpa(vllm_model, ours, items, monkeypatch, tmp_path,
+                                                path):
+    """In bfloat16 on the CPU the ViT attends by our kernel (vision_attention)
+    or, where that does not run, by matmul, float32 softmax, matmul (faster
+    than SDPA's kernel there): against vLLM's float32 backbone each must be
+    as close as bfloat16 SDPA is."""
     import copy
 
     import torch.nn.functional as F
 
-    from vllm_accel.model import molmo
+    from vllm_accel.model import molmo, vision_attention
 
+    if path == "kernel":
+        if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+            pytest.skip("the kernel needs AVX-512 BF16")
+        kernel = vision_attention.enable(tmp_path)
+        calls = kernel.calls
+    else:
+        monkeypatch.setattr(vision_attention, "_kernel", None)
     item = items[(640, 480)]
     half = copy.deepcopy(ours).to(torch.bfloat16)
     with torch.no_grad():
         reference = vllm_model.vision_backbone(item["images"][None], item["image_masks"][None])[0]
-        matmul_error = (half(item["images"], item["image_masks"]).float() - reference).abs()
+        error = (half(item["images"], item["image_masks"]).float() - reference).abs()
+        if path == "kernel":  # one call per ViT layer
+            assert kernel.calls - calls == len(half.image_vit.transformer.resblocks)
+        monkeypatch.setattr(vision_attention, "_kernel", None)
         monkeypatch.setattr(molmo, "_attention", F.scaled_dot_product_attention)
         sdpa_error = (half(item["images"], item["image_masks"]).float() - reference).abs()
-    assert matmul_error.max() < 0.1 * reference.abs().max()
-    assert matmul_error.mean() <= 1.2 * sdpa_error.mean()
+    assert error.max() < 0.1 * reference.abs().max()
+    assert error.mean() <= 1.2 * sdpa_error.mean()

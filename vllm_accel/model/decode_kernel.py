@@ -1,35 +1,22 @@
 """Build and call the CPU decode-attention kernel (decode_attention.cpp).
 
-The kernel is plain C++ with OpenMP and a C ABI: the same compiler inductor
-already needs builds it in about a second, into the compile cache, once per
-source, compiler flags and CPU. It links the OpenMP runtime torch has already
-loaded (same soname), so it shares torch's threads instead of adding a pool.
-If it cannot be built, attention stays on the PyTorch path (a warning says why).
+Built by cpu_kernels.py into the compile cache. If it cannot be built,
+attention stays on the PyTorch path (a warning says why).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shlex
 import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 from vllm_accel.log import get_logger
+from vllm_accel.model import cpu_kernels
 
 logger = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-# -ffast-math lets the softmax's exp vectorize. It is given to the compile step
-# only: linked with it, GCC adds start-up code that flushes denormals to zero
-# for the whole process (and every model with it).
-COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17"]
-LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
@@ -80,28 +67,7 @@ class DecodeAttentionKernel:
 
 def build(cache_dir: Path) -> Path:
     """The kernel's shared library under ``cache_dir``, built if missing."""
-    compiler = os.environ.get("CXX", "g++")
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler, " ".join(COMPILE_FLAGS + LINK_FLAGS),
-                 platform.machine(), _cpu_model()):
-        key.update(part if isinstance(part, bytes) else part.encode())
-    library = cache_dir / f"decode_attention-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    # Build beside the target, then rename: workers starting together never
-    # load a half-written library.
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        obj, partial = Path(tmp) / "kernel.o", Path(tmp) / library.name
-        cxx = shlex.split(compiler)
-        for command in ([*cxx, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                        [*cxx, *LINK_FLAGS, str(obj), "-o", str(partial)]):
-            subprocess.run(command, check=True, capture_output=True, text=True)
-        os.replace(partial, library)
-    logger.info("vllm_accel decode attention kernel built in %.1f s: %s",
-                time.perf_counter() - start, library)
-    return library
+    return cpu_kernels.build(SOURCE, cache_dir)
 
 
 def load(cache_dir: Path) -> DecodeAttentionKernel | None:
@@ -114,12 +80,3 @@ def load(cache_dir: Path) -> DecodeAttentionKernel | None:
                        "path (slower): %s", detail)
         return None
 
-
-def _cpu_model() -> str:
-    """The CPU's model name and flags: -march=native code runs only on such a CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    first = {line.split(":")[0].strip(): line for line in reversed(lines) if ":" in line}
-    return first.get("model name", "") + first.get("flags", "")

@@ -9,7 +9,8 @@ All of that is FMS's own ``get_image_features`` / ``pack_image_features``;
 this class only feeds them one image at a time (per-image lengths) with the
 patches vLLM padded on removed, the tiles of several images in one call.
 
-Compiled: the SigLIP tower (``vision_module``) gets its input padded with
+SigLIP attends through ``vision_attention`` (our kernel on the CPU in
+bfloat16). Compiled: the SigLIP tower (``vision_module``) gets its input padded with
 zero tiles to the image's tile-count bucket; it treats tiles independently
 (attention stays within a tile), so padding does not change the real ones.
 Its encoder layers run under torch.compile, all layers sharing one graph per
@@ -21,18 +22,29 @@ small, and the latter two have image-dependent shapes.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
 from vllm_accel.buckets import thin_buckets
+from vllm_accel.model import vision_attention
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 DEFAULT_VISION_BUCKETS = 3
 
 
 class LlavaNextVisionAdapter(VisionAdapter):
+    def __init__(self, model_config, fms_model: nn.Module):
+        super().__init__(model_config, fms_model)
+        # SigLIP's layers attend by our op: the CPU kernel in bfloat16, FMS's
+        # SDPA otherwise. FMS's get_image_features passes no attention
+        # arguments, so the tower itself is given the name.
+        tower = fms_model.vision_tower
+        tower.forward = functools.partial(
+            tower.forward, attn_name=vision_attention.register_fms_attention())
+
     @property
     def vision_module(self) -> nn.Module:
         return self.fms_model.vision_tower

@@ -1,0 +1,85 @@
+"""The CPU vision-attention kernel against torch's SDPA (float64 reference),
+through the op the towers call, and the towers that call it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_accel.model import vision_attention
+
+HAS_AVX512_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+pytestmark = pytest.mark.skipif(not HAS_AVX512_BF16, reason="the kernel needs AVX-512 BF16")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    kernel = vision_attention.enable(tmp_path_factory.mktemp("kernels"))
+    assert kernel is not None
+    return kernel
+
+
+def _errors(q, k, v, scale, ranges=None):
+    """Mean and max error against float64, of the kernel and of bfloat16 SDPA."""
+    reference = vision_attention.reference(*(t.double() for t in (q, k, v)), scale, ranges)
+    half = [t.bfloat16() for t in (q, k, v)]
+    got = vision_attention.attend(*half, scale, ranges)
+    sdpa = vision_attention.reference(*half, scale, ranges)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    return [((out.double() - reference).abs().mean().item(), (out.double() - reference).abs().max().item())
+            for out in (got, sdpa)]
+
+
+@pytest.mark.parametrize("shape", [(2, 77, 4, 72), (3, 40, 2, 64), (1, 33, 2, 80), (1, 9, 1, 128),
+                                   (2, 5, 3, 8)])
+def test_kernel_is_as_accurate_as_sdpa(kernel, shape):
+    """Head sizes of SigLIP (72), Molmo (64), Qwen2.5-VL (80) and others;
+    token counts that are not multiples of the kernel's blocks."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+    (mean, worst), (sdpa_mean, sdpa_worst) = _errors(q, k, v, shape[-1] ** -0.5)
+    assert mean <= 1.1 * sdpa_mean
+    assert worst <= sdpa_worst + 2 ** -7  # one bfloat16 step at the outputs' size
+
+
+def test_ranges_keep_rows_to_their_keys(kernel):
+    """Segments (images, frames) and windows of a packed call: row r attends to
+    keys ranges[r][0] .. ranges[r][1] - 1 only."""
+    g = torch.Generator().manual_seed(1)
+    bounds = [0, 70, 71, 150, 200]  # a one-token segment too
+    starts = torch.cat([torch.full((e - s,), s) for s, e in zip(bounds, bounds[1:])])
+    ends = torch.cat([torch.full((e - s,), e) for s, e in zip(bounds, bounds[1:])])
+    ranges = torch.stack([starts, ends], -1).int()[None]
+    q, k, v = (torch.randn(1, 200, 2, 80, generator=g) for _ in range(3))
+    (mean, worst), (sdpa_mean, sdpa_worst) = _errors(q, k, v, 0.1, ranges)
+    assert mean <= 1.1 * sdpa_mean and worst <= sdpa_worst + 2 ** -7
+    # Changing another segment's keys leaves a segment's rows as they were.
+    half = [t.bfloat16() for t in (q, k, v)]
+    before = vision_attention.attend(*half, 0.1, ranges)
+    half[1][:, 150:] += 1
+    half[2][:, 150:] += 1
+    after = vision_attention.attend(*half, 0.1, ranges)
+    assert torch.equal(before[:, :150], after[:, :150])
+    assert not torch.equal(before[:, 150:], after[:, 150:])
+
+
+def test_op_compiles_and_reads_spaced_tokens(kernel):
+    """q, k, v as views of a fused projection; inside a compiled graph."""
+    qkv = torch.randn(2, 50, 3, 4, 64).bfloat16()
+    q, k, v = qkv.unbind(2)
+    compiled = torch.compile(lambda q, k, v: vision_attention.attend(q, k, v, 0.125) * 2,
+                             fullgraph=True, backend="inductor")
+    calls = kernel.calls
+    torch.testing.assert_close(compiled(q, k, v), 2 * vision_attention.reference(q, k, v, 0.125),
+                               atol=2 ** -6, rtol=2 ** -7)
+    assert kernel.calls == calls + 1
+
+
+def test_kernel_runs_only_where_it_applies(kernel):
+    half = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
+    assert vision_attention.supported(half)
+    assert not vision_attention.supported(half.float())
+    assert not vision_attention.supported(torch.zeros(1, 4, 2, 63, dtype=torch.bfloat16))
+    assert not vision_attention.supported(torch.zeros(1, 4, 2, 256, dtype=torch.bfloat16))

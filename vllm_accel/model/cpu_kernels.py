@@ -1,0 +1,65 @@
+"""Build our C++ CPU kernels (decode_attention.cpp, vision_attention.cpp).
+
+Each kernel is plain C++ with OpenMP and a C ABI: the same compiler inductor
+already needs builds it in a second or two, into the compile cache, once per
+source, compiler flags and CPU. It links the OpenMP runtime torch has already
+loaded (same soname), so it shares torch's threads instead of adding a pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from vllm_accel.log import get_logger
+
+logger = get_logger(__name__)
+
+# -ffast-math lets the softmax's exp vectorize. It is given to the compile step
+# only: linked with it, GCC adds start-up code that flushes denormals to zero
+# for the whole process (and every model with it).
+COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
+
+
+def build(source: Path, cache_dir: Path) -> Path:
+    """The shared library of ``source`` under ``cache_dir``, built if missing.
+    Raises OSError or CalledProcessError when it cannot be built."""
+    compiler = os.environ.get("CXX", "g++")
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), compiler, " ".join(COMPILE_FLAGS + LINK_FLAGS),
+                 platform.machine(), _cpu_model()):
+        key.update(part if isinstance(part, bytes) else part.encode())
+    library = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    # Build beside the target, then rename: workers starting together never
+    # load a half-written library.
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        obj, partial = Path(tmp) / "kernel.o", Path(tmp) / library.name
+        cxx = shlex.split(compiler)
+        for command in ([*cxx, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                        [*cxx, *LINK_FLAGS, str(obj), "-o", str(partial)]):
+            subprocess.run(command, check=True, capture_output=True, text=True)
+        os.replace(partial, library)
+    logger.info("vllm_accel %s kernel built in %.1f s: %s", source.stem,
+                time.perf_counter() - start, library)
+    return library
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and flags: -march=native code runs only on such a CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    first = {line.split(":")[0].strip(): line for line in reversed(lines) if ":" in line}
+    return first.get("model name", "") + first.get("flags", "")
