@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,13 +167,19 @@ def test_banded_attention_is_the_masked_attention(fms):
 
     grid = [[1, 10, 14], [1, 6, 6]]  # 5x7 and 3x3 merged tokens: partial windows
     n = 140 + 36 + 12  # and padding rows
-    band_mask = vision_layout(fms.config.vision_config, grid, n).window_mask
+    layout = vision_layout(fms.config.vision_config, grid, n)
+    band_mask = layout.window_mask
     chunks, band, _ = band_mask.shape
     dense = torch.zeros(chunks * band + 2 * band, chunks * band + 2 * band, dtype=torch.bool)
     for c in range(chunks):  # chunk c's keys are rows (c - 1) * band ... (c + 2) * band
         dense[band + c * band: band + (c + 1) * band, c * band: (c + 3) * band] = band_mask[c]
     dense = dense[band: band + n, band: band + n]
     assert dense.any(-1).all()  # every row sees at least itself
+    # The kernel's spans of rows say the same (windows, and frames for the
+    # full-attention blocks).
+    keys = torch.arange(n)
+    for mask, ranges in ((dense, layout.window_ranges), (layout.full_mask, layout.full_ranges)):
+        assert torch.equal((keys >= ranges[:, :1]) & (keys < ranges[:, 1:]), mask)
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (2 * torch.randn(n, 4, 80, generator=g) for _ in range(3))
@@ -188,6 +195,34 @@ def test_banded_attention_is_the_masked_attention(fms):
     ours = (banded_attention(*half, band_mask).float() - reference).abs().mean()
     theirs = (sdpa(*half).float() - reference).abs().mean()
     assert ours <= 1.1 * theirs
+
+
+@pytest.mark.skipif("avx512_bf16" not in Path("/proc/cpuinfo").read_text(),
+                    reason="the kernel needs AVX-512 BF16")
+def test_bfloat16_tower_attends_by_the_kernel(fms, tmp_path, monkeypatch):
+    """In bfloat16 on the CPU every block attends by our kernel (spans of
+    rows: windows, frames; images packed with padding): against the float32
+    tower as close as the masked SDPA path in bfloat16."""
+    import copy
+
+    from vllm_accel.model import vision_attention
+
+    kernel = vision_attention.enable(tmp_path)
+    tower = fms.visual
+    half = copy.deepcopy(tower).to(torch.bfloat16)
+    grid = [[1, 10, 14], [1, 6, 6]]
+    pixels = torch.randn(140 + 36 + 12, tower.config.patch_dim,
+                         generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = tower(pixels, grid)
+        calls = kernel.calls
+        by_kernel = half(pixels.bfloat16(), grid).float()
+        assert kernel.calls - calls == len(tower.layers)
+        monkeypatch.setattr(vision_attention, "_kernel", None)
+        by_sdpa = half(pixels.bfloat16(), grid).float()
+    kernel_error, sdpa_error = ((out - reference).abs() for out in (by_kernel, by_sdpa))
+    assert kernel_error.mean() <= 1.2 * sdpa_error.mean()
+    assert kernel_error.max() < 0.1 * reference.abs().max()
 
 
 def test_vision_padding_must_keep_merge_groups(fms):
@@ -253,8 +288,10 @@ def test_blocks_compile_fullgraph_like_eager(hf, fms):
     grid = [[1, 8, 8]]
     layout = vision_layout(vision.config, grid, 64 + 8)
     v = torch.randn(72, vision.config.emb_dim, generator=torch.Generator().manual_seed(0))
-    masks = [layout.full_mask if i in vision.config.fullatt_block_indexes else layout.window_mask
-             for i in range(len(vision.layers))]
+    attention = [(layout.full_mask, layout.full_ranges)
+                 if i in vision.config.fullatt_block_indexes
+                 else (layout.window_mask, layout.window_ranges)
+                 for i in range(len(vision.layers))]
 
     def run_text(layers):
         h = x
@@ -264,8 +301,8 @@ def test_blocks_compile_fullgraph_like_eager(hf, fms):
 
     def run_vision(layers):
         h = v
-        for layer, mask in zip(layers, masks):
-            h = layer(h, layout.cos, layout.sin, mask)
+        for layer, (mask, ranges) in zip(layers, attention):
+            h = layer(h, layout.cos, layout.sin, mask, ranges)
         return h
 
     vision_layers = copy.deepcopy(vision.layers)

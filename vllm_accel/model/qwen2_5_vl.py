@@ -21,7 +21,9 @@ blocks, in ``VisionLayout``; a block only sees tensors of the padded size, so
 a compiled graph per bucket serves every block of a kind: window blocks
 attend within a band of rows (``banded_attention``: work linear in the rows,
 as a window's rows are consecutive), full-attention blocks over the whole
-call under a mask (two graphs per bucket). Padding rows form their own
+call under a mask (two graphs per bucket); on the CPU in bfloat16 both kinds
+attend by our kernel (``vision_attention``), each row to its window's or
+frame's span of rows. Padding rows form their own
 attention segment (real patches never see them) and their own merged rows
 (pad counts are multiples of 4), which are dropped before returning.
 
@@ -44,6 +46,7 @@ from fms.modules.feedforward import GatedLinearUnit
 from fms.utils.activation import str_to_activation
 from fms.utils.config import ModelConfig
 
+from vllm_accel.model import vision_attention
 from vllm_accel.model.ports import FmsPort
 from vllm_accel.model.qwen2 import (
     Qwen2Config,
@@ -117,16 +120,20 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(emb_dim, 3 * emb_dim)  # rows: all q heads, all k, all v
         self.dense = nn.Linear(emb_dim, emb_dim)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, ranges):
         """x [N, D], cos/sin [N, head_dim], mask (True = may attend): [N, N],
-        or [chunks, band, 3 * band] for ``banded_attention``."""
+        or [chunks, band, 3 * band] for ``banded_attention``; ranges [N, 2]:
+        the same keys as spans, for our CPU kernel (``vision_attention``)."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.nheads, -1).unbind(1)  # [N, H, hd] each
         # Rotary in float32, as HF does for the vision tower.
         cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        if mask.dim() == 3:  # a window block: a band of rows around each chunk
+        if vision_attention.supported(q):  # frames and windows are spans of rows
+            out = vision_attention.attend(q[None], k[None], v[None], q.shape[-1] ** -0.5,
+                                          ranges[None])[0]
+        elif mask.dim() == 3:  # a window block: a band of rows around each chunk
             out = banded_attention(q, k, v, mask)
         else:  # full attention over the call (the mask keeps images apart)
             # 4-D: the CPU's flash kernel takes only that (3-D ran as bmm,
@@ -177,10 +184,11 @@ class Qwen2_5_VisionBlock(nn.Module):
         )
         assert self.mlp.hidden_dim == c.hidden_dim
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, ranges):
         """All inputs have the padded size: x [N, D], cos/sin [N, head_dim],
-        mask as ``VisionAttention``'s. Dynamo-clean (no data-dependent Python)."""
-        x = x + self.attn(self.ln(x), cos, sin, mask)
+        mask and ranges as ``VisionAttention``'s. Dynamo-clean (no
+        data-dependent Python)."""
+        x = x + self.attn(self.ln(x), cos, sin, mask, ranges)
         return x + self.mlp(self.ff_ln(x))
 
 
@@ -214,6 +222,10 @@ class VisionLayout:
     # [chunks, band, 3 * band] bool: same window, for banded_attention (a
     # window's rows are consecutive, at most band = the rows of a full window)
     window_mask: torch.Tensor
+    # [N_padded, 2] int32: each row's frame (window) as the span of rows
+    # [first, last + 1), for the CPU kernel (frames and windows are consecutive)
+    full_ranges: torch.Tensor
+    window_ranges: torch.Tensor
 
 
 def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]],
@@ -263,6 +275,14 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
     def same(seg):
         return seg[:, None] == seg[None, :]
 
+    def spans(seg):  # each row's run of equal segment ids: [first, last + 1)
+        starts = torch.ones(len(seg), dtype=torch.bool)
+        starts[1:] = seg[1:] != seg[:-1]
+        first = torch.nonzero(starts).flatten()
+        run = torch.cumsum(starts, 0) - 1
+        last = torch.cat([first[1:], torch.tensor([len(seg)])])
+        return torch.stack([first[run], last[run]], -1).int()
+
     def same_in_band(seg):
         band = win * win * unit
         chunks = -(-num_padded // band)
@@ -286,6 +306,8 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
         sin=angles.sin().to(device, dtype),
         full_mask=same(per_row(torch.cat(frame_seg))).to(device),
         window_mask=same_in_band(per_row(torch.cat(window_seg))).to(device),
+        full_ranges=spans(per_row(torch.cat(frame_seg))).to(device),
+        window_ranges=spans(per_row(torch.cat(window_seg))).to(device),
     )
 
 
@@ -311,7 +333,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
         full = set(self.config.fullatt_block_indexes)
         x = self.patch_embed(pixel_values.to(self.merger.ln_q.weight.dtype))[layout.order]
         for i, layer in enumerate(self.layers):
-            x = layer(x, layout.cos, layout.sin, layout.full_mask if i in full else layout.window_mask)
+            if i in full:
+                x = layer(x, layout.cos, layout.sin, layout.full_mask, layout.full_ranges)
+            else:
+                x = layer(x, layout.cos, layout.sin, layout.window_mask, layout.window_ranges)
         merged = self.merger(x)
         return merged[layout.restore]  # padding rows come after the real ones: dropped
 
