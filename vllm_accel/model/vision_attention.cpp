@@ -110,6 +110,24 @@ void value_block(const uint16_t* probs, int64_t n_pad, const uint16_t* values, i
   }
 }
 
+// p[j] = bfloat16(s[j]) for j in first..last - 1, 0 elsewhere in lo..hi
+// (multiples of 32 apart), 32 at a time.
+void to_bf16_in_range(const float* s, int64_t lo, int64_t hi, int64_t first, int64_t last,
+                      uint16_t* p) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i begin = _mm512_set1_epi32(static_cast<int32_t>(first));
+  const __m512i end = _mm512_set1_epi32(static_cast<int32_t>(last));
+  auto in_range = [&](int64_t j) {
+    const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j)));
+    return _mm512_cmpge_epi32_mask(index, begin) & _mm512_cmplt_epi32_mask(index, end);
+  };
+  for (int64_t j = lo; j < hi; j += 32) {
+    const __m512 low = _mm512_maskz_loadu_ps(in_range(j), s + j);
+    const __m512 high = _mm512_maskz_loadu_ps(in_range(j + 16), s + j + 16);
+    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  }
+}
+
 using ValueBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
 constexpr ValueBlock kValueBlocks[] = {nullptr, value_block<1>, value_block<2>, value_block<3>,
                                        value_block<4>, value_block<5>, value_block<6>,
@@ -173,8 +191,7 @@ extern "C" int vision_attention_bf16(
           s[j] = std::exp((s[j] - max) * scale);
           sum += s[j];
         }
-        for (int64_t j = lo; j < hi; ++j)
-          p[j] = (j >= first[r] && j < last[r]) ? to_bf16(s[j]) : 0;
+        to_bf16_in_range(s, lo, hi, first[r], last[r], p);
         inv_sum[r] = 1.0f / sum;
       }
       values(probs.get(), n_pad, keys + key_size, lo, hi, o.get());
