@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -120,3 +121,14 @@ def alternate_rounds(names, rounds, run_one, describe):
                 results[name].append(res)
                 log(f"{name}: {describe(res)}")
     return results, errors
+
+
+def time_per_call(fn, seconds: float, warmup: int = 5) -> float:
+    """Milliseconds per call of ``fn``, called for ``seconds`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls * 1e3

@@ -25,26 +25,16 @@ import ctypes
 import itertools
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from common import time_per_call
 
 from vllm_accel.model import decode_kernel
 from vllm_accel.model.paged_attention import PagedAttentionMetadata, _attend_decodes
 
 BLOCK_SIZE, NUM_BLOCKS, CONTEXT = 32, 2000, (96, 192)
 SHAPES = {"tiny": (64, 4, 2, 64), "medium": (32, 16, 4, 64)}  # rows, heads, kv heads, dim
-
-
-def time_per_call(fn, seconds: float) -> float:
-    for _ in range(5):
-        fn()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def main() -> None:

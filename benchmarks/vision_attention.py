@@ -16,25 +16,15 @@ Last line per shape: "vision attention <shape>: kernel=<ms> ms sdpa=<ms> ms spee
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from common import time_per_call
 
 from vllm_accel.model import vision_attention
 
 SHAPES = {"siglip-2-tiles": (2, 729, 16, 72), "molmo-13-crops": (13, 577, 16, 64),
           "qwen2_5_vl-448px": (1, 1024, 16, 80)}  # images, tokens, heads, head size
-
-
-def time_per_call(fn, seconds: float) -> float:
-    for _ in range(3):
-        fn()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def main() -> None:
