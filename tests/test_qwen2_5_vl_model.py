@@ -203,8 +203,6 @@ def test_bfloat16_tower_attends_by_the_kernel(fms, tmp_path, monkeypatch):
     """In bfloat16 on the CPU every block attends by our kernel (spans of
     rows: windows, frames; images packed with padding): against the float32
     tower as close as the masked SDPA path in bfloat16."""
-    import copy
-
     from vllm_accel.model import vision_attention
 
     kernel = vision_attention.enable(tmp_path)

@@ -63,6 +63,8 @@ def test_ranges_keep_rows_to_their_keys(kernel):
     after = vision_attention.attend(*half, 0.1, ranges)
     assert torch.equal(before[:, :150], after[:, :150])
     assert not torch.equal(before[:, 150:], after[:, 150:])
+    # Spans of any integer dtype (the kernel reads int32).
+    assert torch.equal(vision_attention.attend(*half, 0.1, ranges.long()), after)
 
 
 def test_op_compiles_and_reads_spaced_tokens(kernel):

@@ -291,6 +291,8 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
         queries = seg[band : band + chunks * band].view(chunks, band)
         return queries[:, :, None] == seg.unfold(0, 3 * band, band)[:, None, :]
 
+    frame_rows, window_rows = per_row(torch.cat(frame_seg)), per_row(torch.cat(window_seg))
+
     # 2-D rotary: the first half of the frequencies turn with the row, the
     # second half with the column (HF's axial rope); padding gets angle 0.
     half = config.head_dim // 2  # HF: the frequencies of a head_dim/2 rope, per axis
@@ -304,10 +306,10 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
         restore=torch.argsort(window_index).to(device),
         cos=angles.cos().to(device, dtype),
         sin=angles.sin().to(device, dtype),
-        full_mask=same(per_row(torch.cat(frame_seg))).to(device),
-        window_mask=same_in_band(per_row(torch.cat(window_seg))).to(device),
-        full_ranges=spans(per_row(torch.cat(frame_seg))).to(device),
-        window_ranges=spans(per_row(torch.cat(window_seg))).to(device),
+        full_mask=same(frame_rows).to(device),
+        window_mask=same_in_band(window_rows).to(device),
+        full_ranges=spans(frame_rows).to(device),
+        window_ranges=spans(window_rows).to(device),
     )
 
 

@@ -135,7 +135,8 @@ constexpr ValueBlock kValueBlocks[] = {nullptr, value_block<1>, value_block<2>, 
 
 }  // namespace
 
-// Returns 0, or 1 when the head size is odd or above 128 (the caller falls back).
+// Returns 0, or 1 when the head size is odd or above 128 (callers check first),
+// or 2 when built without AVX-512 BF16 (below).
 extern "C" int vision_attention_bf16(
     const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
     int64_t q_batch_stride, int64_t q_token_stride, int64_t k_batch_stride,

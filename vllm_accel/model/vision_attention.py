@@ -65,8 +65,8 @@ _kernel: VisionAttentionKernel | None = None
 
 def enable(cache_dir: Path) -> VisionAttentionKernel | None:
     """Load the kernel for this process (built into ``cache_dir`` if missing).
-    None, with a warning, where it cannot be built or this CPU lacks AVX-512
-    BF16: the towers keep their own attention."""
+    None where it cannot be built or this CPU lacks AVX-512 BF16 (logged, at
+    info: a CPU without it is not a fault): the towers keep their attention."""
     global _kernel
     if _kernel is None:
         try:
@@ -120,7 +120,9 @@ def _vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       ranges: torch.Tensor | None, scale: float) -> torch.Tensor:
     assert _kernel is not None, "vision_attention.enable() first"
     q, k, v = (_rows_contiguous(t) for t in (q, k, v))
-    return _kernel(q, k, v, None if ranges is None else ranges.contiguous(), scale)
+    if ranges is not None:
+        ranges = ranges.to(torch.int32).contiguous()  # what the kernel reads
+    return _kernel(q, k, v, ranges, scale)
 
 
 @_vision_attention.register_fake

@@ -196,7 +196,8 @@ class AccelModelRunner:
         # The kernel is the cpu device's own (the graphs stay device-neutral).
         self.decode_kernel = (decode_kernel.load(self.settings.cache_dir / "kernels")
                               if self.backend.device == "cpu" else None)
-        if self.vision is not None and self.backend.device == "cpu":
+        if (self.vision is not None and self.backend.device == "cpu"
+                and self.dtype == torch.bfloat16):  # the kernel's only dtype
             vision_attention.enable(self.settings.cache_dir / "kernels")
         compile_backend = self.backend.compile_backend if self.backend.compiles else None
         if compile_backend is not None:

@@ -64,7 +64,9 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
     def vision_batch_rows(self, buckets: list[int]) -> int:
         # Window blocks attend in bands (work linear in a call's rows), but
         # full-attention blocks over the whole call (masks keep images apart):
-        # their work grows with the square of its rows. Pack only up to the
+        # their work grows with the square of its rows. (Not so for the CPU
+        # kernel in bfloat16, which attends within each frame's rows; the
+        # limit stays, unmeasured there.) Pack only up to the
         # rows where such a block's attention costs as much as its linear
         # layers: per row 4 * rows * width against
         # 2 * (4 * width**2 + 3 * width * mlp) multiply-adds.
