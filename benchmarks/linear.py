@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 
-from common import ACCEL, CORES, NATIVE, ensure_native_env, machine, machine_text
+from common import ACCEL, BENCH, CORES, NATIVE, ensure_native_env, machine, machine_text
 from medium_model import SHAPES
 
 ROWS = (1, 8, 32, 48, 64, 512)
@@ -36,17 +36,10 @@ def layer_linears(shape: dict) -> list[tuple[int, int]]:
 
 # Runs in each venv: prints {"<model> <dtype> <rows>": ms per call} for its paths as JSON.
 WORKER = r"""
-import json, sys, time, torch
+import json, sys, torch
+sys.path.append(sys.argv[2])  # benchmarks/, for the shared timing helper
+from common import time_per_call
 paths, dtypes, seconds, shapes, rows_list = json.loads(sys.argv[1])
-
-def per_call_ms(fn):
-    for _ in range(3):
-        fn()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls * 1e3
 
 def layer(path, linears, dtype):
     weights = [torch.randn(n, k, dtype=dtype) / k**0.5 for k, n in linears]
@@ -73,7 +66,8 @@ with torch.inference_mode():
                 fns = layer(path, linears, dtype)
                 for rows in rows_list:
                     xs = [torch.randn(rows, k, dtype=dtype) for k, _ in linears]
-                    ms = per_call_ms(lambda: [f(x) for f, x in zip(fns, xs)])
+                    ms = time_per_call(lambda: [f(x) for f, x in zip(fns, xs)], seconds,
+                                       warmup=3)
                     out[f"{path} {model} {dtype_name} {rows}"] = ms
 print("RESULT " + json.dumps(out))
 """
@@ -83,8 +77,8 @@ def run(python, env_extra, paths, args, shapes) -> dict:
     import os
     env = {**os.environ, **env_extra}
     spec = json.dumps([paths, args.dtypes.split(","), args.seconds, shapes, list(ROWS)])
-    out = subprocess.run([str(python), "-c", WORKER, spec], capture_output=True, text=True,
-                         env=env, check=True)
+    out = subprocess.run([str(python), "-c", WORKER, spec, str(BENCH)], capture_output=True,
+                         text=True, env=env, check=True)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
 
