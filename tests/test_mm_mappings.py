@@ -267,6 +267,42 @@ def test_compiled_encode(ckpt, hf_config, utils):
         torch.testing.assert_close(c2, c, atol=0, rtol=0)
 
 
+def test_packing_buckets_past_the_largest_image(ckpt, hf_config, utils):
+    """An adapter whose budget outgrows its largest image (Qwen2.5-VL's full
+    size: 1024-patch images, a 7,690-row budget) gets doublings of the largest
+    bucket: small images share one call instead of padding one by one. Warmup
+    compiles each (packed copies of the largest image for the new ones), and
+    packed images encode as they do alone."""
+    from torch._dynamo.utils import counters
+
+    class Roomy(vision_adapter_class(hf_config)):
+        def vision_batch_rows(self, buckets):
+            return 2 * buckets[-1] + 1
+
+    adapter = Roomy(_model_config(hf_config, ckpt), _fms_model(ckpt))
+    encoder = VisionEncoder(adapter, "inductor")
+    largest = encoder.image_buckets[-1]
+    assert encoder.buckets == [*encoder.image_buckets, 2 * largest]
+    assert encoder.batch_rows == 2 * largest
+
+    sizes = adapter.warmup_image_sizes(encoder.image_buckets)
+    groups = encoder.warmup_groups(adapter.warmup_items(sizes))
+    rows = [sum(adapter.vision_rows(i) for i in g) for g in groups]
+    assert rows[-1] == 2 * largest and max(rows[:-1]) == largest
+    graphs = counters["stats"]["unique_graphs"]
+    for group in groups:
+        encoder.encode(group)
+    assert counters["stats"]["unique_graphs"] - graphs == len(encoder.buckets)
+
+    items = adapter.warmup_items(SIZES[:3])  # 3 + 4 + 2 tiles: one call past the largest image
+    calls = encoder.calls
+    packed = encoder.encode(items)
+    assert encoder.calls == calls + 1
+    assert counters["stats"]["unique_graphs"] - graphs == len(encoder.buckets)  # no recompiles
+    for got, item in zip(packed, items):
+        torch.testing.assert_close(got, utils.encode_item(item), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows, budget, groups", [
     ([3, 2, 4, 5], 5, [[0, 1], [2], [3]]),
     ([3, 4, 2, 5, 1], 5, [[0, 2], [1, 4], [3]]),  # a later image fills an earlier call

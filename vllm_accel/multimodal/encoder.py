@@ -50,8 +50,16 @@ class VisionEncoder:
         derived = adapter.vision_buckets()
         buckets = make_buckets(bucket_spec, derived[0], derived[-1]) if bucket_spec else derived
         multiple = adapter.vision_bucket_multiple
-        self.buckets = sorted({-(-b // multiple) * multiple for b in buckets})
-        self.batch_rows = adapter.vision_batch_rows(self.buckets)
+        self.image_buckets = sorted({-(-b // multiple) * multiple for b in buckets})
+        budget = adapter.vision_batch_rows(self.image_buckets)
+        self.buckets = list(self.image_buckets)
+        if not bucket_spec:
+            # Packed calls may outgrow the largest image: doublings of it up
+            # to the adapter's budget (else several small images pad each to
+            # a bucket of its own, e.g. 576-patch images to 1024 one by one).
+            while self.buckets[-1] * 2 <= budget:
+                self.buckets.append(self.buckets[-1] * 2)
+        self.batch_rows = max([b for b in self.buckets if b <= budget], default=self.buckets[0])
         self.images_encoded = 0
         self.calls = 0  # vision module calls: images_encoded / calls per call
         self._real_rows: int | None = None
@@ -73,6 +81,17 @@ class VisionEncoder:
             self.images_encoded += len(group)
             self.calls += 1
         return outputs
+
+    def warmup_groups(self, items: list[dict[str, torch.Tensor]]) -> list[list[dict]]:
+        """Calls that compile every bucket: each of ``items`` (one image per
+        image bucket, smallest first) alone, then for each packing bucket as
+        many copies of the largest as fit (more rows than the bucket below)."""
+        groups = [[item] for item in items]
+        largest = items[-1]
+        rows = self.adapter.vision_rows(largest)
+        for bucket in self.buckets[len(self.image_buckets):]:
+            groups.append([largest] * (bucket // rows))
+        return groups
 
     def _pad_to_bucket(self, module, args, kwargs):
         count = self.adapter.vision_padded_args

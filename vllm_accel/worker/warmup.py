@@ -110,15 +110,17 @@ def warm_up(runner: AccelModelRunner) -> None:
         )
     vision = runner.vision
     if vision is not None:
-        # Real images through the model's own processor, one per vision bucket.
+        # Real images through the model's own processor, one per image bucket
+        # (then packed copies for the buckets past the largest image).
+        encoder = runner.vision_encoder
         encoder_start = time.perf_counter()
-        sizes = vision.warmup_image_sizes(runner.vision_encoder.buckets)
+        sizes = vision.warmup_image_sizes(encoder.image_buckets)
         with inductor_cache_dir(stats.cache_dir):
-            for item in vision.warmup_items(sizes):  # one call each: not packed
-                runner.vision_encoder.encode([item])
+            for group in encoder.warmup_groups(vision.warmup_items(sizes)):
+                encoder.encode(group)
         logger.info(
-            "vllm_accel warmup: vision encoder, %d image sizes %s in %.1f s",
-            len(sizes), sizes, time.perf_counter() - encoder_start,
+            "vllm_accel warmup: vision encoder, %d image sizes %s, buckets %s in %.1f s",
+            len(sizes), sizes, encoder.buckets, time.perf_counter() - encoder_start,
         )
     stats.finish_warmup()
     hits, misses = stats.cache_hits

@@ -125,7 +125,9 @@ class VisionAdapter(ABC):
     def vision_batch_rows(self, buckets: list[int]) -> int:
         """Most rows one call may pack, several images together (the largest
         of ``buckets`` by default: rows of different images never meet, so a
-        call's work grows with its rows and packing only saves calls)."""
+        call's work grows with its rows and packing only saves calls). The
+        encoder rounds it down to a bucket; with the default buckets, a
+        budget past the largest image adds doublings of it."""
         return buckets[-1]
 
     @abstractmethod

@@ -64,15 +64,13 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
     def vision_batch_rows(self, buckets: list[int]) -> int:
         # Window blocks attend in bands (work linear in a call's rows), but
         # full-attention blocks over the whole call (masks keep images apart):
-        # their work grows with the square of its rows. (Not so for the CPU
-        # kernel in bfloat16, which attends within each frame's rows; the
-        # limit stays, unmeasured there.) Pack only up to the
-        # rows where such a block's attention costs as much as its linear
-        # layers: per row 4 * rows * width against
-        # 2 * (4 * width**2 + 3 * width * mlp) multiply-adds.
+        # their work grows with the square of its rows. Pack up to the rows
+        # where such a block's attention costs as much as its linear layers:
+        # per row 4 * rows * width against 2 * (4 * width**2 + 3 * width * mlp)
+        # multiply-adds. (The CPU kernel in bfloat16 attends within each
+        # frame's rows, so there the limit is conservative.)
         config = self.fms_model.visual.config
-        even = 2 * config.emb_dim + 1.5 * config.hidden_dim
-        return max([b for b in buckets if b <= even], default=buckets[0])
+        return int(2 * config.emb_dim + 1.5 * config.hidden_dim)
 
     def rope_positions(self, prompt_token_ids, items):
         config = self.hf_config
