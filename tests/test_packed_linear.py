@@ -88,6 +88,40 @@ def test_pack_linear_layers_keeps_read_weights_and_tied_embeddings():
         assert close(model(ids), expected, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", [nn.GELU(approximate="tanh"), nn.GELU(), nn.ReLU(),
+                                        nn.SiLU()], ids=["gelu-tanh", "gelu", "relu", "silu"])
+def test_feed_forward_activation_runs_in_the_matmul(activation, dtype):
+    """An FMS FeedForwardBlock's activation moves into its first packed matmul
+    (a oneDNN post-op): the block computes what it did, eager and compiled."""
+    from fms.modules.feedforward import FeedForwardBlock
+
+    torch.manual_seed(0)
+    block = FeedForwardBlock(48, hidden_grow_factor=2.0, activation_fn=activation,
+                             use_bias=True).to(dtype).eval()
+    with torch.no_grad():
+        for layer in (block.w1, block.w2):
+            layer.weight.normal_(0, 0.2), layer.bias.normal_()
+    x = torch.randn(2, 13, 48).to(dtype)
+    with torch.inference_mode():
+        expected = block(x)
+        assert pack_linear_layers(block) == 2
+        assert isinstance(block.a, nn.Identity) and block.w1.post_op[0] != "none"
+        assert close(block(x), expected, dtype)
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend="inductor", dynamic=False, fullgraph=True)
+        assert close(compiled(x), expected, dtype)
+
+
+def test_unmapped_activation_stays_outside():
+    """Activations not mapped to a oneDNN post-op are left as they are."""
+    from fms.modules.feedforward import FeedForwardBlock
+
+    block = FeedForwardBlock(16, activation_fn=nn.Tanh(), use_bias=True).eval()
+    pack_linear_layers(block)
+    assert isinstance(block.a, nn.Tanh) and block.w1.post_op == ("none", "")
+
+
 def test_pack_linear_layers_leaves_float16():
     model = nn.Sequential(nn.Linear(8, 8)).half()
     assert pack_linear_layers(model) == 0

@@ -162,12 +162,15 @@ def onednn_pack_linear_weight(weight):
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
-def onednn_linear(x, packed_weight, bias):
-    """``x @ weight.T + bias`` by oneDNN over a weight packed by
-    ``onednn_pack_linear_weight``."""
+def onednn_linear(x, packed_weight, bias, activation="none", algorithm=""):
+    """``activation(x @ weight.T + bias)`` by oneDNN over a weight packed by
+    ``onednn_pack_linear_weight``; ``activation`` one of oneDNN's unary
+    post-ops as torch names them ("none", "relu", "swish", "gelu" with
+    ``algorithm`` "none" or "tanh")."""
     import torch
 
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, activation, [],
+                                              algorithm)
 
 
 def onednn_packs_dtype(dtype) -> bool:

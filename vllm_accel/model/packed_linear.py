@@ -12,11 +12,16 @@ lowering of oneDNN's linear takes only weights it can freeze as constants,
 and ours are graph inputs (one compiled graph serves every layer). The packed
 copy replaces the dense weight, so the weights' memory does not grow (but for
 a head tied to the embedding, whose dense weight the embedding keeps).
+
+An FMS feed-forward block's activation (GELU, ReLU, SiLU) runs inside its
+first matmul as a oneDNN post-op: the [rows, hidden] activations are written
+once instead of three times (a SigLIP tower's GELU took ~6 % of its time).
 """
 
 from __future__ import annotations
 
 import torch
+from fms.modules.feedforward import FeedForwardBlock
 from fms.modules.head import LinearClassificationHead
 from torch import nn
 
@@ -24,14 +29,26 @@ from vllm_accel import compat
 
 
 @torch.library.custom_op("vllm_accel::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    return compat.onednn_linear(x, packed_weight, bias)
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  activation: str = "none", algorithm: str = "") -> torch.Tensor:
+    """``activation``/``algorithm``: a oneDNN post-op (see ``_activation_post_op``)."""
+    return compat.onednn_linear(x, packed_weight, bias, activation, algorithm)
 
 
 @packed_linear.register_fake
-def _(x, packed_weight, bias):
+def _(x, packed_weight, bias, activation="none", algorithm=""):
     return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))
+
+
+def _activation_post_op(module: nn.Module) -> tuple[str, str] | None:
+    """The oneDNN post-op (name, algorithm) computing ``module``, if any."""
+    if type(module) in (nn.ReLU,):
+        return "relu", ""
+    if type(module) is nn.SiLU:
+        return "swish", ""  # x * sigmoid(x)
+    if isinstance(module, nn.GELU) and module.approximate in ("none", "tanh"):
+        return "gelu", module.approximate
+    return None
 
 
 _PACKABLE = (nn.Linear, LinearClassificationHead)
@@ -46,13 +63,14 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", compat.onednn_pack_linear_weight(linear.weight),
                              persistent=False)
         self.bias = linear.bias
+        self.post_op = ("none", "")  # an activation fused in (fuse_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed_weight, self.bias)
+        return packed_linear(x, self.packed_weight, self.bias, *self.post_op)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}"
+               f"bias={self.bias is not None}, post_op={self.post_op[0]}"
 
 
 def pack_linear_layers(model: nn.Module) -> int:
@@ -72,4 +90,19 @@ def pack_linear_layers(model: nn.Module) -> int:
                 if id(child) not in packed:
                     packed[id(child)] = PackedLinear(child)
                 setattr(parent, name, packed[id(child)])
+    fuse_activations(model)
     return len(packed)
+
+
+def fuse_activations(model: nn.Module) -> int:
+    """Move each FMS ``FeedForwardBlock``'s activation into its packed first
+    matmul (``a(w1(x))`` -> ``w1(x)`` with a post-op); returns how many."""
+    fused = 0
+    for block in model.modules():
+        if not (isinstance(block, FeedForwardBlock) and isinstance(block.w1, PackedLinear)):
+            continue
+        post_op = _activation_post_op(block.a)
+        if post_op is not None and block.w1.post_op == ("none", ""):
+            block.w1.post_op, block.a = post_op, nn.Identity()
+            fused += 1
+    return fused
