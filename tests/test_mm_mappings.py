@@ -319,9 +319,9 @@ def test_pack_first_fit(rows, budget, groups):
 def test_bfloat16_tower_attends_by_the_kernel(ckpt, hf_config, utils, tmp_path, monkeypatch):
     """In bfloat16 on the CPU SigLIP's layers attend by our kernel, compiled
     too; against the float32 tower as close as with FMS's SDPA."""
-    from vllm_accel.model import vision_attention
+    from vllm_accel.model import span_attention
 
-    kernel = vision_attention.enable(tmp_path)
+    kernel = span_attention.enable(tmp_path)
     half = vision_adapter_class(hf_config)(_model_config(hf_config, ckpt),
                                            _fms_model(ckpt).to(torch.bfloat16))
     items = utils.warmup_items([(80, 50), (128, 128)])
@@ -333,7 +333,7 @@ def test_bfloat16_tower_attends_by_the_kernel(ckpt, hf_config, utils, tmp_path, 
         compiled = VisionEncoder(half, "inductor", "3,5")
         by_kernel = torch.cat(compiled.encode(half_items)).float()
         assert kernel.calls - calls == layers * compiled.calls
-        monkeypatch.setattr(vision_attention, "_kernel", None)
+        monkeypatch.setattr(span_attention, "_kernel", None)
         by_sdpa = torch.cat(half.encode_items(half_items)).float()
     kernel_error, sdpa_error = ((out - reference).abs() for out in (by_kernel, by_sdpa))
     assert kernel_error.mean() <= 1.2 * sdpa_error.mean()

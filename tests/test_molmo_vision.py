@@ -152,7 +152,7 @@ def test_backbone_compiles(ours, items):
 @pytest.mark.parametrize("path", ["kernel", "matmul"])
 def test_bfloat16_attention_as_accurate_as_sdpa(vllm_model, ours, items, monkeypatch, tmp_path,
                                                 path):
-    """In bfloat16 on the CPU the ViT attends by our kernel (vision_attention)
+    """In bfloat16 on the CPU the ViT attends by our kernel (span_attention)
     or, where that does not run, by matmul, float32 softmax, matmul (faster
     than SDPA's kernel there): against vLLM's float32 backbone each must be
     as close as bfloat16 SDPA is."""
@@ -160,15 +160,15 @@ def test_bfloat16_attention_as_accurate_as_sdpa(vllm_model, ours, items, monkeyp
 
     import torch.nn.functional as F
 
-    from vllm_accel.model import molmo, vision_attention
+    from vllm_accel.model import molmo, span_attention
 
     if path == "kernel":
         if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
             pytest.skip("the kernel needs AVX-512 BF16")
-        kernel = vision_attention.enable(tmp_path)
+        kernel = span_attention.enable(tmp_path)
         calls = kernel.calls
     else:
-        monkeypatch.setattr(vision_attention, "_kernel", None)
+        monkeypatch.setattr(span_attention, "_kernel", None)
     item = items[(640, 480)]
     half = copy.deepcopy(ours).to(torch.bfloat16)
     with torch.no_grad():
@@ -176,7 +176,7 @@ def test_bfloat16_attention_as_accurate_as_sdpa(vllm_model, ours, items, monkeyp
         error = (half(item["images"], item["image_masks"]).float() - reference).abs()
         if path == "kernel":  # one call per ViT layer
             assert kernel.calls - calls == len(half.image_vit.transformer.resblocks)
-        monkeypatch.setattr(vision_attention, "_kernel", None)
+        monkeypatch.setattr(span_attention, "_kernel", None)
         monkeypatch.setattr(molmo, "_attention", F.scaled_dot_product_attention)
         sdpa_error = (half(item["images"], item["image_masks"]).float() - reference).abs()
     assert error.max() < 0.1 * reference.abs().max()

@@ -82,3 +82,35 @@ def test_a_prompt_start_attends_causally_to_its_own_keys():
         torch.testing.assert_close(caches[0].view(-1, KV_HEADS, DIM)[slots], key[0])
     torch.testing.assert_close(outputs[0], outputs[1])
     assert outputs[0].abs().sum() > 0
+
+
+def test_bfloat16_prompts_attend_by_the_kernel(tmp_path):
+    """bfloat16 on a CPU with AVX-512 BF16: each prompt-start chunk of a forward
+    (two prompts packed one after the other) attends by our span kernel,
+    causally over its own keys, as SDPA does."""
+    from pathlib import Path
+
+    import pytest
+
+    from vllm_accel.model import span_attention
+    from vllm_accel.model.paged_attention import PrefillChunk
+
+    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("the kernel needs AVX-512 BF16")
+    kernel = span_attention.enable(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    lengths = (7, 5)
+    tokens = sum(lengths)
+    query = torch.randn(1, tokens, HEADS, DIM, generator=g).bfloat16()
+    key, value = (torch.randn(1, tokens, KV_HEADS, DIM, generator=g).bfloat16() for _ in range(2))
+    chunks = [PrefillChunk(0, lengths[0]), PrefillChunk(lengths[0], tokens)]
+    caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in range(2)]
+    calls = kernel.calls
+    with attention_context(PagedAttentionMetadata(torch.arange(tokens), 0, prefills=chunks)):
+        out = paged_attention(query, key, value, *caches, 0.25)
+    assert kernel.calls == calls + 2
+    for chunk in chunks:
+        rows = slice(chunk.start, chunk.end)
+        expected = span_attention.reference(query[:, rows], key[:, rows], value[:, rows], 0.25,
+                                            causal=True)
+        torch.testing.assert_close(out[:, rows], expected, atol=2 ** -6, rtol=2 ** -7)

@@ -203,9 +203,9 @@ def test_bfloat16_tower_attends_by_the_kernel(fms, tmp_path, monkeypatch):
     """In bfloat16 on the CPU every block attends by our kernel (spans of
     rows: windows, frames; images packed with padding): against the float32
     tower as close as the masked SDPA path in bfloat16."""
-    from vllm_accel.model import vision_attention
+    from vllm_accel.model import span_attention
 
-    kernel = vision_attention.enable(tmp_path)
+    kernel = span_attention.enable(tmp_path)
     tower = fms.visual
     half = copy.deepcopy(tower).to(torch.bfloat16)
     grid = [[1, 10, 14], [1, 6, 6]]
@@ -216,7 +216,7 @@ def test_bfloat16_tower_attends_by_the_kernel(fms, tmp_path, monkeypatch):
         calls = kernel.calls
         by_kernel = half(pixels.bfloat16(), grid).float()
         assert kernel.calls - calls == len(tower.layers)
-        monkeypatch.setattr(vision_attention, "_kernel", None)
+        monkeypatch.setattr(span_attention, "_kernel", None)
         by_sdpa = half(pixels.bfloat16(), grid).float()
     kernel_error, sdpa_error = ((out - reference).abs() for out in (by_kernel, by_sdpa))
     assert kernel_error.mean() <= 1.2 * sdpa_error.mean()

@@ -1,4 +1,4 @@
-"""Build our C++ CPU kernels (decode_attention.cpp, vision_attention.cpp).
+"""Build our C++ CPU kernels (decode_attention.cpp, span_attention.cpp).
 
 Each kernel is plain C++ with OpenMP and a C ABI: the same compiler inductor
 already needs builds it in a second or two, into the compile cache, once per

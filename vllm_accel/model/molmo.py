@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from fms.distributed.strategy import DistributedStrategy, NoOpStrategy
 from fms.utils.config import ModelConfig
 
-from vllm_accel.model import vision_attention
+from vllm_accel.model import span_attention
 from vllm_accel.model.ports import FmsPort
 from vllm_accel.model.qwen2 import Qwen2Config, Qwen2VisionLanguageModel
 
@@ -121,8 +121,8 @@ class ViTAttention(nn.Module):
         # [b, s, h*d] -> [b, s, h, d]
         q, k, v = (t.unflatten(-1, (self.nheads, -1))
                    for t in (self.wq(x_q), self.wk(x_kv), self.wv(x_kv)))
-        if vision_attention.supported(q) and q.shape[1] == k.shape[1]:
-            out = vision_attention.attend(q, k, v, q.shape[-1] ** -0.5)
+        if span_attention.supported(q) and q.shape[1] == k.shape[1]:
+            out = span_attention.attend(q, k, v, q.shape[-1] ** -0.5)
         else:
             out = _attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
         return self.wo(out.flatten(2))
@@ -130,7 +130,7 @@ class ViTAttention(nn.Module):
 
 def _attention(query, key, value):
     """Unmasked attention, [b, h, s, d], where our kernel does not run (see
-    ``vision_attention``; it runs the ViT's 13 crops 2.8x faster than torch's
+    ``span_attention``; it runs the ViT's 13 crops 2.8x faster than torch's
     flash kernel, as accurate). Half precision on the CPU: scores by a
     matmul, softmax in float32, a matmul, as HF's eager attention computes it:
     compiled, 2.2x faster than torch's flash kernel there (13 crops of the

@@ -16,7 +16,8 @@ tables, masks) from ``attention_context``. Per layer it
 2. attends: all decodes at once, over block tables padded to a context bucket
    (on the CPU with our kernel that reads the blocks in place, decode_kernel.py);
    each prefill chunk over its own context (a chunk that starts its prompt:
-   causally over its own new keys, nothing read from the cache).
+   causally over its own new keys, nothing read from the cache; bfloat16 on
+   the CPU by our kernel, span_attention.py).
 
 On a GPU the layout comes as one ``SequenceTable`` instead (decodes and
 chunks alike are sequences of queries over their blocks), and one launch of
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from fms.modules.attention import register_attention_op
 
 from vllm_accel import compat
+from vllm_accel.model import span_attention
 from vllm_accel.model.decode_kernel import DecodeAttentionKernel
 
 ATTN_NAME = "vllm_accel_paged"
@@ -180,6 +182,12 @@ def paged_attention(
         # One request's chunk: its tokens are the query rows of one sequence.
         rows = slice(chunk.start, chunk.end)
         chunk_query = query[0, rows].transpose(0, 1).unsqueeze(0)
+        if chunk.block_table is None and span_attention.supported(query):
+            # The prompt's start, bfloat16 on the CPU: our kernel, causal over
+            # the chunk's own keys, in the projections' layout (no copies).
+            out[0, rows] = span_attention.attend(query[:, rows], key[:, rows], value[:, rows],
+                                                 scale, causal=True)[0]
+            continue
         if chunk.block_table is None:
             # The prompt's start: its keys are the chunk's own, and a causal
             # SDPA (flash on the CPU) needs no gathered copy and no mask.

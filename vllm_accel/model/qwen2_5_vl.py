@@ -22,7 +22,7 @@ a compiled graph per bucket serves every block of a kind: window blocks
 attend within a band of rows (``banded_attention``: work linear in the rows,
 as a window's rows are consecutive), full-attention blocks over the whole
 call under a mask (two graphs per bucket); on the CPU in bfloat16 both kinds
-attend by our kernel (``vision_attention``), each row to its window's or
+attend by our kernel (``span_attention``), each row to its window's or
 frame's span of rows. Padding rows form their own
 attention segment (real patches never see them) and their own merged rows
 (pad counts are multiples of 4), which are dropped before returning.
@@ -46,7 +46,7 @@ from fms.modules.feedforward import GatedLinearUnit
 from fms.utils.activation import str_to_activation
 from fms.utils.config import ModelConfig
 
-from vllm_accel.model import vision_attention
+from vllm_accel.model import span_attention
 from vllm_accel.model.ports import FmsPort
 from vllm_accel.model.qwen2 import (
     Qwen2Config,
@@ -123,15 +123,15 @@ class VisionAttention(nn.Module):
     def forward(self, x, cos, sin, mask, ranges):
         """x [N, D], cos/sin [N, head_dim], mask (True = may attend): [N, N],
         or [chunks, band, 3 * band] for ``banded_attention``; ranges [N, 2]:
-        the same keys as spans, for our CPU kernel (``vision_attention``)."""
+        the same keys as spans, for our CPU kernel (``span_attention``)."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.nheads, -1).unbind(1)  # [N, H, hd] each
         # Rotary in float32, as HF does for the vision tower.
         cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        if vision_attention.supported(q):  # frames and windows are spans of rows
-            out = vision_attention.attend(q[None], k[None], v[None], q.shape[-1] ** -0.5,
+        if span_attention.supported(q):  # frames and windows are spans of rows
+            out = span_attention.attend(q[None], k[None], v[None], q.shape[-1] ** -0.5,
                                           ranges[None])[0]
         elif mask.dim() == 3:  # a window block: a band of rows around each chunk
             out = banded_attention(q, k, v, mask)

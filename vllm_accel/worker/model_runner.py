@@ -41,7 +41,7 @@ from vllm_accel.buckets import (
 from vllm_accel.compat import compile_sampler_logprob_ranks
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.log import get_logger
-from vllm_accel.model import decode_kernel, vision_attention
+from vllm_accel.model import decode_kernel, span_attention
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
 from vllm_accel.model.packed_linear import pack_linear_layers
 from vllm_accel.model.paged_attention import (
@@ -196,9 +196,8 @@ class AccelModelRunner:
         # The kernel is the cpu device's own (the graphs stay device-neutral).
         self.decode_kernel = (decode_kernel.load(self.settings.cache_dir / "kernels")
                               if self.backend.device == "cpu" else None)
-        if (self.vision is not None and self.backend.device == "cpu"
-                and self.dtype == torch.bfloat16):  # the kernel's only dtype
-            vision_attention.enable(self.settings.cache_dir / "kernels")
+        if self.backend.device == "cpu" and self.dtype == torch.bfloat16:  # its only dtype
+            span_attention.enable(self.settings.cache_dir / "kernels")  # towers', prompts
         compile_backend = self.backend.compile_backend if self.backend.compiles else None
         if compile_backend is not None:
             self.compile_stats.configure(self.settings.cache_dir)

@@ -9,7 +9,7 @@ All of that is FMS's own ``get_image_features`` / ``pack_image_features``;
 this class only feeds them one image at a time (per-image lengths) with the
 patches vLLM padded on removed, the tiles of several images in one call.
 
-SigLIP attends through ``vision_attention`` (our kernel on the CPU in
+SigLIP attends through ``span_attention`` (our kernel on the CPU in
 bfloat16). Compiled: the SigLIP tower (``vision_module``) gets its input padded with
 zero tiles to the image's tile-count bucket; it treats tiles independently
 (attention stays within a tile), so padding does not change the real ones.
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from vllm_accel.buckets import thin_buckets
-from vllm_accel.model import vision_attention
+from vllm_accel.model import span_attention
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 DEFAULT_VISION_BUCKETS = 3
@@ -43,7 +43,7 @@ class LlavaNextVisionAdapter(VisionAdapter):
         # arguments, so the tower itself is given the name.
         tower = fms_model.vision_tower
         tower.forward = functools.partial(
-            tower.forward, attn_name=vision_attention.register_fms_attention())
+            tower.forward, attn_name=span_attention.register_fms_attention())
 
     @property
     def vision_module(self) -> nn.Module:

@@ -1,5 +1,5 @@
-"""The CPU vision-attention kernel against torch's SDPA (float64 reference),
-through the op the towers call, and the towers that call it."""
+"""The CPU span-attention kernel against torch's SDPA (float64 reference),
+through the op the towers and the prompts' paged attention call."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_accel.model import vision_attention
+from vllm_accel.model import span_attention
 
 HAS_AVX512_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
 pytestmark = pytest.mark.skipif(not HAS_AVX512_BF16, reason="the kernel needs AVX-512 BF16")
@@ -16,17 +16,18 @@ pytestmark = pytest.mark.skipif(not HAS_AVX512_BF16, reason="the kernel needs AV
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    kernel = vision_attention.enable(tmp_path_factory.mktemp("kernels"))
+    kernel = span_attention.enable(tmp_path_factory.mktemp("kernels"))
     assert kernel is not None
     return kernel
 
 
-def _errors(q, k, v, scale, ranges=None):
+def _errors(q, k, v, scale, ranges=None, causal=False):
     """Mean and max error against float64, of the kernel and of bfloat16 SDPA."""
-    reference = vision_attention.reference(*(t.double() for t in (q, k, v)), scale, ranges)
+    reference = span_attention.reference(*(t.double() for t in (q, k, v)), scale, ranges,
+                                         causal)
     half = [t.bfloat16() for t in (q, k, v)]
-    got = vision_attention.attend(*half, scale, ranges)
-    sdpa = vision_attention.reference(*half, scale, ranges)
+    got = span_attention.attend(*half, scale, ranges, causal)
+    sdpa = span_attention.reference(*half, scale, ranges, causal)
     assert got.shape == q.shape and got.dtype == torch.bfloat16
     return [((out.double() - reference).abs().mean().item(), (out.double() - reference).abs().max().item())
             for out in (got, sdpa)]
@@ -44,6 +45,24 @@ def test_kernel_is_as_accurate_as_sdpa(kernel, shape):
     assert worst <= sdpa_worst + 2 ** -7  # one bfloat16 step at the outputs' size
 
 
+@pytest.mark.parametrize("tokens, heads, kv_heads, dim", [
+    (128, 18, 6, 64), (77, 4, 4, 72), (40, 8, 2, 128), (1, 4, 1, 64), (300, 6, 3, 80)])
+def test_causal_grouped_heads(kernel, tokens, heads, kv_heads, dim):
+    """A prompt's attention: row r attends to keys 0..r, query heads in groups
+    over fewer KV heads (the ~128M Llama's 18 over 6)."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, tokens, heads, dim, generator=g)
+    k, v = (torch.randn(1, tokens, kv_heads, dim, generator=g) for _ in range(2))
+    (mean, worst), (sdpa_mean, sdpa_worst) = _errors(q, k, v, dim ** -0.5, causal=True)
+    assert mean <= 1.1 * sdpa_mean and worst <= sdpa_worst + 2 ** -7
+    # A later token's key never reaches an earlier row.
+    half = [t.bfloat16() for t in (q, k, v)]
+    before = span_attention.attend(*half, 0.1, causal=True)
+    half[1][:, tokens // 2:] += 1
+    after = span_attention.attend(*half, 0.1, causal=True)
+    assert torch.equal(before[:, :tokens // 2], after[:, :tokens // 2])
+
+
 def test_ranges_keep_rows_to_their_keys(kernel):
     """Segments (images, frames) and windows of a packed call: row r attends to
     keys ranges[r][0] .. ranges[r][1] - 1 only."""
@@ -57,31 +76,31 @@ def test_ranges_keep_rows_to_their_keys(kernel):
     assert mean <= 1.1 * sdpa_mean and worst <= sdpa_worst + 2 ** -7
     # Changing another segment's keys leaves a segment's rows as they were.
     half = [t.bfloat16() for t in (q, k, v)]
-    before = vision_attention.attend(*half, 0.1, ranges)
+    before = span_attention.attend(*half, 0.1, ranges)
     half[1][:, 150:] += 1
     half[2][:, 150:] += 1
-    after = vision_attention.attend(*half, 0.1, ranges)
+    after = span_attention.attend(*half, 0.1, ranges)
     assert torch.equal(before[:, :150], after[:, :150])
     assert not torch.equal(before[:, 150:], after[:, 150:])
     # Spans of any integer dtype (the kernel reads int32).
-    assert torch.equal(vision_attention.attend(*half, 0.1, ranges.long()), after)
+    assert torch.equal(span_attention.attend(*half, 0.1, ranges.long()), after)
 
 
 def test_op_compiles_and_reads_spaced_tokens(kernel):
     """q, k, v as views of a fused projection; inside a compiled graph."""
     qkv = torch.randn(2, 50, 3, 4, 64).bfloat16()
     q, k, v = qkv.unbind(2)
-    compiled = torch.compile(lambda q, k, v: vision_attention.attend(q, k, v, 0.125) * 2,
+    compiled = torch.compile(lambda q, k, v: span_attention.attend(q, k, v, 0.125) * 2,
                              fullgraph=True, backend="inductor")
     calls = kernel.calls
-    torch.testing.assert_close(compiled(q, k, v), 2 * vision_attention.reference(q, k, v, 0.125),
+    torch.testing.assert_close(compiled(q, k, v), 2 * span_attention.reference(q, k, v, 0.125),
                                atol=2 ** -6, rtol=2 ** -7)
     assert kernel.calls == calls + 1
 
 
 def test_kernel_runs_only_where_it_applies(kernel):
     half = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
-    assert vision_attention.supported(half)
-    assert not vision_attention.supported(half.float())
-    assert not vision_attention.supported(torch.zeros(1, 4, 2, 63, dtype=torch.bfloat16))
-    assert not vision_attention.supported(torch.zeros(1, 4, 2, 256, dtype=torch.bfloat16))
+    assert span_attention.supported(half)
+    assert not span_attention.supported(half.float())
+    assert not span_attention.supported(torch.zeros(1, 4, 2, 63, dtype=torch.bfloat16))
+    assert not span_attention.supported(torch.zeros(1, 4, 2, 256, dtype=torch.bfloat16))

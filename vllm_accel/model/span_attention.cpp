@@ -1,19 +1,23 @@
-// Bidirectional attention for vision towers: bfloat16 on CPUs with AVX-512 BF16.
+// Attention over a call's own tokens: bfloat16 on CPUs with AVX-512 BF16.
 //
-// q, k, v, out: [batch, tokens, heads, dim], heads and dim contiguous (the
-// projections' own layout; a token's row may be longer, as in a fused qkv).
-// Query row r of an image attends to its keys ranges[r][0] .. ranges[r][1] - 1
-// (all keys when ranges is null): an image, a frame or a window of a packed call.
+// q, out: [batch, tokens, heads, dim]; k, v: [batch, tokens, kv_heads, dim]
+// (query heads h * kv_heads / heads .. share a KV head); heads and dim
+// contiguous (the projections' own layout; a token's row may be longer, as in
+// a fused qkv). Query row r of a batch entry attends to keys
+// ranges[r][0] .. ranges[r][1] - 1 (an image, a frame or a window of a packed
+// call), or without ranges to all keys, or, causal, to keys 0 .. r (a prompt).
 //
-// PyTorch's CPU flash kernel runs this at ~160 GFLOP/s on an AMD EPYC whose
-// matmuls run at ~1,000; here it runs at 420-520. Per (image, head) the keys
-// are packed once in pairs along the head dimension and the values in pairs
-// along tokens: the layouts vdpbf16ps reads (16 float32 sums of two bfloat16
-// products each). Each block of query rows then computes its scores (float32),
-// their softmax (float32), and the weighted values from probabilities rounded
-// to bfloat16, as PyTorch's flash kernel does.
+// PyTorch's CPU flash kernel runs the vision towers' attention at ~160
+// GFLOP/s on an AMD EPYC whose matmuls run at ~1,000; here it runs at 500-620.
+// Per (batch entry, KV head) the keys are packed once in pairs along the head
+// dimension and the values in pairs along tokens: the layouts vdpbf16ps reads
+// (16 float32 sums of two bfloat16 products each). Each block of query rows
+// then computes its scores (float32), their softmax (float32, a polynomial
+// exp), and the weighted values from probabilities rounded to bfloat16, as
+// PyTorch's flash kernel does. Key blocks outside every row's span are skipped
+// (a causal prompt does half the work).
 //
-// Plain C ABI, no torch headers; built and called by vision_attention.py.
+// Plain C ABI, no torch headers; built and called by span_attention.py.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -110,10 +114,27 @@ void value_block(const uint16_t* probs, int64_t n_pad, const uint16_t* values, i
   }
 }
 
-// p[j] = bfloat16(s[j]) for j in first..last - 1, 0 elsewhere in lo..hi
-// (multiples of 32 apart), 32 at a time.
-void to_bf16_in_range(const float* s, int64_t lo, int64_t hi, int64_t first, int64_t last,
-                      uint16_t* p) {
+// exp(x) for x <= 0 (Cephes' expf: a degree-5 polynomial on x - n ln 2, then
+// times 2^n), a few ulps from std::exp; x below -87 gives about 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                  5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row's softmax over its keys first..last - 1 of lo..hi (multiples of 32
+// apart): p[j] = bfloat16(exp((s[j] - max) * scale)), 0 outside the keys;
+// returns the sum of the (unrounded) exponentials.
+float softmax_row(const float* s, int64_t lo, int64_t hi, int64_t first, int64_t last,
+                  float scale, uint16_t* p) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i begin = _mm512_set1_epi32(static_cast<int32_t>(first));
   const __m512i end = _mm512_set1_epi32(static_cast<int32_t>(last));
@@ -121,11 +142,22 @@ void to_bf16_in_range(const float* s, int64_t lo, int64_t hi, int64_t first, int
     const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j)));
     return _mm512_cmpge_epi32_mask(index, begin) & _mm512_cmplt_epi32_mask(index, end);
   };
+  __m512 max = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = lo; j < hi; j += 16)
+    max = _mm512_mask_max_ps(max, in_range(j), max, _mm512_loadu_ps(s + j));
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(max) * scale);
+  const __m512 scales = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
   for (int64_t j = lo; j < hi; j += 32) {
-    const __m512 low = _mm512_maskz_loadu_ps(in_range(j), s + j);
-    const __m512 high = _mm512_maskz_loadu_ps(in_range(j + 16), s + j + 16);
+    const __m512 low = _mm512_maskz_mov_ps(
+        in_range(j), exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), scales, shift)));
+    const __m512 high = _mm512_maskz_mov_ps(
+        in_range(j + 16),
+        exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), scales, shift)));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
     _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(high, low));
   }
+  return _mm512_reduce_add_ps(sum);
 }
 
 using ValueBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
@@ -136,23 +168,28 @@ constexpr ValueBlock kValueBlocks[] = {nullptr, value_block<1>, value_block<2>, 
 }  // namespace
 
 // Returns 0, or 1 when the head size is odd or above 128 (callers check first),
-// or 2 when built without AVX-512 BF16 (below).
-extern "C" int vision_attention_bf16(
+// 2 when built without AVX-512 BF16 (below), 3 when heads is not a multiple of
+// kv_heads.
+extern "C" int span_attention_bf16(
     const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
     int64_t q_batch_stride, int64_t q_token_stride, int64_t k_batch_stride,
     int64_t k_token_stride, int64_t v_batch_stride, int64_t v_token_stride,
     const int32_t* ranges,  // [batch][n][2] or null
-    int64_t batch, int64_t n, int64_t heads, int64_t dim, float scale, int num_threads) {
+    int causal,             // with ranges null: row r attends to keys 0..r
+    int64_t batch, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+    int num_threads) {
   const int64_t n_pad = round_up(n, kKeys), dim_pad = round_up(dim, 16);
   if (dim % 2 || dim_pad > 128) return 1;
+  if (kv_heads < 1 || heads % kv_heads) return 3;
   const ValueBlock values = kValueBlocks[dim_pad / 16];
-  const int64_t out_row = heads * dim, pairs = batch * heads;
+  const int64_t out_row = heads * dim, pairs = batch * heads, group = heads / kv_heads;
   const int64_t key_size = dim / 2 * n_pad * 2, value_size = n_pad / 2 * dim_pad * 2;
-  std::unique_ptr<uint16_t[]> packed(new uint16_t[pairs * (key_size + value_size)]);
+  // Keys and values packed once per KV head (query heads of a group share them).
+  std::unique_ptr<uint16_t[]> packed(new uint16_t[batch * kv_heads * (key_size + value_size)]);
 #pragma omp parallel for num_threads(num_threads)
-  for (int64_t bh = 0; bh < pairs; ++bh) {
-    const int64_t b = bh / heads, h = bh % heads;
-    uint16_t* keys = packed.get() + bh * (key_size + value_size);
+  for (int64_t bk = 0; bk < batch * kv_heads; ++bk) {
+    const int64_t b = bk / kv_heads, h = bk % kv_heads;
+    uint16_t* keys = packed.get() + bk * (key_size + value_size);
     pack_keys(k + b * k_batch_stride + h * dim, k_token_stride, n, n_pad, dim, keys);
     pack_values(v + b * v_batch_stride + h * dim, v_token_stride, n, n_pad, dim, dim_pad,
                 keys + key_size);
@@ -172,29 +209,19 @@ extern "C" int vision_attention_bf16(
       for (int r = 0; r < kRows; ++r) {
         const int32_t* range = ranges ? ranges + (b * n + r0 + std::min(r, rows - 1)) * 2 : nullptr;
         first[r] = range ? range[0] : 0;
-        last[r] = range ? range[1] : n;
+        last[r] = range ? range[1] : causal ? r0 + std::min(r, rows - 1) + 1 : n;
         lo = std::min(lo, first[r]);
         hi = std::max(hi, last[r]);
       }
       lo = lo / kKeys * kKeys;
       hi = round_up(hi, kKeys);
-      const uint16_t* keys = packed.get() + bh * (key_size + value_size);
+      const uint16_t* keys = packed.get() + (b * kv_heads + h / group) * (key_size + value_size);
       score_block(q + b * q_batch_stride + r0 * q_token_stride + h * dim, q_token_stride, rows,
                   keys, n_pad, dim, lo, hi, scores.get());
       float inv_sum[kRows];
-      for (int r = 0; r < kRows; ++r) {
-        float* s = scores.get() + r * n_pad;
-        uint16_t* p = probs.get() + r * n_pad;
-        float max = -INFINITY, sum = 0.0f;
-        for (int64_t j = first[r]; j < last[r]; ++j) max = std::max(max, s[j]);
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = first[r]; j < last[r]; ++j) {
-          s[j] = std::exp((s[j] - max) * scale);
-          sum += s[j];
-        }
-        to_bf16_in_range(s, lo, hi, first[r], last[r], p);
-        inv_sum[r] = 1.0f / sum;
-      }
+      for (int r = 0; r < kRows; ++r)
+        inv_sum[r] = 1.0f / softmax_row(scores.get() + r * n_pad, lo, hi, first[r], last[r],
+                                        scale, probs.get() + r * n_pad);
       values(probs.get(), n_pad, keys + key_size, lo, hi, o.get());
       uint16_t* result = out + (b * n + r0) * out_row + h * dim;
       for (int r = 0; r < rows; ++r)
@@ -205,10 +232,10 @@ extern "C" int vision_attention_bf16(
   return 0;
 }
 #else
-extern "C" int vision_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,
+extern "C" int span_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,
                                      int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                     const int32_t*, int64_t, int64_t, int64_t, int64_t, float,
-                                     int) {
+                                     const int32_t*, int, int64_t, int64_t, int64_t, int64_t,
+                                     int64_t, float, int) {
   return 2;  // built for a CPU without AVX-512 BF16
 }
 #endif
