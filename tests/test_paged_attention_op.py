@@ -73,7 +73,7 @@ def test_a_prompt_start_attends_causally_to_its_own_keys():
     value = torch.randn(1, tokens, KV_HEADS, DIM, generator=g)
     slots = torch.arange(4, 4 + tokens)
     cached = PrefillChunk(0, tokens, torch.tensor([[1, 2]]), causal_context_mask(
-        torch.arange(tokens)[None], torch.tensor([tokens]), 2 * BLOCK))
+        torch.arange(tokens)[None], torch.tensor([tokens]), 2 * BLOCK), context_len=tokens)
     outputs = []
     for chunk in (PrefillChunk(0, tokens), cached):
         caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
@@ -114,3 +114,21 @@ def test_bfloat16_prompts_attend_by_the_kernel(tmp_path):
         expected = span_attention.reference(query[:, rows], key[:, rows], value[:, rows], 0.25,
                                             causal=True)
         torch.testing.assert_close(out[:, rows], expected, atol=2 ** -6, rtol=2 ** -7)
+
+    # The first prompt's next chunk (3 tokens, positions 7..9) over its blocks
+    # in the cache (slots 0..6 written above, its own go to 7..9): the kernel
+    # as the masked SDPA over the gathered blocks gives.
+    from vllm_accel.model.paged_attention import causal_context_mask
+
+    more = [torch.randn(1, 3, h, DIM, generator=g).bfloat16() for h in (HEADS, KV_HEADS, KV_HEADS)]
+    positions = torch.arange(7, 10)
+    table = torch.tensor([[0, 1, 2]])
+    chunk = PrefillChunk(0, 3, table, causal_context_mask(positions[None], torch.tensor([10]),
+                                                          3 * BLOCK), context_len=10)
+    with attention_context(PagedAttentionMetadata(positions, 0, prefills=[chunk])):
+        got = paged_attention(*more, *caches, 0.25)
+    assert kernel.calls == calls + 3
+    keys, values = (c.view(1, -1, KV_HEADS, DIM)[:, :10] for c in caches)
+    expected = span_attention.reference(more[0], keys, values, 0.25, causal=True)
+    torch.testing.assert_close(got, expected, atol=2 ** -6, rtol=2 ** -7)
+    assert torch.equal(keys[0, 7:], more[1][0])

@@ -52,6 +52,7 @@ class PrefillChunk:
     end: int
     block_table: torch.Tensor | None = None  # [1, blocks] the request's blocks
     mask: torch.Tensor | None = None  # [1, 1, chunk_len, blocks * block_size] bool
+    context_len: int = 0  # with blocks: tokens before the chunk's end (its last key)
 
 
 @dataclass
@@ -107,7 +108,7 @@ class PagedAttentionMetadata:
         return PagedAttentionMetadata(
             copy(self.slot_mapping), self.num_decodes, copy(self.decode_block_table),
             copy(self.decode_context_lens),
-            [PrefillChunk(c.start, c.end, copy(c.block_table), copy(c.mask))
+            [PrefillChunk(c.start, c.end, copy(c.block_table), copy(c.mask), c.context_len)
              for c in self.prefills],
             None if table is None else SequenceTable(
                 copy(table.query_start), copy(table.seq_lens), copy(table.block_table)),
@@ -182,11 +183,17 @@ def paged_attention(
         # One request's chunk: its tokens are the query rows of one sequence.
         rows = slice(chunk.start, chunk.end)
         chunk_query = query[0, rows].transpose(0, 1).unsqueeze(0)
-        if chunk.block_table is None and span_attention.supported(query):
-            # The prompt's start, bfloat16 on the CPU: our kernel, causal over
-            # the chunk's own keys, in the projections' layout (no copies).
-            out[0, rows] = span_attention.attend(query[:, rows], key[:, rows], value[:, rows],
-                                                 scale, causal=True)[0]
+        if span_attention.supported(query):
+            # bfloat16 on the CPU: our kernel, causal over the chunk's own keys
+            # (the prompt's start: the projections' layout, no copies) or over
+            # its context's blocks (its own keys are their last).
+            if chunk.block_table is None:
+                keys, values = key[:, rows], value[:, rows]
+            else:
+                keys, values = (_context(cache, chunk.block_table, chunk.context_len)
+                                for cache in (key_cache, value_cache))
+            out[0, rows] = span_attention.attend(query[:, rows], keys, values, scale,
+                                                 causal=True)[0]
             continue
         if chunk.block_table is None:
             # The prompt's start: its keys are the chunk's own, and a causal
@@ -216,6 +223,12 @@ def _attend_decodes(query, key_cache, value_cache, md, scale):
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
     out = _attend(grouped, key_cache, value_cache, block_table, mask[:, None, None, :], scale)
     return out.reshape(rows, heads, head_dim)
+
+
+def _context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[1, blocks] block ids -> the first ``length`` tokens they hold [1, length, kv_heads, dim]."""
+    kv_heads, head_dim = cache.shape[-2:]
+    return cache.index_select(0, block_table[0]).view(1, -1, kv_heads, head_dim)[:, :length]
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
 // Attention over a call's own tokens: bfloat16 on CPUs with AVX-512 BF16.
 //
-// q, out: [batch, tokens, heads, dim]; k, v: [batch, tokens, kv_heads, dim]
-// (query heads h * kv_heads / heads .. share a KV head); heads and dim
+// q, out: [batch, n, heads, dim]; k, v: [batch, n_keys, kv_heads, dim] (a
+// group of heads / kv_heads query heads shares a KV head); heads and dim
 // contiguous (the projections' own layout; a token's row may be longer, as in
 // a fused qkv). Query row r of a batch entry attends to keys
 // ranges[r][0] .. ranges[r][1] - 1 (an image, a frame or a window of a packed
-// call), or without ranges to all keys, or, causal, to keys 0 .. r (a prompt).
+// call), or without ranges to all keys, or, causal, to keys
+// 0 .. n_keys - n + r (a prompt's chunk after n_keys - n earlier tokens).
 //
 // PyTorch's CPU flash kernel runs the vision towers' attention at ~160
 // GFLOP/s on an AMD EPYC whose matmuls run at ~1,000; here it runs at 500-620.
@@ -169,18 +170,18 @@ constexpr ValueBlock kValueBlocks[] = {nullptr, value_block<1>, value_block<2>, 
 
 // Returns 0, or 1 when the head size is odd or above 128 (callers check first),
 // 2 when built without AVX-512 BF16 (below), 3 when heads is not a multiple of
-// kv_heads.
+// kv_heads or there are fewer keys than causal rows need.
 extern "C" int span_attention_bf16(
     const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
     int64_t q_batch_stride, int64_t q_token_stride, int64_t k_batch_stride,
     int64_t k_token_stride, int64_t v_batch_stride, int64_t v_token_stride,
     const int32_t* ranges,  // [batch][n][2] or null
-    int causal,             // with ranges null: row r attends to keys 0..r
-    int64_t batch, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-    int num_threads) {
-  const int64_t n_pad = round_up(n, kKeys), dim_pad = round_up(dim, 16);
+    int causal,             // with ranges null: row r attends to keys 0..n_keys - n + r
+    int64_t batch, int64_t n, int64_t n_keys, int64_t heads, int64_t kv_heads, int64_t dim,
+    float scale, int num_threads) {
+  const int64_t n_pad = round_up(n_keys, kKeys), dim_pad = round_up(dim, 16);
   if (dim % 2 || dim_pad > 128) return 1;
-  if (kv_heads < 1 || heads % kv_heads) return 3;
+  if (kv_heads < 1 || heads % kv_heads || n_keys < (causal ? n : 1)) return 3;
   const ValueBlock values = kValueBlocks[dim_pad / 16];
   const int64_t out_row = heads * dim, pairs = batch * heads, group = heads / kv_heads;
   const int64_t key_size = dim / 2 * n_pad * 2, value_size = n_pad / 2 * dim_pad * 2;
@@ -190,8 +191,8 @@ extern "C" int span_attention_bf16(
   for (int64_t bk = 0; bk < batch * kv_heads; ++bk) {
     const int64_t b = bk / kv_heads, h = bk % kv_heads;
     uint16_t* keys = packed.get() + bk * (key_size + value_size);
-    pack_keys(k + b * k_batch_stride + h * dim, k_token_stride, n, n_pad, dim, keys);
-    pack_values(v + b * v_batch_stride + h * dim, v_token_stride, n, n_pad, dim, dim_pad,
+    pack_keys(k + b * k_batch_stride + h * dim, k_token_stride, n_keys, n_pad, dim, keys);
+    pack_values(v + b * v_batch_stride + h * dim, v_token_stride, n_keys, n_pad, dim, dim_pad,
                 keys + key_size);
   }
   const int64_t blocks = (n + kRows - 1) / kRows;
@@ -205,11 +206,11 @@ extern "C" int span_attention_bf16(
       const int64_t b = bh / heads, h = bh % heads;
       const int rows = static_cast<int>(std::min<int64_t>(kRows, n - r0));
       // Each row's keys, and the span of key blocks that covers them all.
-      int64_t first[kRows], last[kRows], lo = n, hi = 0;
+      int64_t first[kRows], last[kRows], lo = n_keys, hi = 0;
       for (int r = 0; r < kRows; ++r) {
         const int32_t* range = ranges ? ranges + (b * n + r0 + std::min(r, rows - 1)) * 2 : nullptr;
         first[r] = range ? range[0] : 0;
-        last[r] = range ? range[1] : causal ? r0 + std::min(r, rows - 1) + 1 : n;
+        last[r] = range ? range[1] : causal ? n_keys - n + r0 + std::min(r, rows - 1) + 1 : n_keys;
         lo = std::min(lo, first[r]);
         hi = std::max(hi, last[r]);
       }
@@ -235,7 +236,7 @@ extern "C" int span_attention_bf16(
 extern "C" int span_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,
                                      int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                      const int32_t*, int, int64_t, int64_t, int64_t, int64_t,
-                                     int64_t, float, int) {
+                                     int64_t, int64_t, float, int) {
   return 2;  // built for a CPU without AVX-512 BF16
 }
 #endif

@@ -44,7 +44,7 @@ class SpanAttentionKernel:
     def __init__(self, library: Path):
         self._function = ctypes.CDLL(str(library)).span_attention_bf16
         self._function.restype = ctypes.c_int
-        self._function.argtypes = ([_PTR] * 4 + [_I64] * 6 + [_PTR, ctypes.c_int] + [_I64] * 5
+        self._function.argtypes = ([_PTR] * 4 + [_I64] * 6 + [_PTR, ctypes.c_int] + [_I64] * 6
                                    + [ctypes.c_float, ctypes.c_int])
         self.calls = 0  # one per attention layer run (tests count them)
 
@@ -56,10 +56,10 @@ class SpanAttentionKernel:
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             None if ranges is None else ranges.data_ptr(), int(causal),
-            batch, n, heads, k.shape[2], dim, scale, torch.get_num_threads())
+            batch, n, k.shape[1], heads, k.shape[2], dim, scale, torch.get_num_threads())
         if status:
             raise RuntimeError(f"span attention kernel refused q [{batch}, {n}, {heads}, {dim}], "
-                               f"{k.shape[2]} KV heads (status {status})")
+                               f"k {list(k.shape)} (status {status})")
         return out
 
 
@@ -94,22 +94,27 @@ def supported(q: torch.Tensor) -> bool:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
            ranges: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    """q [batch, tokens, heads, dim], k and v [batch, tokens, kv_heads, dim]
-    (heads a multiple of kv_heads: grouped query heads) -> like q. Token r
+    """q [batch, tokens, heads, dim], k and v [batch, keys, kv_heads, dim]
+    (heads a multiple of kv_heads: grouped query heads) -> like q. Query r
     attends to keys ranges[.., r, 0] up to (not including) ranges[.., r, 1]
-    (int32 [batch, tokens, 2], never empty), or without ranges to every token
-    of its batch entry, or, causal, to tokens 0..r."""
+    (int32 [batch, tokens, 2], never empty), or without ranges to every key
+    of its batch entry, or, causal, to keys 0..keys - tokens + r (the last
+    ``tokens`` keys are the queries' own)."""
     return torch.ops.vllm_accel.span_attention(q, k, v, ranges, scale, causal)
 
 
 def reference(q, k, v, scale, ranges=None, causal=False):
     """``attend`` by torch's SDPA: what the kernel must equal."""
     mask = None
+    if causal:  # bottom-right aligned, as the kernel (SDPA's is_causal is top-left)
+        rows, keys = q.shape[1], k.shape[1]
+        ends = torch.arange(keys - rows + 1, keys + 1)
+        ranges = torch.stack([torch.zeros_like(ends), ends], -1).expand(q.shape[0], -1, -1)
     if ranges is not None:
-        keys = torch.arange(q.shape[1])
+        keys = torch.arange(k.shape[1])
         mask = ((keys >= ranges[..., :1]) & (keys < ranges[..., 1:]))[:, None]
     out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
-                                         attn_mask=mask, scale=scale, is_causal=causal,
+                                         attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 

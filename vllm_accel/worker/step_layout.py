@@ -239,6 +239,7 @@ def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
             block_table=torch.from_numpy(block_table[row : row + 1, :blocks].astype(np.int64)),
             mask=causal_context_mask(
                 torch.from_numpy(pos[lo:hi][None]), torch.tensor([context_len]), blocks * bs),
+            context_len=context_len,
         ))
     return PagedAttentionMetadata(
         slot_mapping=slots,
