@@ -16,7 +16,8 @@ import torch
 
 from vllm_accel.architectures import Architecture, by_model_type, load_object
 from vllm_accel.multimodal.mm_mappings import vision_adapter_class
-from vllm_accel.multimodal.encoder import VisionEncoder, pack_first_fit, merge_embeddings
+from vllm_accel.multimodal.encoder import (VisionEncoder, merge_embeddings, pack_first_fit,
+                                           pack_least_padding)
 from vllm_accel.multimodal.inputs import item_tensors, warmup_image
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.testing.fixtures import make_tiny_model
@@ -294,13 +295,31 @@ def test_packing_buckets_past_the_largest_image(ckpt, hf_config, utils):
         encoder.encode(group)
     assert counters["stats"]["unique_graphs"] - graphs == len(encoder.buckets)
 
-    items = adapter.warmup_items(SIZES[:3])  # 3 + 4 + 2 tiles: one call past the largest image
+    # 3 + 3 + 4 tiles: one call of 10 pads least (alone: 4 + 4 + 4).
+    items = adapter.warmup_items([SIZES[0], SIZES[0], SIZES[1]])
     calls = encoder.calls
     packed = encoder.encode(items)
     assert encoder.calls == calls + 1
     assert counters["stats"]["unique_graphs"] - graphs == len(encoder.buckets)  # no recompiles
     for got, item in zip(packed, items):
         torch.testing.assert_close(got, utils.encode_item(item), atol=1e-5, rtol=1e-5)
+
+
+QWEN_BUCKETS = [256, 512, 1024, 2048, 4096]
+
+
+@pytest.mark.parametrize("rows, groups, padded", [
+    # Seven 576-patch images: one call of 4,096 rows, not seven of 1,024.
+    ([576] * 7, [list(range(7))], 4096),
+    # A step's 3,272 rows: four calls of up to 1,024 pad to 3,584, one call to 4,096.
+    ([512, 512, 324, 576, 512, 512, 324], [[0, 1], [2, 3], [4, 5], [6]], 3584),
+    ([900], [[0]], 1024),
+    ([], [], 0),
+])
+def test_pack_least_padding(rows, groups, padded):
+    got = pack_least_padding(rows, QWEN_BUCKETS, 4096)
+    assert got == groups
+    assert sum(next(b for b in QWEN_BUCKETS if b >= sum(rows[i] for i in g)) for g in got) == padded
 
 
 @pytest.mark.parametrize("rows, budget, groups", [

@@ -31,12 +31,32 @@ def pack_first_fit(rows: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def pack_least_padding(rows: list[int], buckets: list[int], budget: int) -> list[list[int]]:
+    """``pack_first_fit`` under the budget, among ``budget`` and the smaller
+    buckets that hold the largest image, whose calls pad to the fewest rows in
+    all (ties: fewer calls). Images of a step can come a few at a time: three
+    576-patch images fill 1,728 of a 2,048-row bucket, or pad to 3 x 1,024."""
+    def padded(total: int) -> int:
+        return next((b for b in buckets if b >= total), total)
+
+    largest = max(rows, default=0)
+    budgets = [b for b in buckets if largest <= b < budget] + [budget]
+    best: tuple[tuple[int, int], list[list[int]]] | None = None
+    for limit in budgets:
+        groups = pack_first_fit(rows, limit)
+        cost = (sum(padded(sum(rows[i] for i in g)) for g in groups), len(groups))
+        if best is None or cost < best[0]:
+            best = (cost, groups)
+    return best[1]
+
+
 class VisionEncoder:
     """Encodes images with an architecture's util, several per call.
 
     The images of a step are packed (first fit) into calls of at most
-    ``batch_rows`` rows (the adapter's ``vision_batch_rows``), like vLLM's
-    encoder token budgets: fewer, larger calls. Compiled, the util's
+    ``batch_rows`` rows (the adapter's ``vision_batch_rows``) or of a smaller
+    bucket, whichever pads least, like vLLM's encoder token budgets: fewer,
+    larger calls. Compiled, the util's
     ``vision_module`` sees its first input's leading axis zero-padded to the
     smallest vision bucket that fits (one graph per bucket, outputs sliced
     back to the real rows), through forward hooks on the module.
@@ -75,7 +95,7 @@ class VisionEncoder:
         """Per image: its embeddings [num_embeds, hidden], in item order."""
         rows = [self.adapter.vision_rows(item) for item in items]
         outputs: list[torch.Tensor | None] = [None] * len(items)
-        for group in pack_first_fit(rows, self.batch_rows):
+        for group in pack_least_padding(rows, self.buckets, self.batch_rows):
             for index, embeds in zip(group, self.adapter.encode_items([items[i] for i in group])):
                 outputs[index] = embeds
             self.images_encoded += len(group)
