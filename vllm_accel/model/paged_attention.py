@@ -16,8 +16,8 @@ tables, masks) from ``attention_context``. Per layer it
 2. attends: all decodes at once, over block tables padded to a context bucket
    (on the CPU with our kernel that reads the blocks in place, decode_kernel.py);
    each prefill chunk over its own context (a chunk that starts its prompt:
-   causally over its own new keys, nothing read from the cache; bfloat16 on
-   the CPU by our kernel, span_attention.py).
+   causally over its own new keys, nothing read from the cache; on the CPU
+   with AVX-512 by our kernel, span_attention.py).
 
 On a GPU the layout comes as one ``SequenceTable`` instead (decodes and
 chunks alike are sequences of queries over their blocks), and one launch of
@@ -184,7 +184,7 @@ def paged_attention(
         rows = slice(chunk.start, chunk.end)
         chunk_query = query[0, rows].transpose(0, 1).unsqueeze(0)
         if span_attention.supported(query):
-            # bfloat16 on the CPU: our kernel, causal over the chunk's own keys
+            # On the CPU: our kernel, causal over the chunk's own keys
             # (the prompt's start: the projections' layout, no copies) or over
             # its context's blocks (its own keys are their last).
             if chunk.block_table is None:

@@ -21,7 +21,7 @@ blocks, in ``VisionLayout``; a block only sees tensors of the padded size, so
 a compiled graph per bucket serves every block of a kind: window blocks
 attend within a band of rows (``banded_attention``: work linear in the rows,
 as a window's rows are consecutive), full-attention blocks over the whole
-call under a mask (two graphs per bucket); on the CPU in bfloat16 both kinds
+call under a mask (two graphs per bucket); on the CPU with AVX-512 both kinds
 attend by our kernel (``span_attention``), each row to its window's or
 frame's span of rows. Padding rows form their own
 attention segment (real patches never see them) and their own merged rows

@@ -1,4 +1,5 @@
-// Attention over a call's own tokens: bfloat16 on CPUs with AVX-512 BF16.
+// Attention over a call's own tokens on CPUs with AVX-512: bfloat16 (with
+// AVX-512 BF16) and float32.
 //
 // q, out: [batch, n, heads, dim]; k, v: [batch, n_keys, kv_heads, dim] (a
 // group of heads / kv_heads query heads shares a KV head); heads and dim
@@ -9,12 +10,13 @@
 // 0 .. n_keys - n + r (a prompt's chunk after n_keys - n earlier tokens).
 //
 // PyTorch's CPU flash kernel runs the vision towers' attention at ~160
-// GFLOP/s on an AMD EPYC whose matmuls run at ~1,000; here it runs at 500-620.
-// Per (batch entry, KV head) the keys are packed once in pairs along the head
-// dimension and the values in pairs along tokens: the layouts vdpbf16ps reads
-// (16 float32 sums of two bfloat16 products each). Each block of query rows
-// then computes its scores (float32), their softmax (float32, a polynomial
-// exp), and the weighted values from probabilities rounded to bfloat16, as
+// GFLOP/s on an AMD EPYC whose matmuls run at ~1,000; here bfloat16 runs at
+// 500-620. Per (batch entry, KV head) the keys are packed once in groups of P
+// along the head dimension and the values in groups of P along tokens (P = 2
+// for bfloat16: the pairs vdpbf16ps reads, 16 float32 sums of two products
+// each; P = 1 for float32, plain FMAs). Each block of query rows then computes
+// its scores (float32), their softmax (float32, a polynomial exp), and the
+// weighted values; bfloat16 rounds the probabilities to bfloat16 first, as
 // PyTorch's flash kernel does. Key blocks outside every row's span are skipped
 // (a causal prompt does half the work).
 //
@@ -27,63 +29,97 @@
 #include <cstring>
 #include <memory>
 
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 namespace {
 
 constexpr int kRows = 8;      // query rows per block: 8 x 32 score accumulators
 constexpr int64_t kKeys = 32; // keys per score block (two vectors)
 
-inline uint16_t to_bf16(float x) {  // round to nearest even (finite x)
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-inline __m512i broadcast_pair(const uint16_t* p) {  // two bfloat16 in every 32-bit lane
-  int32_t pair;
-  std::memcpy(&pair, p, sizeof pair);
-  return _mm512_set1_epi32(pair);
-}
-inline __m512 dot2(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+
+// score_block, value_block and softmax_row stay out of line: inlined into the
+// task loop, the bfloat16 kernel ran ~20 % slower.
+
+// What differs between the element types: P elements per 32-bit lane, the
+// multiply-accumulate over them, and how a float32 is stored.
+struct Float32 {
+  using E = float;
+  using Vec = __m512;
+  static constexpr int P = 1;
+  static Vec load(const E* p) { return _mm512_loadu_ps(p); }
+  static Vec broadcast(const E* p) { return _mm512_set1_ps(*p); }
+  static __m512 mac(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+  static E from_float(float x) { return x; }
+  static void store32(E* p, __m512 low, __m512 high) {  // 32 probabilities
+    _mm512_storeu_ps(p, low);
+    _mm512_storeu_ps(p + 16, high);
+  }
+};
+
+#ifdef __AVX512BF16__
+struct BFloat16 {
+  using E = uint16_t;
+  using Vec = __m512i;
+  static constexpr int P = 2;
+  static Vec load(const E* p) { return _mm512_loadu_si512(p); }
+  static Vec broadcast(const E* p) {  // two bfloat16 in every 32-bit lane
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof pair);
+    return _mm512_set1_epi32(pair);
+  }
+  static __m512 mac(__m512 acc, Vec a, Vec b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
+  static E from_float(float x) {  // round to nearest even (finite x)
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return static_cast<E>(bits >> 16);
+  }
+  static void store32(E* p, __m512 low, __m512 high) {
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  }
+};
+#endif
+
+// keys [n][dim] (token stride ks) -> [dim/P][n_pad][P], zeros past n
+template <typename T>
+void pack_keys(const typename T::E* k, int64_t ks, int64_t n, int64_t n_pad, int64_t dim,
+               typename T::E* out) {
+  constexpr int P = T::P;
+  for (int64_t p = 0; p < dim / P; ++p)
+    for (int64_t j = 0; j < n_pad; ++j)
+      for (int e = 0; e < P; ++e) out[(p * n_pad + j) * P + e] = j < n ? k[j * ks + P * p + e] : 0;
 }
 
-// keys [n][dim] (token stride ks) -> [dim/2][n_pad][2], zeros past n
-void pack_keys(const uint16_t* k, int64_t ks, int64_t n, int64_t n_pad, int64_t dim,
-               uint16_t* out) {
-  for (int64_t p = 0; p < dim / 2; ++p)
-    for (int64_t j = 0; j < n_pad; ++j) {
-      uint16_t* o = out + (p * n_pad + j) * 2;
-      o[0] = j < n ? k[j * ks + 2 * p] : 0;
-      o[1] = j < n ? k[j * ks + 2 * p + 1] : 0;
-    }
-}
-
-// values [n][dim] -> [n_pad/2][dim_pad][2], zeros past n and dim
-void pack_values(const uint16_t* v, int64_t vs, int64_t n, int64_t n_pad, int64_t dim,
-                 int64_t dim_pad, uint16_t* out) {
-  for (int64_t p = 0; p < n_pad / 2; ++p)
+// values [n][dim] -> [n_pad/P][dim_pad][P], zeros past n and dim
+template <typename T>
+void pack_values(const typename T::E* v, int64_t vs, int64_t n, int64_t n_pad, int64_t dim,
+                 int64_t dim_pad, typename T::E* out) {
+  constexpr int P = T::P;
+  for (int64_t p = 0; p < n_pad / P; ++p)
     for (int64_t d = 0; d < dim_pad; ++d)
-      for (int64_t e = 0; e < 2; ++e) {
-        const int64_t j = 2 * p + e;
-        out[(p * dim_pad + d) * 2 + e] = (j < n && d < dim) ? v[j * vs + d] : 0;
+      for (int e = 0; e < P; ++e) {
+        const int64_t j = P * p + e;
+        out[(p * dim_pad + d) * P + e] = (j < n && d < dim) ? v[j * vs + d] : 0;
       }
 }
 
 // scores[r][j] = q[r] . key[j] for kRows rows and keys lo..hi (multiples of kKeys)
-void score_block(const uint16_t* q, int64_t qs, int rows, const uint16_t* keys, int64_t n_pad,
-                 int64_t dim, int64_t lo, int64_t hi, float* scores) {
+template <typename T>
+__attribute__((noinline)) void score_block(const typename T::E* q, int64_t qs, int rows, const typename T::E* keys,
+                 int64_t n_pad, int64_t dim, int64_t lo, int64_t hi, float* scores) {
+  constexpr int P = T::P;
   for (int64_t j = lo; j < hi; j += kKeys) {
     __m512 acc[kRows][2];
     for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < dim / 2; ++p) {
-      const uint16_t* b = keys + (p * n_pad + j) * 2;
-      const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 32);
+    for (int64_t p = 0; p < dim / P; ++p) {
+      const typename T::E* b = keys + (p * n_pad + j) * P;
+      const typename T::Vec b0 = T::load(b), b1 = T::load(b + 16 * P);
       for (int r = 0; r < kRows; ++r) {
-        const __m512i a = broadcast_pair(q + std::min(r, rows - 1) * qs + 2 * p);
-        acc[r][0] = dot2(acc[r][0], a, b0);
-        acc[r][1] = dot2(acc[r][1], a, b1);
+        const typename T::Vec a = T::broadcast(q + std::min(r, rows - 1) * qs + P * p);
+        acc[r][0] = T::mac(acc[r][0], a, b0);
+        acc[r][1] = T::mac(acc[r][1], a, b1);
       }
     }
     for (int r = 0; r < kRows; ++r) {
@@ -94,20 +130,21 @@ void score_block(const uint16_t* q, int64_t qs, int rows, const uint16_t* keys, 
 }
 
 // out[r] = sum_j probs[r][j] value[j] over keys lo..hi; VECS = dim_pad / 16
-template <int VECS>
-void value_block(const uint16_t* probs, int64_t n_pad, const uint16_t* values, int64_t lo,
-                 int64_t hi, float* out) {
+template <typename T, int VECS>
+__attribute__((noinline)) void value_block(const typename T::E* probs, int64_t n_pad, const typename T::E* values,
+                 int64_t lo, int64_t hi, float* out) {
+  constexpr int P = T::P;
   constexpr int R = VECS <= 3 ? kRows : kRows / 2;  // R x VECS accumulators
   for (int r0 = 0; r0 < kRows; r0 += R) {
     __m512 acc[R][VECS];
     for (auto& row : acc)
       for (auto& a : row) a = _mm512_setzero_ps();
-    for (int64_t p = lo / 2; p < hi / 2; ++p) {
-      __m512i b[VECS];
-      for (int z = 0; z < VECS; ++z) b[z] = _mm512_loadu_si512(values + (p * VECS + z) * 32);
+    for (int64_t p = lo / P; p < hi / P; ++p) {
+      typename T::Vec b[VECS];
+      for (int z = 0; z < VECS; ++z) b[z] = T::load(values + (p * VECS + z) * 16 * P);
       for (int r = 0; r < R; ++r) {
-        const __m512i a = broadcast_pair(probs + (r0 + r) * n_pad + 2 * p);
-        for (int z = 0; z < VECS; ++z) acc[r][z] = dot2(acc[r][z], a, b[z]);
+        const typename T::Vec a = T::broadcast(probs + (r0 + r) * n_pad + P * p);
+        for (int z = 0; z < VECS; ++z) acc[r][z] = T::mac(acc[r][z], a, b[z]);
       }
     }
     for (int r = 0; r < R; ++r)
@@ -132,10 +169,11 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // One row's softmax over its keys first..last - 1 of lo..hi (multiples of 32
-// apart): p[j] = bfloat16(exp((s[j] - max) * scale)), 0 outside the keys;
+// apart): p[j] = exp((s[j] - max) * scale) (as T), 0 outside the keys;
 // returns the sum of the (unrounded) exponentials.
-float softmax_row(const float* s, int64_t lo, int64_t hi, int64_t first, int64_t last,
-                  float scale, uint16_t* p) {
+template <typename T>
+__attribute__((noinline)) float softmax_row(const float* s, int64_t lo, int64_t hi, int64_t first, int64_t last,
+                  float scale, typename T::E* p) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i begin = _mm512_set1_epi32(static_cast<int32_t>(first));
   const __m512i end = _mm512_set1_epi32(static_cast<int32_t>(last));
@@ -156,50 +194,49 @@ float softmax_row(const float* s, int64_t lo, int64_t hi, int64_t first, int64_t
         in_range(j + 16),
         exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), scales, shift)));
     sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
-    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    T::store32(p + j, low, high);
   }
   return _mm512_reduce_add_ps(sum);
 }
 
-using ValueBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
-constexpr ValueBlock kValueBlocks[] = {nullptr, value_block<1>, value_block<2>, value_block<3>,
-                                       value_block<4>, value_block<5>, value_block<6>,
-                                       value_block<7>, value_block<8>};
+template <typename T>
+using ValueBlock = void (*)(const typename T::E*, int64_t, const typename T::E*, int64_t,
+                            int64_t, float*);
+template <typename T>
+constexpr ValueBlock<T> kValueBlocks[] = {
+    nullptr, value_block<T, 1>, value_block<T, 2>, value_block<T, 3>, value_block<T, 4>,
+    value_block<T, 5>, value_block<T, 6>, value_block<T, 7>, value_block<T, 8>};
 
-}  // namespace
-
-// Returns 0, or 1 when the head size is odd or above 128 (callers check first),
-// 2 when built without AVX-512 BF16 (below), 3 when heads is not a multiple of
-// kv_heads or there are fewer keys than causal rows need.
-extern "C" int span_attention_bf16(
-    const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
-    int64_t q_batch_stride, int64_t q_token_stride, int64_t k_batch_stride,
-    int64_t k_token_stride, int64_t v_batch_stride, int64_t v_token_stride,
-    const int32_t* ranges,  // [batch][n][2] or null
-    int causal,             // with ranges null: row r attends to keys 0..n_keys - n + r
-    int64_t batch, int64_t n, int64_t n_keys, int64_t heads, int64_t kv_heads, int64_t dim,
-    float scale, int num_threads) {
+template <typename T>
+int span_attention(const typename T::E* q, const typename T::E* k, const typename T::E* v,
+                   typename T::E* out, int64_t q_batch_stride, int64_t q_token_stride,
+                   int64_t k_batch_stride, int64_t k_token_stride, int64_t v_batch_stride,
+                   int64_t v_token_stride, const int32_t* ranges, int causal, int64_t batch,
+                   int64_t n, int64_t n_keys, int64_t heads, int64_t kv_heads, int64_t dim,
+                   float scale, int num_threads) {
+  using E = typename T::E;
+  constexpr int P = T::P;
   const int64_t n_pad = round_up(n_keys, kKeys), dim_pad = round_up(dim, 16);
-  if (dim % 2 || dim_pad > 128) return 1;
+  if (dim % P || dim_pad > 128) return 1;
   if (kv_heads < 1 || heads % kv_heads || n_keys < (causal ? n : 1)) return 3;
-  const ValueBlock values = kValueBlocks[dim_pad / 16];
+  const ValueBlock<T> values = kValueBlocks<T>[dim_pad / 16];
   const int64_t out_row = heads * dim, pairs = batch * heads, group = heads / kv_heads;
-  const int64_t key_size = dim / 2 * n_pad * 2, value_size = n_pad / 2 * dim_pad * 2;
+  const int64_t key_size = dim * n_pad, value_size = n_pad * dim_pad;
   // Keys and values packed once per KV head (query heads of a group share them).
-  std::unique_ptr<uint16_t[]> packed(new uint16_t[batch * kv_heads * (key_size + value_size)]);
+  std::unique_ptr<E[]> packed(new E[batch * kv_heads * (key_size + value_size)]);
 #pragma omp parallel for num_threads(num_threads)
   for (int64_t bk = 0; bk < batch * kv_heads; ++bk) {
     const int64_t b = bk / kv_heads, h = bk % kv_heads;
-    uint16_t* keys = packed.get() + bk * (key_size + value_size);
-    pack_keys(k + b * k_batch_stride + h * dim, k_token_stride, n_keys, n_pad, dim, keys);
-    pack_values(v + b * v_batch_stride + h * dim, v_token_stride, n_keys, n_pad, dim, dim_pad,
-                keys + key_size);
+    E* keys = packed.get() + bk * (key_size + value_size);
+    pack_keys<T>(k + b * k_batch_stride + h * dim, k_token_stride, n_keys, n_pad, dim, keys);
+    pack_values<T>(v + b * v_batch_stride + h * dim, v_token_stride, n_keys, n_pad, dim,
+                   dim_pad, keys + key_size);
   }
   const int64_t blocks = (n + kRows - 1) / kRows;
 #pragma omp parallel num_threads(num_threads)
   {
     std::unique_ptr<float[]> scores(new float[kRows * n_pad]), o(new float[kRows * dim_pad]);
-    std::unique_ptr<uint16_t[]> probs(new uint16_t[kRows * n_pad]);
+    std::unique_ptr<E[]> probs(new E[kRows * n_pad]);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < pairs * blocks; ++task) {
       const int64_t bh = task / blocks, r0 = task % blocks * kRows;
@@ -208,35 +245,62 @@ extern "C" int span_attention_bf16(
       // Each row's keys, and the span of key blocks that covers them all.
       int64_t first[kRows], last[kRows], lo = n_keys, hi = 0;
       for (int r = 0; r < kRows; ++r) {
-        const int32_t* range = ranges ? ranges + (b * n + r0 + std::min(r, rows - 1)) * 2 : nullptr;
+        const int64_t row = r0 + std::min(r, rows - 1);
+        const int32_t* range = ranges ? ranges + (b * n + row) * 2 : nullptr;
         first[r] = range ? range[0] : 0;
-        last[r] = range ? range[1] : causal ? n_keys - n + r0 + std::min(r, rows - 1) + 1 : n_keys;
+        last[r] = range ? range[1] : causal ? n_keys - n + row + 1 : n_keys;
         lo = std::min(lo, first[r]);
         hi = std::max(hi, last[r]);
       }
       lo = lo / kKeys * kKeys;
       hi = round_up(hi, kKeys);
-      const uint16_t* keys = packed.get() + (b * kv_heads + h / group) * (key_size + value_size);
-      score_block(q + b * q_batch_stride + r0 * q_token_stride + h * dim, q_token_stride, rows,
-                  keys, n_pad, dim, lo, hi, scores.get());
+      const E* keys = packed.get() + (b * kv_heads + h / group) * (key_size + value_size);
+      score_block<T>(q + b * q_batch_stride + r0 * q_token_stride + h * dim, q_token_stride,
+                     rows, keys, n_pad, dim, lo, hi, scores.get());
       float inv_sum[kRows];
       for (int r = 0; r < kRows; ++r)
-        inv_sum[r] = 1.0f / softmax_row(scores.get() + r * n_pad, lo, hi, first[r], last[r],
-                                        scale, probs.get() + r * n_pad);
+        inv_sum[r] = 1.0f / softmax_row<T>(scores.get() + r * n_pad, lo, hi, first[r], last[r],
+                                           scale, probs.get() + r * n_pad);
       values(probs.get(), n_pad, keys + key_size, lo, hi, o.get());
-      uint16_t* result = out + (b * n + r0) * out_row + h * dim;
+      E* result = out + (b * n + r0) * out_row + h * dim;
       for (int r = 0; r < rows; ++r)
         for (int64_t d = 0; d < dim; ++d)
-          result[r * out_row + d] = to_bf16(o[r * dim_pad + d] * inv_sum[r]);
+          result[r * out_row + d] = T::from_float(o[r * dim_pad + d] * inv_sum[r]);
     }
   }
   return 0;
 }
-#else
-extern "C" int span_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,
-                                     int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                     const int32_t*, int, int64_t, int64_t, int64_t, int64_t,
-                                     int64_t, int64_t, float, int) {
-  return 2;  // built for a CPU without AVX-512 BF16
-}
+
+}  // namespace
 #endif
+
+// Each returns 0, or 1 when the head size is above 128 (or odd, bfloat16;
+// callers check first), 2 when built without the instructions it needs
+// (AVX-512; bfloat16 also AVX-512 BF16), 3 when heads is not a multiple of
+// kv_heads or there are fewer keys than causal rows need.
+#define SPAN_ATTENTION_ARGS(E)                                                                \
+  const E *q, const E *k, const E *v, E *out, int64_t q_batch_stride, int64_t q_token_stride, \
+      int64_t k_batch_stride, int64_t k_token_stride, int64_t v_batch_stride,                 \
+      int64_t v_token_stride, const int32_t *ranges, int causal, int64_t batch, int64_t n,    \
+      int64_t n_keys, int64_t heads, int64_t kv_heads, int64_t dim, float scale,              \
+      int num_threads
+#define SPAN_ATTENTION_CALL(T)                                                               \
+  span_attention<T>(q, k, v, out, q_batch_stride, q_token_stride, k_batch_stride,            \
+                    k_token_stride, v_batch_stride, v_token_stride, ranges, causal, batch, n, \
+                    n_keys, heads, kv_heads, dim, scale, num_threads)
+
+extern "C" int span_attention_f32(SPAN_ATTENTION_ARGS(float)) {
+#ifdef __AVX512F__
+  return SPAN_ATTENTION_CALL(Float32);
+#else
+  return 2;
+#endif
+}
+
+extern "C" int span_attention_bf16(SPAN_ATTENTION_ARGS(uint16_t)) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return SPAN_ATTENTION_CALL(BFloat16);
+#else
+  return 2;
+#endif
+}

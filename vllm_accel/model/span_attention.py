@@ -1,20 +1,21 @@
-"""Attention over a call's own tokens, bfloat16 on the CPU, by our kernel
+"""Attention over a call's own tokens on the CPU, by our kernel
 (span_attention.cpp): each query row attends to a span of the keys (all of its
 image, its frame or window, or, causal, the tokens up to its own).
 
 torch's CPU flash kernel runs a vision tower's attention at ~150-190 GFLOP/s
 on an AMD EPYC with AVX-512 BF16 (SigLIP's 729 tokens x 16 heads x 72, Molmo's
 577 x 16 x 64, Qwen2.5-VL's 1024 x 16 x 80), while its matmuls run at ~1,000;
-it was 37 % of the SigLIP so400m tower's time. The kernel runs the same
-shapes 3.3-3.6x faster with the same error against float64, and a prompt's
-causal attention (grouped query heads) 4.6-5.9x faster
+it was 37 % of the SigLIP so400m tower's time. In bfloat16 the kernel runs
+the same shapes 3.3-3.6x faster with the same error against float64, and a
+prompt's causal attention (grouped query heads) 4.6-5.9x faster; in float32
+(AVX-512 without BF16 suffices) 1.2-1.4x and 3.5-4x, a few ulps from SDPA
 (``benchmarks/span_attention.py``).
 
 The tower modules call ``attend`` where ``supported`` says yes and keep their
-own attention otherwise (float32, CUDA, a CPU without AVX-512 BF16); so does
-the paged attention op for a prompt's first chunk. The kernel is loaded once
-per process by ``enable`` (the runner's cpu device, bfloat16 models); the op
-is opaque to inductor, so every compiled graph calls it.
+own attention otherwise (CUDA, a CPU without AVX-512, a head size above 128);
+so does the paged attention op for prompts. The kernel is loaded once per
+process by ``enable`` (the runner's cpu device); the op is opaque to inductor,
+so every compiled graph calls it.
 """
 
 from __future__ import annotations
@@ -39,27 +40,39 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 class SpanAttentionKernel:
-    """The kernel's entry point, loaded from a built shared library."""
+    """The kernel's entry points (bfloat16, float32), loaded from a built
+    shared library; ``dtypes``: those this CPU runs."""
 
     def __init__(self, library: Path):
-        self._function = ctypes.CDLL(str(library)).span_attention_bf16
-        self._function.restype = ctypes.c_int
-        self._function.argtypes = ([_PTR] * 4 + [_I64] * 6 + [_PTR, ctypes.c_int] + [_I64] * 6
-                                   + [ctypes.c_float, ctypes.c_int])
+        loaded = ctypes.CDLL(str(library))
+        self._functions = {torch.bfloat16: loaded.span_attention_bf16,
+                           torch.float32: loaded.span_attention_f32}
+        for function in self._functions.values():
+            function.restype = ctypes.c_int
+            function.argtypes = ([_PTR] * 4 + [_I64] * 6 + [_PTR, ctypes.c_int] + [_I64] * 6
+                                 + [ctypes.c_float, ctypes.c_int])
+        self.dtypes = set(self._functions)
+        self.calls = 0
+        for dtype in list(self.dtypes):
+            probe = torch.zeros(1, 1, 1, 2, dtype=dtype)
+            try:
+                self(probe, probe, probe, None, 1.0)
+            except RuntimeError:  # status 2: built without the instructions it needs
+                self.dtypes.discard(dtype)
         self.calls = 0  # one per attention layer run (tests count them)
 
     def __call__(self, q, k, v, ranges, scale, causal=False):
         batch, n, heads, dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype)
         self.calls += 1
-        status = self._function(
+        status = self._functions[q.dtype](
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             None if ranges is None else ranges.data_ptr(), int(causal),
             batch, n, k.shape[1], heads, k.shape[2], dim, scale, torch.get_num_threads())
         if status:
-            raise RuntimeError(f"span attention kernel refused q [{batch}, {n}, {heads}, {dim}], "
-                               f"k {list(k.shape)} (status {status})")
+            raise RuntimeError(f"span attention kernel refused q [{batch}, {n}, {heads}, {dim}] "
+                               f"{q.dtype}, k {list(k.shape)} (status {status})")
         return out
 
 
@@ -68,15 +81,17 @@ _kernel: SpanAttentionKernel | None = None
 
 def enable(cache_dir: Path) -> SpanAttentionKernel | None:
     """Load the kernel for this process (built into ``cache_dir`` if missing).
-    None where it cannot be built or this CPU lacks AVX-512 BF16 (logged, at
-    info: a CPU without it is not a fault): attention stays torch's."""
+    None where it cannot be built or this CPU lacks AVX-512 (logged, at info:
+    such a CPU is not a fault): attention stays torch's. Without AVX-512 BF16
+    only float32 runs by it."""
     global _kernel
     if _kernel is None:
         try:
             kernel = SpanAttentionKernel(cpu_kernels.build(SOURCE, cache_dir))
-            probe = torch.zeros(1, 1, 1, 2, dtype=torch.bfloat16)
-            kernel(probe, probe, probe, None, 1.0)  # status 2 where built without AVX-512 BF16
-            kernel.calls = 0
+            if not kernel.dtypes:
+                raise RuntimeError("this CPU has no AVX-512")
+            if torch.bfloat16 not in kernel.dtypes:
+                logger.info("vllm_accel: span attention kernel in float32 only (no AVX-512 BF16)")
             _kernel = kernel
         except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
             detail = getattr(error, "stderr", "") or error
@@ -88,8 +103,8 @@ def enable(cache_dir: Path) -> SpanAttentionKernel | None:
 def supported(q: torch.Tensor) -> bool:
     """Whether ``attend`` runs the kernel for queries like ``q``."""
     dim = q.shape[-1]
-    return (_kernel is not None and q.device.type == "cpu" and q.dtype == torch.bfloat16
-            and dim % 2 == 0 and dim <= MAX_HEAD_DIM)
+    return (_kernel is not None and q.device.type == "cpu" and q.dtype in _kernel.dtypes
+            and dim <= MAX_HEAD_DIM and (dim % 2 == 0 or q.dtype == torch.float32))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -196,8 +196,8 @@ class AccelModelRunner:
         # The kernel is the cpu device's own (the graphs stay device-neutral).
         self.decode_kernel = (decode_kernel.load(self.settings.cache_dir / "kernels")
                               if self.backend.device == "cpu" else None)
-        if self.backend.device == "cpu" and self.dtype == torch.bfloat16:  # its only dtype
-            span_attention.enable(self.settings.cache_dir / "kernels")  # towers', prompts
+        if self.backend.device == "cpu":  # the towers' and the prompts' attention
+            span_attention.enable(self.settings.cache_dir / "kernels")
         compile_backend = self.backend.compile_backend if self.backend.compiles else None
         if compile_backend is not None:
             self.compile_stats.configure(self.settings.cache_dir)

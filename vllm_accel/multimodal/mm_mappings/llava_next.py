@@ -9,8 +9,8 @@ All of that is FMS's own ``get_image_features`` / ``pack_image_features``;
 this class only feeds them one image at a time (per-image lengths) with the
 patches vLLM padded on removed, the tiles of several images in one call.
 
-SigLIP attends through ``span_attention`` (our kernel on the CPU in
-bfloat16). Compiled: the SigLIP tower (``vision_module``) gets its input padded with
+SigLIP attends through ``span_attention`` (our kernel on the CPU with
+AVX-512). Compiled: the SigLIP tower (``vision_module``) gets its input padded with
 zero tiles to the image's tile-count bucket; it treats tiles independently
 (attention stays within a tile), so padding does not change the real ones.
 Its encoder layers run under torch.compile, all layers sharing one graph per
@@ -38,7 +38,7 @@ DEFAULT_VISION_BUCKETS = 3
 class LlavaNextVisionAdapter(VisionAdapter):
     def __init__(self, model_config, fms_model: nn.Module):
         super().__init__(model_config, fms_model)
-        # SigLIP's layers attend by our op: the CPU kernel in bfloat16, FMS's
+        # SigLIP's layers attend by our op: the CPU kernel with AVX-512, FMS's
         # SDPA otherwise. FMS's get_image_features passes no attention
         # arguments, so the tower itself is given the name.
         tower = fms_model.vision_tower

@@ -30,7 +30,9 @@ from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 class Qwen2_5_VLVisionAdapter(VisionAdapter):
     uses_3d_positions = True
-    vision_graphs_per_bucket = 2  # window blocks, full-attention blocks
+    # Window and full-attention blocks (their masks differ in shape); one
+    # graph serves both where our kernel attends by spans.
+    vision_graphs_per_bucket = 2
     unsupported_modalities = ("video",)
 
     def __init__(self, model_config, fms_model: nn.Module):
@@ -67,7 +69,7 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         # their work grows with the square of its rows. Pack up to the rows
         # where such a block's attention costs as much as its linear layers:
         # per row 4 * rows * width against 2 * (4 * width**2 + 3 * width * mlp)
-        # multiply-adds. (The CPU kernel in bfloat16 attends within each
+        # multiply-adds. (The CPU kernel with AVX-512 attends within each
         # frame's rows, so there the limit is conservative.)
         config = self.fms_model.visual.config
         return int(2 * config.emb_dim + 1.5 * config.hidden_dim)
