@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Span attention per call: our CPU kernel vs torch's SDPA (flash), bfloat16.
+"""Span attention per call: our CPU kernel vs torch's SDPA (flash), bfloat16 or float32.
 
 Shapes of the hub's towers: SigLIP so400m on 2 tiles of 384 px (729 tokens,
 16 heads of 72), Molmo's ViT on 13 crops (577 tokens, 16 heads of 64) and a
@@ -10,9 +10,9 @@ LlavaNext prompt of ~2,000 tokens (the tiny LM's 8 over 4). Rounds alternate
 the two paths; each round times a path for --seconds; figures are the median
 ms per call with min-max, GFLOP/s (4 N^2 d per head and image, half of it
 causal), the ratio of medians, and each path's mean and max error against
-float64 SDPA on the same (bfloat16) inputs.
+float64 SDPA on the same inputs.
 
-    python benchmarks/span_attention.py [--rounds 5] [--seconds 2]
+    python benchmarks/span_attention.py [--rounds 5] [--seconds 2] [--dtype float32]
 
 Last line per shape: "span attention <shape>: kernel=<ms> ms sdpa=<ms> ms speedup=<x>".
 """
@@ -38,13 +38,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     assert span_attention.enable(Path(tempfile.mkdtemp())) is not None, \
         "the kernel is not available here (see the log line above)"
     for name, (images, tokens, heads, kv_heads, dim, causal) in SHAPES.items():
         g = torch.Generator().manual_seed(0)
-        q = torch.randn(images, tokens, heads, dim, generator=g).bfloat16()
-        k, v = (torch.randn(images, tokens, kv_heads, dim, generator=g).bfloat16()
+        q = torch.randn(images, tokens, heads, dim, generator=g).to(dtype)
+        k, v = (torch.randn(images, tokens, kv_heads, dim, generator=g).to(dtype)
                 for _ in range(2))
         scale = dim ** -0.5
         paths = {"kernel": lambda: span_attention.attend(q, k, v, scale, causal=causal),
@@ -64,7 +66,8 @@ def main() -> None:
                   f"{flops / medians[path] / 1e6:5.0f} GFLOP/s, error mean "
                   f"{errors[path].mean():.2e} max {errors[path].max():.2e}")
         print(f"span attention {name} ({images} x {tokens} tokens, {heads} heads over "
-              f"{kv_heads} of {dim}{', causal' if causal else ''}, bfloat16): kernel={medians['kernel']:.2f} ms sdpa={medians['sdpa']:.2f} ms "
+              f"{kv_heads} of {dim}{', causal' if causal else ''}, {args.dtype}): "
+              f"kernel={medians['kernel']:.2f} ms sdpa={medians['sdpa']:.2f} ms "
               f"speedup={medians['sdpa'] / medians['kernel']:.2f}")
 
 

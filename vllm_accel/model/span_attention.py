@@ -8,7 +8,7 @@ on an AMD EPYC with AVX-512 BF16 (SigLIP's 729 tokens x 16 heads x 72, Molmo's
 it was 37 % of the SigLIP so400m tower's time. In bfloat16 the kernel runs
 the same shapes 3.3-3.6x faster with the same error against float64, and a
 prompt's causal attention (grouped query heads) 4.6-5.9x faster; in float32
-(AVX-512 without BF16 suffices) 1.2-1.4x and 3.5-4x, a few ulps from SDPA
+(AVX-512 without BF16 suffices) 1.1-1.7x and 2.5-3.1x, a few ulps from SDPA
 (``benchmarks/span_attention.py``).
 
 The tower modules call ``attend`` where ``supported`` says yes and keep their
