@@ -182,7 +182,6 @@ def paged_attention(
     for chunk in md.prefills:
         # One request's chunk: its tokens are the query rows of one sequence.
         rows = slice(chunk.start, chunk.end)
-        chunk_query = query[0, rows].transpose(0, 1).unsqueeze(0)
         if span_attention.supported(query):
             # On the CPU: our kernel, causal over the chunk's own keys
             # (the prompt's start: the projections' layout, no copies) or over
@@ -195,6 +194,7 @@ def paged_attention(
             out[0, rows] = span_attention.attend(query[:, rows], keys, values, scale,
                                                  causal=True)[0]
             continue
+        chunk_query = query[0, rows].transpose(0, 1).unsqueeze(0)
         if chunk.block_table is None:
             # The prompt's start: its keys are the chunk's own, and a causal
             # SDPA (flash on the CPU) needs no gathered copy and no mask.
