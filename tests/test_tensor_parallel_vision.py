@@ -79,6 +79,9 @@ def _rank_main(rank: int, port: int, path: str, embeds: torch.Tensor, results) -
         # numpy: pickled by value (a tensor would travel as a shared-memory
         # handle that dies with this process).
         results.put((rank, (logits.numpy(), kv_heads, mlp)))
+        # Both ranks done talking before either tears its group down: a rank
+        # that left first once aborted the other's gloo thread at exit (SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
