@@ -4,6 +4,9 @@ caches, so a compiled graph that reads a cache after the op sees the write
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from vllm_accel.model.paged_attention import (
@@ -88,10 +91,6 @@ def test_bfloat16_prompts_attend_by_the_kernel(tmp_path):
     """bfloat16 on a CPU with AVX-512 BF16: each prompt-start chunk of a forward
     (two prompts packed one after the other) attends by our span kernel,
     causally over its own keys, as SDPA does."""
-    from pathlib import Path
-
-    import pytest
-
     from vllm_accel.model import span_attention
     from vllm_accel.model.paged_attention import PrefillChunk
 

@@ -42,7 +42,7 @@ def _(x, packed_weight, bias, activation="none", algorithm=""):
 
 def _activation_post_op(module: nn.Module) -> tuple[str, str] | None:
     """The oneDNN post-op (name, algorithm) computing ``module``, if any."""
-    if type(module) in (nn.ReLU,):
+    if type(module) is nn.ReLU:
         return "relu", ""
     if type(module) is nn.SiLU:
         return "swish", ""  # x * sigmoid(x)
@@ -94,15 +94,11 @@ def pack_linear_layers(model: nn.Module) -> int:
     return len(packed)
 
 
-def fuse_activations(model: nn.Module) -> int:
+def fuse_activations(model: nn.Module) -> None:
     """Move each FMS ``FeedForwardBlock``'s activation into its packed first
-    matmul (``a(w1(x))`` -> ``w1(x)`` with a post-op); returns how many."""
-    fused = 0
+    matmul (``a(w1(x))`` -> ``w1(x)`` with a post-op)."""
     for block in model.modules():
-        if not (isinstance(block, FeedForwardBlock) and isinstance(block.w1, PackedLinear)):
-            continue
-        post_op = _activation_post_op(block.a)
-        if post_op is not None and block.w1.post_op == ("none", ""):
-            block.w1.post_op, block.a = post_op, nn.Identity()
-            fused += 1
-    return fused
+        if isinstance(block, FeedForwardBlock) and isinstance(block.w1, PackedLinear):
+            post_op = _activation_post_op(block.a)  # None for nn.Identity: fused already
+            if post_op is not None:
+                block.w1.post_op, block.a = post_op, nn.Identity()

@@ -179,18 +179,20 @@ def paged_attention(
     if md.num_decodes:
         out[0, : md.num_decodes] = _attend_decodes(query[0, : md.num_decodes], key_cache,
                                                    value_cache, md, scale)
+    by_kernel = span_attention.supported(query)
     for chunk in md.prefills:
         # One request's chunk: its tokens are the query rows of one sequence.
         rows = slice(chunk.start, chunk.end)
-        if span_attention.supported(query):
+        if by_kernel:
             # On the CPU: our kernel, causal over the chunk's own keys
             # (the prompt's start: the projections' layout, no copies) or over
             # its context's blocks (its own keys are their last).
             if chunk.block_table is None:
                 keys, values = key[:, rows], value[:, rows]
             else:
-                keys, values = (_context(cache, chunk.block_table, chunk.context_len)
-                                for cache in (key_cache, value_cache))
+                keys, values = (  # back to [1, tokens, kv_heads, dim], heads contiguous
+                    _gather(cache, chunk.block_table).transpose(1, 2)[:, :chunk.context_len]
+                    for cache in (key_cache, value_cache))
             out[0, rows] = span_attention.attend(query[:, rows], keys, values, scale,
                                                  causal=True)[0]
             continue
@@ -223,12 +225,6 @@ def _attend_decodes(query, key_cache, value_cache, md, scale):
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
     out = _attend(grouped, key_cache, value_cache, block_table, mask[:, None, None, :], scale)
     return out.reshape(rows, heads, head_dim)
-
-
-def _context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[1, blocks] block ids -> the first ``length`` tokens they hold [1, length, kv_heads, dim]."""
-    kv_heads, head_dim = cache.shape[-2:]
-    return cache.index_select(0, block_table[0]).view(1, -1, kv_heads, head_dim)[:, :length]
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

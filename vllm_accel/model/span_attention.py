@@ -51,28 +51,29 @@ class SpanAttentionKernel:
             function.restype = ctypes.c_int
             function.argtypes = ([_PTR] * 4 + [_I64] * 6 + [_PTR, ctypes.c_int] + [_I64] * 6
                                  + [ctypes.c_float, ctypes.c_int])
-        self.dtypes = set(self._functions)
-        self.calls = 0
-        for dtype in list(self.dtypes):
-            probe = torch.zeros(1, 1, 1, 2, dtype=dtype)
-            try:
-                self(probe, probe, probe, None, 1.0)
-            except RuntimeError:  # status 2: built without the instructions it needs
-                self.dtypes.discard(dtype)
+        # Status 2: built without the instructions that dtype needs.
+        probes = {dtype: torch.zeros(1, 1, 1, 2, dtype=dtype) for dtype in self._functions}
+        self.dtypes = {dtype for dtype, probe in probes.items()
+                       if self._run(probe, probe, probe, None, 1.0)[1] != 2}
         self.calls = 0  # one per attention layer run (tests count them)
 
-    def __call__(self, q, k, v, ranges, scale, causal=False):
+    def _run(self, q, k, v, ranges, scale, causal=False):
+        """(output, the kernel's status)."""
         batch, n, heads, dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype)
-        self.calls += 1
         status = self._functions[q.dtype](
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             None if ranges is None else ranges.data_ptr(), int(causal),
             batch, n, k.shape[1], heads, k.shape[2], dim, scale, torch.get_num_threads())
+        return out, status
+
+    def __call__(self, q, k, v, ranges, scale, causal=False):
+        out, status = self._run(q, k, v, ranges, scale, causal)
+        self.calls += 1
         if status:
-            raise RuntimeError(f"span attention kernel refused q [{batch}, {n}, {heads}, {dim}] "
-                               f"{q.dtype}, k {list(k.shape)} (status {status})")
+            raise RuntimeError(f"span attention kernel refused q {list(q.shape)} {q.dtype}, "
+                               f"k {list(k.shape)} (status {status})")
         return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_accel.buckets import fit_bucket, make_buckets
+from vllm_accel.buckets import find_bucket, fit_bucket, make_buckets
 from vllm_accel.compat import map_tensors
 from vllm_accel.model.compile import compile_shared_forward
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
@@ -37,7 +37,7 @@ def pack_least_padding(rows: list[int], buckets: list[int], budget: int) -> list
     all (ties: fewer calls). Images of a step can come a few at a time: three
     576-patch images fill 1,728 of a 2,048-row bucket, or pad to 3 x 1,024."""
     def padded(total: int) -> int:
-        return next((b for b in buckets if b >= total), total)
+        return find_bucket(buckets, total) or total
 
     largest = max(rows, default=0)
     budgets = [b for b in buckets if largest <= b < budget] + [budget]
