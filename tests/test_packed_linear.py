@@ -1,6 +1,6 @@
 """Linear layers over oneDNN-packed weights (the cpu device): equal to
 nn.Linear, eager and compiled with the weights as graph inputs, and every
-linear layer of a served model packed."""
+linear layer of a served model packed (our kernel's own: test_linear_kernel.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,17 @@ from torch import nn
 
 from helpers import hf_greedy, model_runner, running_llm
 from test_generation import random_prompts
+from vllm_accel.model import linear_kernel
 from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def onednn_only(monkeypatch):
+    """Layers packed here are oneDNN's, whatever kernel an earlier test loaded
+    (a served model loads its own, restored after)."""
+    monkeypatch.setattr(linear_kernel, "_kernel", None)
 
 
 def linear(in_features, out_features, bias, dtype, seed):
@@ -130,8 +138,8 @@ def test_pack_linear_layers_leaves_float16():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_served_model_runs_packed_linears(tiny_models, dtype):
-    """The cpu device packs every linear layer of the model it serves; greedy
-    output stays HF's in float32 (bfloat16: packed and HF differ in rounding,
+    """The cpu device packs every linear layer of the model it serves (for our
+    kernel where this CPU runs it); greedy output stays HF's in float32 (bfloat16: packed and HF differ in rounding,
     so only the counts are checked)."""
     prompts = random_prompts([5, 17, 40], seed=7)
     with running_llm(tiny_models["llama"], dtype=dtype) as llm:
@@ -139,7 +147,11 @@ def test_served_model_runs_packed_linears(tiny_models, dtype):
         modules = list(runner.model.modules())
         assert not [m for m in modules if isinstance(m, nn.Linear)]
         # 4 per decoder layer (fused q/k/v, output, fused gate/up, down) and the head
-        assert sum(isinstance(m, PackedLinear) for m in modules) == 4 * runner.model.num_layers + 1
+        packed = [m for m in modules if isinstance(m, PackedLinear)]
+        assert len(packed) == 4 * runner.model.num_layers + 1
+        kernel = linear_kernel._kernel  # loaded by the runner where this CPU has AVX-512
+        if kernel is not None and getattr(torch, dtype) in kernel.dtypes:
+            assert all(m.by_kernel for m in packed)  # Llama fuses no activation
         if dtype == "float32":
             from vllm import SamplingParams
             from vllm.inputs import TokensPrompt

@@ -1,4 +1,5 @@
-"""Build our C++ CPU kernels (decode_attention.cpp, span_attention.cpp).
+"""Build our C++ CPU kernels (decode_attention.cpp, span_attention.cpp,
+linear_kernel.cpp).
 
 Each kernel is plain C++ with OpenMP and a C ABI: the same compiler inductor
 already needs builds it in a second or two, into the compile cache, once per

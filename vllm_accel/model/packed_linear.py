@@ -1,17 +1,21 @@
-"""Linear layers as oneDNN matmuls over weights packed once (cpu device).
+"""Linear layers over weights packed once (cpu device): by our kernel where
+it runs (linear_kernel.py: AVX-512; a layer without an activation to fuse),
+else by oneDNN.
 
 torch runs a float32 ``nn.Linear`` on the CPU with MKL's sgemm, a bfloat16
 one with oneDNN over the plain weight. Packing each weight once into oneDNN's
 blocked layout for this CPU, as vLLM's own CPU backend does
 (``create_onednn_mm``), made a decoder layer's linears 2.2-4.4x faster in
 float32 and 1.0-3.0x in bfloat16 on an AMD EPYC, 1 to 512 rows
-(``benchmarks/linear.py``, two days' runs; the most at 1-8 rows).
+(``benchmarks/linear.py``, two days' runs; the most at 1-8 rows); our kernel's
+own layout, 1.05-1.4x more.
 
-The matmul is an opaque op (``vllm_accel::packed_linear``): inductor's own
-lowering of oneDNN's linear takes only weights it can freeze as constants,
-and ours are graph inputs (one compiled graph serves every layer). The packed
-copy replaces the dense weight, so the weights' memory does not grow (but for
-a head tied to the embedding, whose dense weight the embedding keeps).
+The oneDNN matmul is an opaque op (``vllm_accel::packed_linear``): inductor's
+own lowering of oneDNN's linear takes only weights it can freeze as
+constants, and ours are graph inputs (one compiled graph serves every layer).
+The packed copy replaces the dense weight, so the weights' memory does not
+grow (but for a head tied to the embedding, whose dense weight the embedding
+keeps).
 
 An FMS feed-forward block's activation (GELU, ReLU, SiLU) runs inside its
 first matmul as a oneDNN post-op: the [rows, hidden] activations are written
@@ -26,6 +30,7 @@ from fms.modules.head import LinearClassificationHead
 from torch import nn
 
 from vllm_accel import compat
+from vllm_accel.model import linear_kernel
 
 
 @torch.library.custom_op("vllm_accel::packed_linear", mutates_args=())
@@ -55,31 +60,47 @@ _PACKABLE = (nn.Linear, LinearClassificationHead)
 
 
 class PackedLinear(nn.Module):
-    """An ``nn.Linear`` whose weight lives packed for oneDNN."""
+    """An ``nn.Linear`` whose weight lives packed: for our kernel
+    (``by_kernel``) or for oneDNN, which also runs ``post_op`` (an activation
+    fused in, as oneDNN names it: see ``_activation_post_op``)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, post_op: tuple[str, str] = ("none", "")):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", compat.onednn_pack_linear_weight(linear.weight),
-                             persistent=False)
+        self.post_op = post_op
+        self.by_kernel = post_op[0] == "none" and linear_kernel.packs(linear.weight)
+        weight = (linear_kernel.pack(linear.weight) if self.by_kernel
+                  else compat.onednn_pack_linear_weight(linear.weight))
+        self.register_buffer("packed_weight", weight, persistent=False)
         self.bias = linear.bias
-        self.post_op = ("none", "")  # an activation fused in (fuse_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.by_kernel:
+            return linear_kernel.linear(x, self.packed_weight, self.bias, self.out_features)
         return packed_linear(x, self.packed_weight, self.bias, *self.post_op)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}, post_op={self.post_op[0]}"
+               f"bias={self.bias is not None}, by_kernel={self.by_kernel}, " \
+               f"post_op={self.post_op[0]}"
 
 
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every linear layer of ``model`` (text, vision and head) by a
-    ``PackedLinear``; returns how many. A model of a dtype oneDNN does not
-    pack here is left as it is (0)."""
+    ``PackedLinear``, each FMS ``FeedForwardBlock``'s activation fused into
+    its first; returns how many. A model of a dtype oneDNN does not pack here
+    is left as it is (0)."""
     dtype = next(model.parameters()).dtype
     if not compat.onednn_packs_dtype(dtype):
         return 0
+    # a(w1(x)) -> w1(x) with a post-op, where oneDNN has the activation.
+    post_ops, fused = {}, []
+    for block in model.modules():
+        if isinstance(block, FeedForwardBlock) and type(block.w1) in _PACKABLE:
+            post_op = _activation_post_op(block.a)
+            if post_op is not None:
+                post_ops[id(block.w1)] = post_op
+                fused.append(block)
     # Only layers that are called, never read: plain nn.Linear and FMS's LM
     # head class (its TP variant all-reduces). A subclass may be read by its
     # owner (nn.MultiheadAttention reads its out_proj's weight).
@@ -88,17 +109,8 @@ def pack_linear_layers(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if type(child) in _PACKABLE and child.weight.dtype == dtype:
                 if id(child) not in packed:
-                    packed[id(child)] = PackedLinear(child)
+                    packed[id(child)] = PackedLinear(child, post_ops.get(id(child), ("none", "")))
                 setattr(parent, name, packed[id(child)])
-    fuse_activations(model)
+    for block in fused:
+        block.a = nn.Identity()
     return len(packed)
-
-
-def fuse_activations(model: nn.Module) -> None:
-    """Move each FMS ``FeedForwardBlock``'s activation into its packed first
-    matmul (``a(w1(x))`` -> ``w1(x)`` with a post-op)."""
-    for block in model.modules():
-        if isinstance(block, FeedForwardBlock) and isinstance(block.w1, PackedLinear):
-            post_op = _activation_post_op(block.a)  # None for nn.Identity: fused already
-            if post_op is not None:
-                block.w1.post_op, block.a = post_op, nn.Identity()

@@ -41,7 +41,7 @@ from vllm_accel.buckets import (
 from vllm_accel.compat import compile_sampler_logprob_ranks
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.log import get_logger
-from vllm_accel.model import decode_kernel, span_attention
+from vllm_accel.model import decode_kernel, linear_kernel, span_attention
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
 from vllm_accel.model.packed_linear import pack_linear_layers
 from vllm_accel.model.paged_attention import (
@@ -180,8 +180,11 @@ class AccelModelRunner:
                                    trust_remote_code=self.model_config.trust_remote_code,
                                    tp_group=tp_group)
         if self.backend.device == "cpu":
+            linear_kernel.enable(self.settings.cache_dir / "kernels")  # before packing for it
             packed = pack_linear_layers(fms_model)
-            logger.info("vllm_accel linear layers packed for oneDNN: %d (%s)", packed, self.dtype)
+            by_kernel = sum(getattr(m, "by_kernel", False) for m in fms_model.modules())
+            logger.info("vllm_accel linear layers packed: %d (%s), %d by our kernel, the rest "
+                        "by oneDNN", packed, self.dtype, by_kernel)
         adapter_class = vision_adapter_class(hf_config)
         if adapter_class is not None:
             self.vision = adapter_class(self.model_config, fms_model)

@@ -1,0 +1,121 @@
+"""The CPU linear kernel against float64 (and oneDNN's error there), through
+the op the packed linear layers call, and which layers run by it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_accel.model import linear_kernel
+from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
+
+CPU_FLAGS = Path("/proc/cpuinfo").read_text()
+pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS, reason="the kernel needs AVX-512")
+DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    "avx512_bf16" not in CPU_FLAGS, reason="bfloat16 needs AVX-512 BF16")), torch.float32]
+
+
+@pytest.fixture
+def kernel(tmp_path_factory, monkeypatch):
+    """The kernel loaded for this test only (layers packed outside it use oneDNN)."""
+    monkeypatch.setattr(linear_kernel, "_kernel", None)
+    kernel = linear_kernel.enable(tmp_path_factory.mktemp("kernels"))
+    assert kernel is not None
+    return kernel
+
+
+def _errors(x, weight, bias, dtype):
+    """Max error against float64 of the kernel and of oneDNN's packed matmul."""
+    from vllm_accel import compat
+
+    reference = torch.nn.functional.linear(x.double(), weight.double(),
+                                           None if bias is None else bias.double())
+    x, weight = x.to(dtype), weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+    ours = linear_kernel.linear(x, linear_kernel.pack(weight), bias, weight.shape[0])
+    onednn = compat.onednn_linear(x, compat.onednn_pack_linear_weight(weight), bias)
+    assert ours.shape == onednn.shape and ours.dtype == dtype
+    return [(out.double() - reference).abs().max().item() for out in (ours, onednn)]
+
+
+@pytest.mark.parametrize("rows", [1, 6, 7, 8, 13, 32, 64, 65, 300])
+@pytest.mark.parametrize("in_features, out_features", [(96, 160), (1024, 1536), (34, 5),
+                                                       (2816, 200)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_is_as_accurate_as_onednn(kernel, rows, in_features, out_features, dtype):
+    """Row counts around the kernel's tiles (up to 7 rows each), columns not a
+    multiple of its 64-column blocks (and fewer than one vector), one block or
+    many (the next one prefetched), a bias or none."""
+    g = torch.Generator().manual_seed(rows * 7 + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
+    for bias in (None, torch.randn(out_features, generator=g)):
+        ours, onednn = _errors(x, weight, bias, dtype)
+        if dtype == torch.bfloat16:  # both round the same float32 sums once
+            assert ours <= onednn * 1.01 + 1e-6
+        else:  # one float32 sum along K (oneDNN's blocks sum shorter runs)
+            assert ours <= max(4 * onednn, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_op_takes_any_leading_shape_and_strides(kernel, dtype):
+    weight = torch.randn(48, 32).to(dtype)
+    packed = linear_kernel.pack(weight)
+    x = torch.randn(3, 40, 5).to(dtype).transpose(1, 2)[..., :32]  # not contiguous
+    out = linear_kernel.linear(x, packed, None, 48)
+    assert out.shape == (3, 5, 48)
+    expected = torch.nn.functional.linear(x.double(), weight.double())
+    assert (out.double() - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_graph_shared_by_two_layers(kernel, dtype):
+    """One inductor graph, the packed weights graph inputs: each layer its own result."""
+    layers = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        layers.append(nn.Linear(64, 100).to(dtype))
+    packed = [PackedLinear(layer) for layer in layers]
+    assert all(p.by_kernel for p in packed)
+
+    def block(module, x):
+        return torch.relu(module(x)) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="inductor", dynamic=False, fullgraph=True)
+    x = torch.randn(1, 9, 64).to(dtype)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    with torch.inference_mode():
+        for layer, module in zip(layers, packed):
+            expected = block(layer, x).float()
+            got = compiled(module, x).float()
+            assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_layers_with_a_fused_activation_stay_onednn(kernel):
+    """A feed-forward block's first layer keeps oneDNN (its post-op runs the
+    activation); every other layer runs by the kernel, and the block computes
+    what it did."""
+    from fms.modules.feedforward import FeedForwardBlock
+
+    torch.manual_seed(0)
+    block = FeedForwardBlock(48, hidden_grow_factor=2.0, activation_fn=nn.GELU(),
+                             use_bias=True).eval()
+    x = torch.randn(2, 13, 48)
+    with torch.inference_mode():
+        expected = block(x)
+        assert pack_linear_layers(block) == 2
+        assert not block.w1.by_kernel and block.w1.post_op[0] == "gelu"
+        assert block.w2.by_kernel and block.w2.post_op[0] == "none"
+        assert (block(x) - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_odd_bfloat16_inputs_stay_onednn(kernel):
+    """bfloat16 multiplies pairs along the input: an odd input size keeps oneDNN."""
+    if torch.bfloat16 not in kernel.dtypes:
+        pytest.skip("bfloat16 needs AVX-512 BF16")
+    assert not PackedLinear(nn.Linear(33, 8).to(torch.bfloat16)).by_kernel
+    assert PackedLinear(nn.Linear(33, 8)).by_kernel  # float32 takes any size
