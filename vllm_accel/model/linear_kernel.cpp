@@ -6,8 +6,8 @@
 // block's other rows then come from L2 with DRAM idle. Here each block's row
 // tiles after the first ask for the next block's lines (software prefetch), so
 // the weights stream in while the arithmetic runs: the ~90M Llama's decoder
-// linears at 32 rows ran 1.2-1.35x faster than oneDNN, in both dtypes, and
-// as fast or a little faster at 128-4,096 rows (benchmarks/linear.py).
+// linears at 32 rows ran 1.26-1.33x faster than oneDNN, 1.03-1.06x at 512
+// rows and 0.94-1.06x at a vision tower's 2,048-4,096 (benchmarks/linear.py).
 //
 // Layout of a packed weight [N, K]: blocks of 64 columns (the last zero-padded),
 // each [K / P][64][P] with P = 1 (float32) or 2 (bfloat16: the pairs along K

@@ -2,9 +2,9 @@
 
 oneDNN's packed matmul leaves DRAM idle while it computes a block's rows
 after the first; ours streams the next block in meanwhile. The ~90M Llama's
-decoder linears (8 layers, weights from DRAM) at 32 rows: 16.4 -> 12.1 ms in
-float32, 8.7 -> 6.3 ms in bfloat16; 1.1-1.4x at 1-128 rows, 1.05-1.08x at 512
-(``benchmarks/linear.py``). A layer runs by it where ``packs`` says yes and
+decoder linears (8 layers, weights from DRAM) at 32 rows: 18.0 -> 13.6 ms in
+float32, 9.3 -> 7.4 ms in bfloat16; 1.03-1.33x at 1-64 rows, 1.03-1.06x at 512
+(``benchmarks/linear.py --layers 8``). A layer runs by it where ``packs`` says yes and
 it has no activation to fuse (those keep oneDNN's post-ops): see
 packed_linear.py. Loaded once per process by ``enable`` (the cpu device).
 """
