@@ -56,6 +56,22 @@ def build(source: Path, cache_dir: Path) -> Path:
     return library
 
 
+def load(kernel_class, source: Path, cache_dir: Path, instead: str):
+    """``kernel_class`` over the library of ``source`` (built into ``cache_dir``
+    if missing), or None where it cannot be built or runs no dtype here (a CPU
+    without AVX-512): logged at info with what runs ``instead``, since such a
+    CPU is not a fault."""
+    try:
+        kernel = kernel_class(build(source, cache_dir))
+        if not kernel.dtypes:
+            raise RuntimeError("this CPU has no AVX-512")
+        return kernel
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.info("vllm_accel: %s kernel unavailable, %s: %s", source.stem, instead, detail)
+        return None
+
+
 def _cpu_model() -> str:
     """The CPU's model name and flags: -march=native code runs only on such a CPU."""
     try:

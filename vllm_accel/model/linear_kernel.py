@@ -12,15 +12,11 @@ packed_linear.py. Loaded once per process by ``enable`` (the cpu device).
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import torch
 
-from vllm_accel.log import get_logger
 from vllm_accel.model import cpu_kernels
-
-logger = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("linear_kernel.cpp")
 BLOCK = 64  # output columns per packed block
@@ -67,19 +63,12 @@ _kernel: LinearKernel | None = None
 
 def enable(cache_dir: Path) -> LinearKernel | None:
     """Load the kernel for this process (built into ``cache_dir`` if missing).
-    None where it cannot be built or this CPU lacks AVX-512 (logged at info:
-    such a CPU is not a fault); linear layers then stay oneDNN's."""
+    None where it cannot be built or this CPU lacks AVX-512 (logged);
+    linear layers then stay oneDNN's."""
     global _kernel
     if _kernel is None:
-        try:
-            kernel = LinearKernel(cpu_kernels.build(SOURCE, cache_dir))
-            if not kernel.dtypes:
-                raise RuntimeError("this CPU has no AVX-512")
-            _kernel = kernel
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-            detail = getattr(error, "stderr", "") or error
-            logger.info("vllm_accel: linear kernel unavailable, linear layers stay "
-                        "oneDNN's: %s", detail)
+        _kernel = cpu_kernels.load(LinearKernel, SOURCE, cache_dir,
+                                   "linear layers stay oneDNN's")
     return _kernel
 
 

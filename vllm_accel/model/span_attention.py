@@ -21,7 +21,6 @@ so every compiled graph calls it.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import torch
@@ -82,22 +81,14 @@ _kernel: SpanAttentionKernel | None = None
 
 def enable(cache_dir: Path) -> SpanAttentionKernel | None:
     """Load the kernel for this process (built into ``cache_dir`` if missing).
-    None where it cannot be built or this CPU lacks AVX-512 (logged, at info:
-    such a CPU is not a fault): attention stays torch's. Without AVX-512 BF16
-    only float32 runs by it."""
+    None where it cannot be built or this CPU lacks AVX-512 (logged):
+    attention stays torch's. Without AVX-512 BF16 only float32 runs by it."""
     global _kernel
     if _kernel is None:
-        try:
-            kernel = SpanAttentionKernel(cpu_kernels.build(SOURCE, cache_dir))
-            if not kernel.dtypes:
-                raise RuntimeError("this CPU has no AVX-512")
-            if torch.bfloat16 not in kernel.dtypes:
-                logger.info("vllm_accel: span attention kernel in float32 only (no AVX-512 BF16)")
-            _kernel = kernel
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-            detail = getattr(error, "stderr", "") or error
-            logger.info("vllm_accel: span attention kernel unavailable, attention stays "
-                        "torch's: %s", detail)
+        _kernel = cpu_kernels.load(SpanAttentionKernel, SOURCE, cache_dir,
+                                   "attention stays torch's")
+        if _kernel is not None and torch.bfloat16 not in _kernel.dtypes:
+            logger.info("vllm_accel: span attention kernel in float32 only (no AVX-512 BF16)")
     return _kernel
 
 
