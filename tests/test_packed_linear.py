@@ -130,6 +130,18 @@ def test_unmapped_activation_stays_outside():
     assert isinstance(block.a, nn.Tanh) and block.w1.post_op == ("none", "")
 
 
+def test_activation_stays_where_its_layer_is_not_packed():
+    """A block whose first layer keeps another dtype (left dense) keeps its activation."""
+    from fms.modules.feedforward import FeedForwardBlock
+
+    torch.manual_seed(0)
+    block = FeedForwardBlock(16, activation_fn=nn.GELU(), use_bias=True).eval()
+    block.w1.half()
+    model = nn.Sequential(nn.Linear(16, 16), block)  # a float32 model
+    assert pack_linear_layers(model) == 2  # its first layer and the block's second
+    assert type(block.w1) is nn.Linear and isinstance(block.a, nn.GELU)
+
+
 def test_pack_linear_layers_leaves_float16():
     model = nn.Sequential(nn.Linear(8, 8)).half()
     assert pack_linear_layers(model) == 0

@@ -112,5 +112,6 @@ def pack_linear_layers(model: nn.Module) -> int:
                     packed[id(child)] = PackedLinear(child, post_ops.get(id(child), ("none", "")))
                 setattr(parent, name, packed[id(child)])
     for block in fused:
-        block.a = nn.Identity()
+        if isinstance(block.w1, PackedLinear):  # not a layer of another dtype, left dense
+            block.a = nn.Identity()
     return len(packed)
