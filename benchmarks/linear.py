@@ -44,18 +44,21 @@ import json, sys, torch
 sys.path.append(sys.argv[2])  # benchmarks/, for the shared timing helper
 from common import time_per_call
 paths, dtypes, seconds, shapes, rows_list, layers = json.loads(sys.argv[1])
+KERNELS = None  # our kernel's build directory, made once per process
 
 def layer(path, linears, dtype):
     weights = [torch.randn(n, k, dtype=dtype) / k**0.5 for _ in range(layers) for k, n in linears]
     if path == "torch":
         return [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]
     if path in ("packed", "kernel"):
+        global KERNELS
         import tempfile
         from pathlib import Path
         from vllm_accel.model import linear_kernel
         from vllm_accel.model.packed_linear import PackedLinear
         linear_kernel._kernel = None  # packed: oneDNN's
-        if path == "kernel" and linear_kernel.enable(Path(tempfile.mkdtemp())) is None:
+        KERNELS = KERNELS or Path(tempfile.mkdtemp())  # built once, then loaded
+        if path == "kernel" and linear_kernel.enable(KERNELS) is None:
             return None
         mods = []
         for w in weights:

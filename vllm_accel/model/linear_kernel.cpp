@@ -121,7 +121,8 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
   const int64_t block_lines = block_elements * static_cast<int64_t>(sizeof(typename D::T)) / 64;
   const int64_t tiles = (m_size + D::kMaxRows - 1) / D::kMaxRows;
   const int64_t rows = m_size / std::max<int64_t>(tiles, 1), extra = m_size % std::max<int64_t>(tiles, 1);
-  // The next block's lines, spread over this block's tiles after the first.
+  // The next block's lines, spread over this block's tiles after the first
+  // (each takes at most one a step: with few tiles, only the first part).
   const int64_t lines_per_tile = tiles > 1 ? (block_lines + tiles - 2) / (tiles - 1) : 0;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t b = 0; b < blocks; ++b) {

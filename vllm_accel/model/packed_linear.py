@@ -8,7 +8,7 @@ blocked layout for this CPU, as vLLM's own CPU backend does
 (``create_onednn_mm``), made a decoder layer's linears 2.2-4.4x faster in
 float32 and 1.0-3.0x in bfloat16 on an AMD EPYC, 1 to 512 rows
 (``benchmarks/linear.py``, two days' runs; the most at 1-8 rows); our kernel's
-own layout, 1.05-1.4x more.
+own layout, 1.03-1.33x more (float32, 1-512 rows, weights from DRAM).
 
 The oneDNN matmul is an opaque op (``vllm_accel::packed_linear``): inductor's
 own lowering of oneDNN's linear takes only weights it can freeze as
