@@ -15,22 +15,24 @@ from vllm_accel.model.paged_attention import (
 BLOCKS, BLOCK = 16, 4
 
 
-def _decode_step(heads, kv_heads, dim, context_lens, width, dtype=torch.float32, seed=0):
+def _decode_step(heads, kv_heads, dim, context_lens, width, dtype=torch.float32, seed=0,
+                 block=BLOCK):
     """Random caches and one decode token per row; each row's blocks are
     distinct, unused table entries point at block 0 as the runner's do."""
     g = torch.Generator().manual_seed(seed)
     rows = len(context_lens)
-    caches = [torch.randn(BLOCKS, BLOCK, kv_heads, dim, generator=g).to(dtype) for _ in range(2)]
+    blocks = max(BLOCKS, 1 + sum(-(-length // block) for length in context_lens))
+    caches = [torch.randn(blocks, block, kv_heads, dim, generator=g).to(dtype) for _ in range(2)]
     block_table = torch.zeros(rows, width, dtype=torch.long)
-    free = torch.randperm(BLOCKS - 1, generator=g) + 1
+    free = torch.randperm(blocks - 1, generator=g) + 1
     for row, length in enumerate(context_lens):
-        used = -(-length // BLOCK)
+        used = -(-length // block)
         block_table[row, :used], free = free[:used], free[used:]
     query = torch.randn(1, rows, heads, dim, generator=g).to(dtype)
     new_kv = [torch.randn(1, rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2)]
     # Each decode's own token is the last of its context.
     lens = torch.tensor(context_lens)
-    slots = block_table[torch.arange(rows), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK
+    slots = block_table[torch.arange(rows), (lens - 1) // block] * block + (lens - 1) % block
     metadata = PagedAttentionMetadata(slot_mapping=slots, num_decodes=rows,
                                       decode_block_table=block_table, decode_context_lens=lens)
     return query, new_kv, caches, metadata
@@ -45,10 +47,12 @@ def _run(kernel, query, new_kv, caches, metadata):
 def test_kernel_matches_pytorch_path(tmp_path):
     kernel = decode_kernel.load(tmp_path)
     assert kernel is not None
-    # Grouped (4 query heads per KV head), plain multi-head, and a single head;
-    # head sizes the kernel knows at compile time (64, 80, 128) and others;
-    # rows from 1 token to the full padded width, and one that ends a block.
-    for heads, kv_heads, dim in ((8, 2, 64), (4, 2, 128), (2, 2, 80), (4, 4, 32), (1, 1, 16)):
+    # Grouped (4 and 3 query heads per KV head), plain multi-head, and a
+    # single head; head sizes of the vector path (multiples of 16 up to 128)
+    # and of the portable loop (24, 136); rows from 1 token to the full padded
+    # width, and one that ends a block.
+    for heads, kv_heads, dim in ((8, 2, 64), (4, 2, 128), (2, 2, 80), (4, 4, 32), (1, 1, 16),
+                                 (6, 2, 48), (2, 1, 24), (2, 2, 136)):
         step = _decode_step(heads, kv_heads, dim, context_lens=[1, 7, 12, 4, 9], width=3)
         expected = _run(None, *step)
         got = _run(kernel, *step)
@@ -57,12 +61,25 @@ def test_kernel_matches_pytorch_path(tmp_path):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_kernel_matches_pytorch_path_in_engine_blocks(tmp_path):
+    """Blocks of 32 tokens (the platform's default): the vector path sums 16
+    tokens at a time, so contexts around 16 and 32 end a group mid-way."""
+    kernel = decode_kernel.load(tmp_path)
+    lens = [1, 15, 16, 17, 31, 32, 33, 47, 64, 100]
+    for heads, kv_heads, dim in ((16, 4, 64), (18, 6, 64), (4, 2, 128)):
+        step = _decode_step(heads, kv_heads, dim, context_lens=lens, width=4, block=32,
+                            seed=heads)
+        expected = _run(None, *step)
+        torch.testing.assert_close(_run(kernel, *step), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_reads_half_precision_caches(tmp_path):
     """bfloat16/float16 caches: float32 arithmetic, so the kernel is at least as
     close to a float32 reference as the PyTorch path in that dtype is."""
     kernel = decode_kernel.load(tmp_path)
-    for dtype in (torch.bfloat16, torch.float16):
-        step = _decode_step(8, 2, 64, context_lens=[1, 7, 12, 4, 9], width=3, dtype=dtype)
+    # bfloat16 at 64 multiplies bfloat16 pairs; at 80 (and float16) widens first.
+    for dtype, dim in ((torch.bfloat16, 64), (torch.bfloat16, 80), (torch.float16, 64)):
+        step = _decode_step(8, 2, dim, context_lens=[1, 7, 12, 4, 9], width=3, dtype=dtype)
         query, new_kv, caches, metadata = step
         reference = _run(None, query.float(), [t.float() for t in new_kv],
                          [c.float() for c in caches], metadata)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shlex
 import subprocess
 import tempfile
@@ -34,7 +35,7 @@ def build(source: Path, cache_dir: Path) -> Path:
     Raises OSError or CalledProcessError when it cannot be built."""
     compiler = os.environ.get("CXX", "g++")
     key = hashlib.sha256()
-    for part in (source.read_bytes(), compiler, " ".join(COMPILE_FLAGS + LINK_FLAGS),
+    for part in (source.read_bytes(), *_local_headers(source), compiler, " ".join(COMPILE_FLAGS + LINK_FLAGS),
                  platform.machine(), _cpu_model()):
         key.update(part if isinstance(part, bytes) else part.encode())
     library = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
@@ -70,6 +71,13 @@ def load(kernel_class, source: Path, cache_dir: Path, instead: str):
         detail = getattr(error, "stderr", "") or error
         logger.info("vllm_accel: %s kernel unavailable, %s: %s", source.stem, instead, detail)
         return None
+
+
+def _local_headers(source: Path) -> list[bytes]:
+    """The text of each ``#include "..."`` header beside ``source`` (a change
+    to one must rebuild the kernel)."""
+    names = re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.MULTILINE)
+    return [(source.parent / name).read_bytes() for name in names]
 
 
 def _cpu_model() -> str:

@@ -7,20 +7,41 @@
 // row is a few hundred dot products per head). Here one task per request walks
 // its blocks directly, one block after another (while asking for the next:
 // blocks lie anywhere in the cache), in two passes: every head's scores, then
-// the softmax-weighted sum of values. Within a block the loop runs head by
-// head, so a head's query (or running output) stays in registers over the
-// block's tokens; the head size is a compile-time constant for the common
-// sizes, which makes each token's dot product a few vector instructions.
+// the softmax-weighted sum of values.
+//
+// With AVX-512 and a head size that is a multiple of 16 (up to 128), a block
+// is read KV head by KV head and the query heads that share it (grouped query
+// attention) use it while it is in L1:
+// - scores: a head's query stays in registers; 16 tokens' dot products are
+//   summed as 16 vectors of partial sums, reduced together (a transposing add
+//   tree: ~3 instructions a token instead of a horizontal sum each);
+//   bfloat16 with a head size that is a multiple of 32 multiplies pairs of
+//   bfloat16 (vdpbf16ps: products exact, sums float32), others widen to
+//   float32 first;
+// - softmax: 16 scores at a time, a polynomial exp;
+// - values: each token's value row is widened once and added into the
+//   outputs of up to 16 vectors' worth of heads held in registers;
+// - memory: the next block's lines (after the keys' last block the values'
+//   first, after the values' last the next request's first keys) are asked
+//   for a part at a time, spread over the work on the block before: the
+//   blocks come from DRAM (a forward's weights pass through the L3 between
+//   two layers), and asking for a whole block at once overlapped less.
+// Elsewhere (no AVX-512, other head sizes) a portable loop does the same
+// arithmetic one token at a time.
 //
 // The cache may hold float32, bfloat16 or float16 values; the arithmetic is
-// float32 in every case. Plain C ABI, no torch headers, so it builds in about a
-// second; built and called by decode_kernel.py.
+// float32 in every case. Plain C ABI, no torch headers, so it builds in a
+// couple of seconds; built and called by decode_kernel.py.
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "vector_math.h"
 
 // bfloat16: the top half of a float32.
 struct bf16 {
@@ -58,36 +79,41 @@ static inline void for_each_block(const T* cache, const int64_t* blocks, int64_t
   }
 }
 
-// DIM: the head size when known at compile time (the common sizes: loops of a
-// fixed length become a few vector instructions), 0 when given at run time.
+// The arguments every entry point takes.
+template <typename T>
+struct DecodeArgs {
+  const T* query;               // [rows, heads, dim]
+  const T* key_cache;           // [num_blocks, block_size, kv_heads, dim]
+  const T* value_cache;         // [num_blocks, block_size, kv_heads, dim]
+  const int64_t* block_table;   // [rows, width]
+  const int64_t* context_lens;  // [rows], each <= width * block_size
+  T* out;                       // [rows, heads, dim]
+  int64_t rows, heads, kv_heads, dim, block_size, width;
+  float scale;
+  int num_threads;
+};
+
+// The portable loop: one token at a time, head by head within a block (a
+// head's query or running output stays in registers over the block's
+// tokens); DIM is the head size when known at compile time (loops of a fixed
+// length become a few vector instructions), 0 when given at run time.
 template <int DIM, typename T>
-static void decode_attention(
-    const T* query,               // [rows, heads, dim]
-    const T* key_cache,           // [num_blocks, block_size, kv_heads, dim]
-    const T* value_cache,         // [num_blocks, block_size, kv_heads, dim]
-    const int64_t* block_table,   // [rows, width]
-    const int64_t* context_lens,  // [rows], each <= width * block_size
-    T* out,                       // [rows, heads, dim]
-    int64_t rows, int64_t heads, int64_t kv_heads, int64_t runtime_dim,
-    int64_t block_size, int64_t width, float scale, int num_threads) {
-  const int64_t dim = DIM ? DIM : runtime_dim;
-  const int64_t group = heads / kv_heads;  // query heads per KV head
-  const int64_t stride = kv_heads * dim;   // between a KV head's consecutive tokens
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t len = context_lens[r];
-    T* result = out + r * heads * dim;
+static void decode_attention_portable(const DecodeArgs<T>& a) {
+  const int64_t dim = DIM ? DIM : a.dim, heads = a.heads;
+  const int64_t group = heads / a.kv_heads;  // query heads per KV head
+  const int64_t stride = a.kv_heads * dim;   // between a KV head's consecutive tokens
+#pragma omp parallel for schedule(dynamic) num_threads(a.num_threads)
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const int64_t len = a.context_lens[r];
+    T* result = a.out + r * heads * dim;
     if (len <= 0) {  // nothing to attend to (the runner never asks for this)
       std::fill(result, result + heads * dim, from_float<T>(0.0f));
       continue;
     }
-    const int64_t* blocks = block_table + r * width;
+    const int64_t* blocks = a.block_table + r * a.width;
     std::vector<float> q(heads * dim), scores(heads * len), acc(heads * dim, 0.0f);
-    for (int64_t i = 0; i < heads * dim; ++i) q[i] = to_float(query[r * heads * dim + i]) * scale;
-
-    // Scores, block by block; within a block head by head, so that a head's
-    // query stays in registers over the block's tokens.
-    for_each_block(key_cache, blocks, len, block_size, stride,
+    for (int64_t i = 0; i < heads * dim; ++i) q[i] = to_float(a.query[r * heads * dim + i]) * a.scale;
+    for_each_block(a.key_cache, blocks, len, a.block_size, stride,
                    [&](const T* block, int64_t start, int64_t n) {
       for (int64_t h = 0; h < heads; ++h) {
         const float* qh = q.data() + h * dim;
@@ -101,7 +127,6 @@ static void decode_attention(
         }
       }
     });
-
     std::vector<float> inv_sum(heads);
     for (int64_t h = 0; h < heads; ++h) {
       float* p = scores.data() + h * len;
@@ -114,15 +139,12 @@ static void decode_attention(
       }
       inv_sum[h] = 1.0f / sum;
     }
-
-    // Weighted values, the same way: a head's output stays in registers over
-    // a block (a local array for a compile-time size: it cannot alias the cache).
-    for_each_block(value_cache, blocks, len, block_size, stride,
+    for_each_block(a.value_cache, blocks, len, a.block_size, stride,
                    [&](const T* block, int64_t start, int64_t n) {
       for (int64_t h = 0; h < heads; ++h) {
         const float* p = scores.data() + h * len + start;
         const T* v = block + (h / group) * dim;
-        float local[DIM ? DIM : 1];
+        float local[DIM ? DIM : 1];  // a local array cannot alias the cache
         float* o = DIM ? std::copy_n(acc.data() + h * dim, dim, local) - dim : acc.data() + h * dim;
         for (int64_t t = 0; t < n; ++t, v += stride) {
           const float w = p[t];
@@ -132,41 +154,287 @@ static void decode_attention(
         if (DIM) std::copy_n(local, dim, acc.data() + h * dim);
       }
     });
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t d = 0; d < dim; ++d)
-        result[h * dim + d] = from_float<T>(acc[h * dim + d] * inv_sum[h]);
+    for (int64_t i = 0; i < heads * dim; ++i) result[i] = from_float<T>(acc[i] * inv_sum[i / dim]);
   }
 }
 
-template <typename T>
-static void decode_attention_any_dim(const T* query, const T* key_cache, const T* value_cache,
-                                     const int64_t* block_table, const int64_t* context_lens,
-                                     T* out, int64_t rows, int64_t heads, int64_t kv_heads,
-                                     int64_t dim, int64_t block_size, int64_t width,
-                                     float scale, int num_threads) {
-  auto run = [&](auto kernel) {
-    kernel(query, key_cache, value_cache, block_table, context_lens, out, rows, heads,
-           kv_heads, dim, block_size, width, scale, num_threads);
+#ifdef __AVX512F__
+namespace {
+
+// How each element type is read as float32 (16 at a time) and written back.
+struct Float32 {
+  using E = float;
+  static __m512 load16(const E* p) { return _mm512_loadu_ps(p); }
+  static void store16(E* p, __m512 x) { _mm512_storeu_ps(p, x); }
+};
+struct BFloat16 {
+  using E = bf16;
+  static __m512 load16(const E* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static void store16(E* p, __m512 x) {  // round to nearest even (finite x)
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+};
+struct Float16 {
+  using E = _Float16;
+  static __m512 load16(const E* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store16(E* p, __m512 x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+// A query head held in registers, and its dot product with one key row:
+// float32 (widened) by default, bfloat16 pairs where the CPU multiplies them.
+template <typename T, int DIM>
+struct WideQuery {
+  __m512 q[DIM / 16];
+  explicit WideQuery(const typename T::E* p) {
+    for (int c = 0; c < DIM / 16; ++c) q[c] = T::load16(p + 16 * c);
+  }
+  __m512 dot(const typename T::E* k) const {  // 16 partial sums
+    __m512 sum = _mm512_mul_ps(q[0], T::load16(k));
+    for (int c = 1; c < DIM / 16; ++c) sum = _mm512_fmadd_ps(q[c], T::load16(k + 16 * c), sum);
+    return sum;
+  }
+};
+#ifdef __AVX512BF16__
+template <int DIM>
+struct PairQuery {
+  __m512bh q[DIM / 32];
+  explicit PairQuery(const bf16* p) {
+    for (int c = 0; c < DIM / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(p + 32 * c);
+  }
+  __m512 dot(const bf16* k) const {
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < DIM / 32; ++c)
+      sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    return sum;
+  }
+};
+template <typename T, int DIM>
+using Query = std::conditional_t<std::is_same_v<T, BFloat16> && DIM % 32 == 0, PairQuery<DIM>,
+                                 WideQuery<T, DIM>>;
+#else
+template <typename T, int DIM>
+using Query = WideQuery<T, DIM>;
+#endif
+
+// The token whose sums go in slot i of sum16's input, so that its result
+// lands in lane i (the add tree below interleaves them this way).
+constexpr int kSlotToken[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+// Lane i = the sum of all lanes of v[slot of token i].
+inline __m512 sum16(const __m512 v[16]) {
+  __m512 w[8], u[4], s[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: [v_i | v_i+8], 8 sums each
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xee));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters: 4 sums each of 4 vectors
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(w[i], w[i + 4], 0xdd));
+  for (int i = 0; i < 2; ++i)  // pairs within each quarter
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[i], u[i + 2]), _mm512_unpackhi_ps(u[i], u[i + 2]));
+  return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x44), _mm512_shuffle_ps(s[0], s[1], 0xee));
+}
+
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xffff : (1u << n) - 1; }
+
+// scores[t] = q . key[t] for a block's n tokens of one KV head (token stride
+// `stride`), 16 tokens at a time.
+template <typename T, int DIM>
+inline void head_scores(const Query<T, DIM>& q, const typename T::E* keys, int64_t stride,
+                        int64_t n, float* scores) {
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    __m512 partial[16];
+    for (int i = 0; i < 16; ++i)  // past the block's end: its last token again, not stored
+      partial[i] = q.dot(keys + std::min<int64_t>(t0 + kSlotToken[i], n - 1) * stride);
+    _mm512_mask_storeu_ps(scores + t0, first_lanes(n - t0), sum16(partial));
+  }
+}
+
+// out[g] += sum over the block's n tokens of p[g][t] * value[t], for HEADS
+// query heads (p[g] = probs + g * probs_stride) sharing one KV head.
+template <typename T, int DIM, int HEADS>
+inline void heads_values(const float* probs, int64_t probs_stride, const typename T::E* values,
+                         int64_t stride, int64_t n, float* out) {
+  __m512 o[HEADS][DIM / 16];
+  for (int g = 0; g < HEADS; ++g)
+    for (int c = 0; c < DIM / 16; ++c) o[g][c] = _mm512_loadu_ps(out + g * DIM + 16 * c);
+  for (int64_t t = 0; t < n; ++t, values += stride) {
+    __m512 v[DIM / 16];
+    for (int c = 0; c < DIM / 16; ++c) v[c] = T::load16(values + 16 * c);
+    for (int g = 0; g < HEADS; ++g) {
+      const __m512 w = _mm512_set1_ps(probs[g * probs_stride + t]);
+      for (int c = 0; c < DIM / 16; ++c) o[g][c] = _mm512_fmadd_ps(w, v[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < HEADS; ++g)
+    for (int c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(out + g * DIM + 16 * c, o[g][c]);
+}
+
+// Query heads whose outputs fit in 16 vector registers at once.
+template <int DIM>
+constexpr int kValueHeads = std::min(8, std::max(1, 256 / DIM));
+
+template <typename T, int DIM, int HEADS = kValueHeads<DIM>>
+inline void group_values(int64_t heads, const float* probs, int64_t probs_stride,
+                         const typename T::E* values, int64_t stride, int64_t n, float* out) {
+  if constexpr (HEADS > 0) {
+    for (; heads >= HEADS; heads -= HEADS, probs += HEADS * probs_stride, out += HEADS * DIM)
+      heads_values<T, DIM, HEADS>(probs, probs_stride, values, stride, n, out);
+    if (heads) group_values<T, DIM, HEADS - 1>(heads, probs, probs_stride, values, stride, n, out);
+  }
+}
+
+// Asks for a block's lines a part at a time, spread over the work on the
+// block before it: a burst of a whole block's requests at once overlaps less.
+struct Prefetch {
+  const char* lines = nullptr;
+  int64_t bytes = 0;
+  void part(int64_t i, int64_t parts) const {
+    for (int64_t at = bytes * i / parts / 64 * 64; at < bytes * (i + 1) / parts; at += 64)
+      _mm_prefetch(lines + at, _MM_HINT_T0);
+  }
+};
+
+template <typename T, int DIM>
+void decode_attention_avx512(const DecodeArgs<typename T::E>& a) {
+  using E = typename T::E;
+  const int64_t heads = a.heads, group = heads / a.kv_heads, stride = a.kv_heads * DIM;
+  const int64_t block_size = a.block_size, block_elements = block_size * stride;
+  // Block b of row r's keys or values (past the row's last: the next row's
+  // first keys), and how many bytes of it the row uses.
+  auto block = [&](const E* cache, int64_t r, int64_t b) -> Prefetch {
+    const int64_t used = std::min(block_size, a.context_lens[r] - b * block_size);
+    if (used <= 0) {
+      if (r + 1 >= a.rows || a.context_lens[r + 1] <= 0) return {};
+      return {reinterpret_cast<const char*>(a.key_cache + a.block_table[(r + 1) * a.width] * block_elements),
+              static_cast<int64_t>(std::min(block_size, a.context_lens[r + 1]) * stride * sizeof(E))};
+    }
+    return {reinterpret_cast<const char*>(cache + a.block_table[r * a.width + b] * block_elements),
+            static_cast<int64_t>(used * stride * sizeof(E))};
   };
-  switch (dim) {
-    case 64: return run(decode_attention<64, T>);
-    case 80: return run(decode_attention<80, T>);
-    case 96: return run(decode_attention<96, T>);
-    case 128: return run(decode_attention<128, T>);
-    default: return run(decode_attention<0, T>);
+#pragma omp parallel num_threads(a.num_threads)
+  {
+    std::vector<float> scores, acc(heads * DIM), inv_sum(heads);
+#pragma omp for schedule(dynamic)
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const int64_t len = a.context_lens[r], len_pad = (len + 15) / 16 * 16;
+      const int64_t blocks = (len + block_size - 1) / block_size;
+      E* result = a.out + r * heads * DIM;
+      if (len <= 0) {  // nothing to attend to (the runner never asks for this)
+        std::fill(result, result + heads * DIM, from_float<E>(0.0f));
+        continue;
+      }
+      const int64_t* table = a.block_table + r * a.width;
+      const E* query = a.query + r * heads * DIM;
+      scores.resize(heads * len_pad);
+      block(a.key_cache, r, 0).part(0, 1);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t start = b * block_size, n = std::min(block_size, len - start);
+        const E* keys = a.key_cache + table[b] * block_elements;
+        const Prefetch next = b + 1 < blocks ? block(a.key_cache, r, b + 1) : block(a.value_cache, r, 0);
+        for (int64_t h = 0; h < heads; ++h) {
+          next.part(h, heads);
+          head_scores<T, DIM>(Query<T, DIM>(query + h * DIM), keys + (h / group) * DIM, stride,
+                              n, scores.data() + h * len_pad + start);
+        }
+      }
+      // Softmax of each head's scores (times scale), unnormalised; 1/sum later.
+      const __m512 scale = _mm512_set1_ps(a.scale);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * len_pad;
+        __m512 max = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < len; t += 16)
+          max = _mm512_mask_max_ps(max, first_lanes(len - t), max, _mm512_loadu_ps(s + t));
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(max) * a.scale);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+          const __m512 p = _mm512_maskz_mov_ps(
+              first_lanes(len - t), exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), scale, shift)));
+          _mm512_storeu_ps(s + t, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t start = b * block_size, n = std::min(block_size, len - start);
+        const E* values = a.value_cache + table[b] * block_elements;
+        const Prefetch next = block(a.value_cache, r, b + 1);
+        for (int64_t kv = 0; kv < a.kv_heads; ++kv) {
+          next.part(kv, a.kv_heads);
+          group_values<T, DIM>(group, scores.data() + kv * group * len_pad + start, len_pad,
+                               values + kv * DIM, stride, n, acc.data() + kv * group * DIM);
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h)
+        for (int c = 0; c < DIM / 16; ++c)
+          T::store16(result + h * DIM + 16 * c,
+                     _mm512_mul_ps(_mm512_loadu_ps(acc.data() + h * DIM + 16 * c),
+                                   _mm512_set1_ps(inv_sum[h])));
+    }
   }
 }
 
-#define DECODE_ATTENTION(suffix, T)                                                    \
+// The AVX-512 kernel for this head size, or nullptr.
+template <typename T>
+void (*avx512_kernel(int64_t dim))(const DecodeArgs<typename T::E>&) {
+  switch (dim) {
+    case 16: return decode_attention_avx512<T, 16>;
+    case 32: return decode_attention_avx512<T, 32>;
+    case 48: return decode_attention_avx512<T, 48>;
+    case 64: return decode_attention_avx512<T, 64>;
+    case 80: return decode_attention_avx512<T, 80>;
+    case 96: return decode_attention_avx512<T, 96>;
+    case 112: return decode_attention_avx512<T, 112>;
+    case 128: return decode_attention_avx512<T, 128>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+#endif
+
+template <typename Vec, typename E>
+static void decode_attention(const DecodeArgs<E>& args) {
+#ifdef __AVX512F__
+  if (auto kernel = avx512_kernel<Vec>(args.dim)) return kernel(args);
+#endif
+  switch (args.dim) {
+    case 64: return decode_attention_portable<64>(args);
+    case 80: return decode_attention_portable<80>(args);
+    case 96: return decode_attention_portable<96>(args);
+    case 128: return decode_attention_portable<128>(args);
+    default: return decode_attention_portable<0>(args);
+  }
+}
+
+#ifdef __AVX512F__
+#define VEC(type) type
+#else
+#define VEC(type) void
+#endif
+
+#define DECODE_ATTENTION(suffix, E, Vec)                                                 \
   extern "C" void decode_attention_##suffix(                                           \
-      const T* query, const T* key_cache, const T* value_cache,                        \
-      const int64_t* block_table, const int64_t* context_lens, T* out, int64_t rows,   \
+      const E* query, const E* key_cache, const E* value_cache,                        \
+      const int64_t* block_table, const int64_t* context_lens, E* out, int64_t rows,   \
       int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t width, \
       float scale, int num_threads) {                                                  \
-    decode_attention_any_dim(query, key_cache, value_cache, block_table, context_lens, \
-                             out, rows, heads, kv_heads, dim, block_size, width,       \
-                             scale, num_threads);                                      \
+    decode_attention<Vec>(DecodeArgs<E>{query, key_cache, value_cache, block_table,     \
+                                        context_lens, out, rows, heads, kv_heads, dim,  \
+                                        block_size, width, scale, num_threads});        \
   }
-DECODE_ATTENTION(f32, float)
-DECODE_ATTENTION(bf16, bf16)
-DECODE_ATTENTION(f16, _Float16)
+DECODE_ATTENTION(f32, float, VEC(Float32))
+DECODE_ATTENTION(bf16, bf16, VEC(BFloat16))
+DECODE_ATTENTION(f16, _Float16, VEC(Float16))
