@@ -41,7 +41,7 @@ from vllm_accel.buckets import (
 from vllm_accel.compat import compile_sampler_logprob_ranks
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.log import get_logger
-from vllm_accel.model import decode_kernel, linear_kernel, span_attention
+from vllm_accel.model import decode_kernel, half_split_rope, linear_kernel, span_attention
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
 from vllm_accel.model.packed_linear import pack_linear_layers
 from vllm_accel.model.paged_attention import (
@@ -179,6 +179,8 @@ class AccelModelRunner:
                                    self.backend.device,
                                    trust_remote_code=self.model_config.trust_remote_code,
                                    tp_group=tp_group)
+        rotated = half_split_rope.install(fms_model, self.model_config.max_model_len)
+        logger.info("vllm_accel rotary embedding on head halves: %d attention layers", rotated)
         if self.backend.device == "cpu":
             linear_kernel.enable(self.settings.cache_dir / "kernels")  # before packing for it
             packed = pack_linear_layers(fms_model)
