@@ -34,7 +34,9 @@ def test_same_logits_as_fms_rotary(tmp_path, arch):
     # The projections really were reordered (a no-op would also match).
     assert any(not torch.equal(q_rows[name], p) for name, p in model.named_parameters()
                if name in q_rows)
-    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-5, atol=1e-5)
+    # Rounding apart (the products are summed in another order; 1.3e-5 seen
+    # on an Intel CPU): a wrong reordering moves logits by ~1.
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
 
 
 def test_table_reaches_max_positions(tmp_path):
