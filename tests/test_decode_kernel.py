@@ -48,11 +48,11 @@ def test_kernel_matches_pytorch_path(tmp_path):
     kernel = decode_kernel.load(tmp_path)
     assert kernel is not None
     # Grouped (4 and 3 query heads per KV head), plain multi-head, and a
-    # single head; head sizes of the vector path (multiples of 16 up to 128)
-    # and of the portable loop (24, 136); rows from 1 token to the full padded
+    # single head; head sizes of the vector path (64, 80, 96, 128) and of the
+    # portable loop (16, 24, 32, 136); rows from 1 token to the full padded
     # width, and one that ends a block.
     for heads, kv_heads, dim in ((8, 2, 64), (4, 2, 128), (2, 2, 80), (4, 4, 32), (1, 1, 16),
-                                 (6, 2, 48), (2, 1, 24), (2, 2, 136)):
+                                 (6, 2, 96), (2, 1, 24), (2, 2, 136)):
         step = _decode_step(heads, kv_heads, dim, context_lens=[1, 7, 12, 4, 9], width=3)
         expected = _run(None, *step)
         got = _run(kernel, *step)
@@ -77,7 +77,8 @@ def test_kernel_reads_half_precision_caches(tmp_path):
     """bfloat16/float16 caches: float32 arithmetic, so the kernel is at least as
     close to a float32 reference as the PyTorch path in that dtype is."""
     kernel = decode_kernel.load(tmp_path)
-    # bfloat16 at 64 multiplies bfloat16 pairs; at 80 (and float16) widens first.
+    # bfloat16 at 64 multiplies bfloat16 pairs, at 80 widens first; float16
+    # takes the portable loop.
     for dtype, dim in ((torch.bfloat16, 64), (torch.bfloat16, 80), (torch.float16, 64)):
         step = _decode_step(8, 2, dim, context_lens=[1, 7, 12, 4, 9], width=3, dtype=dtype)
         query, new_kv, caches, metadata = step
