@@ -3,6 +3,8 @@ and how it is built: cached, harmless to the process, optional."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from vllm_accel.model import decode_kernel
@@ -100,6 +102,19 @@ def test_kernel_is_cached_and_keeps_denormals(tmp_path):
     # Linked with -ffast-math, loading it would flush denormals to zero in
     # every computation of the process.
     assert (torch.tensor(1e-40) * 1).item() != 0
+
+
+def test_header_change_rebuilds(tmp_path):
+    """A kernel is keyed on the headers it includes too (vector_math.h)."""
+    from vllm_accel.model import cpu_kernels
+
+    source, header = tmp_path / "k.cpp", tmp_path / "k.h"
+    source.write_text('#include "k.h"\nextern "C" int value() { return VALUE; }\n')
+    header.write_text("#define VALUE 1\n")
+    first = cpu_kernels.build(source, tmp_path / "cache")
+    header.write_text("#define VALUE 2\n")
+    second = cpu_kernels.build(source, tmp_path / "cache")
+    assert first != second and ctypes.CDLL(str(second)).value() == 2
 
 
 def test_no_compiler_falls_back_to_pytorch(tmp_path, monkeypatch):

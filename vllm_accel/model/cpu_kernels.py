@@ -34,9 +34,10 @@ def build(source: Path, cache_dir: Path) -> Path:
     """The shared library of ``source`` under ``cache_dir``, built if missing.
     Raises OSError or CalledProcessError when it cannot be built."""
     compiler = os.environ.get("CXX", "g++")
+    text = source.read_bytes()
     key = hashlib.sha256()
-    for part in (source.read_bytes(), *_local_headers(source), compiler, " ".join(COMPILE_FLAGS + LINK_FLAGS),
-                 platform.machine(), _cpu_model()):
+    for part in (text, *_local_headers(source.parent, text), compiler,
+                 " ".join(COMPILE_FLAGS + LINK_FLAGS), platform.machine(), _cpu_model()):
         key.update(part if isinstance(part, bytes) else part.encode())
     library = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if library.exists():
@@ -73,11 +74,11 @@ def load(kernel_class, source: Path, cache_dir: Path, instead: str):
         return None
 
 
-def _local_headers(source: Path) -> list[bytes]:
-    """The text of each ``#include "..."`` header beside ``source`` (a change
-    to one must rebuild the kernel)."""
-    names = re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.MULTILINE)
-    return [(source.parent / name).read_bytes() for name in names]
+def _local_headers(folder: Path, source: bytes) -> list[bytes]:
+    """The text of each ``#include "..."`` header (beside the source, in
+    ``folder``) that ``source`` names: a change to one must rebuild the kernel."""
+    names = re.findall(rb'^#include "([^"]+)"', source, flags=re.MULTILINE)
+    return [(folder / name.decode()).read_bytes() for name in names]
 
 
 def _cpu_model() -> str:

@@ -36,7 +36,8 @@ class HalfSplitRotary(PositionEncoder):
         if table.shape[0] < max_positions:  # FMS keeps a shorter table it built first
             rotary.cached_freqs[device.index].pop(alpha)
             rotary.max_seq_len_cached[device.index] = 0
-            table = rotary.cached_freqs[device.index][rotary.compute_freqs_cis(device, max_positions)]
+            alpha = rotary.compute_freqs_cis(device, max_positions)
+            table = rotary.cached_freqs[device.index][alpha]
         self.cos = table[..., 0, 0].contiguous()  # [positions, head/2] float32
         self.sin = table[..., 1, 0].contiguous()
 
