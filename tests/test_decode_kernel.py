@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
 import torch
 
 from vllm_accel.model import decode_kernel
@@ -129,3 +130,25 @@ def test_kernel_supports_cpu_float_caches_only(tmp_path):
     assert kernel.supports(query.bfloat16(), cache.bfloat16())
     assert not kernel.supports(query, cache.bfloat16())  # mixed dtypes
     assert not kernel.supports(query.double(), cache.double())
+
+
+def test_store_writes_what_index_copy_writes(tmp_path):
+    """The kernel library's KV store: rows spaced as in a fused qkv (both
+    dtypes), the same caches as index_copy_; a layout it does not read is
+    left to index_copy_ (False), a slot past the cache refused."""
+    kernel = decode_kernel.load(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        caches = [torch.zeros(6, BLOCK, 2, 8, dtype=dtype) for _ in range(2)]
+        expected = [cache.clone() for cache in caches]
+        qkv = torch.randn(5, 4 + 2 + 2, 8, generator=g).to(dtype)
+        key, value = qkv[:, 4:6], qkv[:, 6:8]
+        slots = torch.tensor([7, 0, 23, 12, 1])
+        assert kernel.store(key, value, *caches, slots)
+        for cache, new in zip(expected, (key, value)):
+            cache.view(-1, 2, 8).index_copy_(0, slots, new)
+        assert all(torch.equal(a, b) for a, b in zip(caches, expected))
+        assert not kernel.store(key.transpose(1, 2), value, *caches, slots)  # dims spaced
+        assert not kernel.store(key, value, *caches, slots.int())
+        with pytest.raises(IndexError, match="out of range"):
+            kernel.store(key, value, *caches, torch.tensor([7, 0, 24, 12, 1]))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_accel.model import decode_kernel
 from vllm_accel.model.paged_attention import (
     PagedAttentionMetadata,
     attention_context,
@@ -45,14 +46,18 @@ def _attend_then_read_caches(query, key, value, key_cache, value_cache):
     return out, key_cache.sum(dim=(1, 2, 3)), value_cache[2, 1].clone()
 
 
-def test_compiled_reads_after_the_op_see_its_writes():
+@pytest.mark.parametrize("by_kernel", [False, True], ids=["index_copy", "kernel"])
+def test_compiled_reads_after_the_op_see_its_writes(by_kernel, tmp_path):
+    """Without the decode kernel, torch's index_copy_ writes the caches; with
+    it, the kernel library's store."""
     query, key, value, metadata = _step()
+    kernel = decode_kernel.load(tmp_path) if by_kernel else None
     compiled = torch.compile(_attend_then_read_caches, backend="inductor", fullgraph=True,
                              dynamic=False)
     results = {}
     for name, fn in (("eager", _attend_then_read_caches), ("inductor", compiled)):
         caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
-        with attention_context(metadata):
+        with attention_context(metadata, kernel):
             results[name] = fn(query, key, value, *caches)
         # The caches passed in hold the new entries (written in place).
         torch.testing.assert_close(caches[0].view(-1, KV_HEADS, DIM)[[5, 9]], key[0])
@@ -62,6 +67,24 @@ def test_compiled_reads_after_the_op_see_its_writes():
     torch.testing.assert_close(out_c, out_e)
     torch.testing.assert_close(ksum_c, ksum_e)
     torch.testing.assert_close(v_c, v_e)
+
+
+def test_padding_rows_are_zero(tmp_path, monkeypatch):
+    """Rows past the step's decodes and chunks (a token bucket's padding) come
+    out zero, not uninitialized memory (filled with NaN here)."""
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    query, key, value, metadata = _step()
+    pad = lambda t: torch.cat([t, torch.ones_like(t)], dim=1)  # 2 more tokens
+    metadata.slot_mapping = torch.tensor([5, 9, 0, 0])
+    caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
+    with torch.inference_mode(), attention_context(metadata, decode_kernel.load(tmp_path)):
+        torch.use_deterministic_algorithms(True)
+        try:
+            out = paged_attention(pad(query), pad(key), pad(value), *caches, 0.25)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert out.shape == (1, 4, HEADS, DIM) and out[0, :2].abs().sum() > 0
+    assert torch.equal(out[0, 2:], torch.zeros_like(out[0, 2:]))
 
 
 def test_a_prompt_start_attends_causally_to_its_own_keys():

@@ -430,3 +430,16 @@ static void decode_attention(const DecodeArgs<E>& args) {
 DECODE_ATTENTION(f32, float, VEC(Float32))
 DECODE_ATTENTION(bf16, bf16, VEC(BFloat16))
 DECODE_ATTENTION(f16, _Float16, void)
+
+// A step's new keys and values into their cache slots: token t's row
+// (kv_heads x dim, `row_bytes`; strides in bytes, rows may be spaced as in a
+// fused qkv) to slot slots[t] of each cache. torch's index_copy_ took ~46 us a
+// layer's call on average (~230 us for a 512-token prompt chunk in bfloat16).
+extern "C" void store_kv(const char* key, const char* value, int64_t key_stride,
+                         int64_t value_stride, char* key_cache, char* value_cache,
+                         const int64_t* slots, int64_t tokens, int64_t row_bytes) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(key_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
+    std::memcpy(value_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
+  }
+}

@@ -36,6 +36,9 @@ class DecodeAttentionKernel:
             function.restype = None
             function.argtypes = [_PTR] * 6 + [_I64] * 6 + [_F32, _INT]
         self.calls = 0  # one per layer of each forward with decodes (tests count them)
+        self._store = loaded.store_kv
+        self._store.restype = None
+        self._store.argtypes = [_PTR] * 2 + [_I64] * 2 + [_PTR] * 3 + [_I64] * 2
 
     @staticmethod
     def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -44,17 +47,18 @@ class DecodeAttentionKernel:
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_table: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """query [rows, heads, dim], one token per row attending over the first
-        context_lens[row] tokens of its blocks -> [rows, heads, dim]."""
+        context_lens[row] tokens of its blocks -> [rows, heads, dim] (into
+        ``out`` where given: contiguous, query's shape and dtype)."""
         rows, heads, dim = query.shape
         block_size, kv_heads = key_cache.shape[1:3]
-        assert key_cache.is_contiguous() and value_cache.is_contiguous()
         query = query.contiguous()
         block_table = block_table.contiguous()
         context_lens = context_lens.contiguous()
         assert int(context_lens.max()) <= block_table.shape[1] * block_size
-        out = torch.empty_like(query)
+        out = torch.empty_like(query) if out is None else out
+        assert key_cache.is_contiguous() and value_cache.is_contiguous() and out.is_contiguous()
         self.calls += 1
         self._functions[query.dtype](
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -63,6 +67,32 @@ class DecodeAttentionKernel:
             scale, torch.get_num_threads(),
         )
         return out
+
+
+    def store(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Write key/value [tokens, kv_heads, dim] into their cache slots (int64
+        [tokens]), as index_copy_ would; False (nothing written) where the
+        tensors are not laid out as the kernel reads them."""
+        slots_in_cache = key_cache.shape[0] * key_cache.shape[1]
+        rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+                              for t in (key, value))
+        if not (rows_contiguous and key.dtype == key_cache.dtype == value.dtype
+                and key_cache.is_contiguous() and value_cache.is_contiguous()
+                and slots.dtype == torch.int64 and slots.is_contiguous()
+                and key.shape[1:] == key_cache.shape[2:] == value.shape[1:]
+                and key.shape[0] == value.shape[0] == slots.shape[0]):
+            return False
+        if slots.numel():
+            lowest, highest = torch.aminmax(slots)
+            if not 0 <= int(lowest) <= int(highest) < slots_in_cache:
+                raise IndexError(f"KV cache slots {int(lowest)}..{int(highest)} out of range "
+                                 f"[0, {slots_in_cache})")
+        size = key.element_size()
+        self._store(key.data_ptr(), value.data_ptr(), key.stride(0) * size,
+                    value.stride(0) * size, key_cache.data_ptr(), value_cache.data_ptr(),
+                    slots.data_ptr(), slots.shape[0], key[0].numel() * size)
+        return True
 
 
 def build(cache_dir: Path) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_accel.model import cpu_kernels
+from vllm_accel.model import cpu_kernels, ops
 
 SOURCE = Path(__file__).with_name("linear_kernel.cpp")
 BLOCK = 64  # output columns per packed block
@@ -89,16 +89,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 2, 1, 3).contiguous()
 
 
-@torch.library.custom_op("vllm_accel::blocked_linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           out_features: int) -> torch.Tensor:
-    """x [..., in] @ the packed weight (+ bias) -> [..., out_features]."""
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            out_features: int) -> torch.Tensor:
     assert _kernel is not None, "linear_kernel.enable() first"
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     bias = None if bias is None else bias.contiguous()
     return _kernel(rows, weight, bias, out_features).view(*x.shape[:-1], out_features)
 
 
-@linear.register_fake
-def _(x, weight, bias, out_features):
+def _linear_shape(x, weight, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+# linear(x [..., in], the packed weight, bias or None, out_features) -> [..., out_features]
+linear = ops.define("blocked_linear(Tensor x, Tensor weight, Tensor? bias, int out_features)"
+                    " -> Tensor", _linear, _linear_shape)

@@ -30,19 +30,18 @@ from fms.modules.head import LinearClassificationHead
 from torch import nn
 
 from vllm_accel import compat
-from vllm_accel.model import linear_kernel
+from vllm_accel.model import linear_kernel, ops
 
 
-@torch.library.custom_op("vllm_accel::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                  activation: str = "none", algorithm: str = "") -> torch.Tensor:
-    """``activation``/``algorithm``: a oneDNN post-op (see ``_activation_post_op``)."""
-    return compat.onednn_linear(x, packed_weight, bias, activation, algorithm)
-
-
-@packed_linear.register_fake
-def _(x, packed_weight, bias, activation="none", algorithm=""):
+def _packed_linear_shape(x, packed_weight, bias, activation="none", algorithm=""):
     return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))
+
+
+# packed_linear(x, oneDNN's packed weight, bias, activation, algorithm): a
+# oneDNN post-op (see ``_activation_post_op``).
+packed_linear = ops.define(
+    'packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, str activation="none", '
+    'str algorithm="") -> Tensor', compat.onednn_linear, _packed_linear_shape)
 
 
 def _activation_post_op(module: nn.Module) -> tuple[str, str] | None:

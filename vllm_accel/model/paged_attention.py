@@ -12,7 +12,8 @@ on the token bucket alone, while the op reads the per-step layout (slots, block
 tables, masks) from ``attention_context``. Per layer it
 
 1. writes the new keys/values into their slots (padding writes go to block 0,
-   which vLLM never hands to a request);
+   which vLLM never hands to a request; on the CPU by the decode kernel's
+   library, a copy per token row);
 2. attends: all decodes at once, over block tables padded to a context bucket
    (on the CPU with our kernel that reads the blocks in place, decode_kernel.py);
    each prefill chunk over its own context (a chunk that starts its prompt:
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from fms.modules.attention import register_attention_op
 
 from vllm_accel import compat
-from vllm_accel.model import span_attention
+from vllm_accel.model import ops, span_attention
 from vllm_accel.model.decode_kernel import DecodeAttentionKernel
 
 ATTN_NAME = "vllm_accel_paged"
@@ -147,13 +148,7 @@ def causal_context_mask(
     return visible.unsqueeze(1)
 
 
-# The op writes the step's keys/values into both caches: declared, so that a
-# compiler orders every read of a cache after the write (inductor then updates
-# the caches in place; it does not copy them).
-@torch.library.custom_op(
-    "vllm_accel::paged_attention", mutates_args=("key_cache", "value_cache")
-)
-def paged_attention(
+def _paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -165,20 +160,25 @@ def paged_attention(
     [1, tokens, heads, dim]; writes key/value into their cache slots."""
     md = _current
     assert md is not None, "paged_attention runs only inside attention_context()"
-    kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, key[0])
-    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0])
+    if _decode_kernel is None or not _decode_kernel.store(key[0], value[0], key_cache,
+                                                           value_cache, md.slot_mapping):
+        kv_heads, head_dim = key_cache.shape[-2:]
+        key_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, key[0])
+        value_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0])
 
-    out = query.new_zeros(query.shape)
     if md.sequences is not None:
+        out = query.new_zeros(query.shape)
         table = md.sequences
         compat.triton_paged_attention(
             query[0].contiguous(), key_cache, value_cache, out[0], table.query_start,
             table.seq_lens, table.block_table, scale)
         return out
+    # Every row is written below but the padding past the last chunk.
+    out = query.new_empty(query.shape)
+    out[0, max([md.num_decodes] + [chunk.end for chunk in md.prefills]):].zero_()
     if md.num_decodes:
-        out[0, : md.num_decodes] = _attend_decodes(query[0, : md.num_decodes], key_cache,
-                                                   value_cache, md, scale)
+        _attend_decodes(query[0, : md.num_decodes], key_cache, value_cache, md, scale,
+                        out[0, : md.num_decodes])
     by_kernel = span_attention.supported(query)
     for chunk in md.prefills:
         # One request's chunk: its tokens are the query rows of one sequence.
@@ -211,11 +211,12 @@ def paged_attention(
     return out
 
 
-def _attend_decodes(query, key_cache, value_cache, md, scale):
-    """query [rows, heads, dim], one decode token per row -> [rows, heads, dim]."""
+def _attend_decodes(query, key_cache, value_cache, md, scale, out):
+    """query [rows, heads, dim], one decode token per row -> out [rows, heads, dim]."""
     block_table, context_lens = md.decode_block_table, md.decode_context_lens
     if _decode_kernel is not None and _decode_kernel.supports(query, key_cache):
-        return _decode_kernel(query, key_cache, value_cache, block_table, context_lens, scale)
+        _decode_kernel(query, key_cache, value_cache, block_table, context_lens, scale, out)
+        return
     # PyTorch: the query heads that share a KV head are that row's queries (one
     # SDPA without repeating keys/values), over the gathered context.
     rows, heads, head_dim = query.shape
@@ -223,8 +224,9 @@ def _attend_decodes(query, key_cache, value_cache, md, scale):
     width = block_table.shape[1] * key_cache.shape[1]
     mask = torch.arange(width, device=context_lens.device)[None, :] < context_lens[:, None]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
-    out = _attend(grouped, key_cache, value_cache, block_table, mask[:, None, None, :], scale)
-    return out.reshape(rows, heads, head_dim)
+    attended = _attend(grouped, key_cache, value_cache, block_table, mask[:, None, None, :],
+                       scale)
+    out.copy_(attended.reshape(rows, heads, head_dim))
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -245,9 +247,16 @@ def _attend(query, key_cache, value_cache, block_table, mask, scale):
     )
 
 
-@paged_attention.register_fake
-def _paged_attention_fake(query, key, value, key_cache, value_cache, scale):
+def _paged_attention_shape(query, key, value, key_cache, value_cache, scale):
     return query.new_empty(query.shape)
+
+
+# The op writes the step's keys/values into both caches: declared (a!, b!), so
+# that a compiler orders every read of a cache after the write (inductor then
+# updates the caches in place; it does not copy them).
+paged_attention = ops.define(
+    "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
+    "Tensor(b!) value_cache, float scale) -> Tensor", _paged_attention, _paged_attention_shape)
 
 
 def _store(keys, values, key_cache, value_cache, **_):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from fms.modules import attention as fms_attention
 
 from vllm_accel.log import get_logger
-from vllm_accel.model import cpu_kernels
+from vllm_accel.model import cpu_kernels, ops
 
 logger = get_logger(__name__)
 
@@ -107,7 +107,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     (int32 [batch, tokens, 2], never empty), or without ranges to every key
     of its batch entry, or, causal, to keys 0..keys - tokens + r (the last
     ``tokens`` keys are the queries' own)."""
-    return torch.ops.vllm_accel.span_attention(q, k, v, ranges, scale, causal)
+    return _op(q, k, v, ranges, scale, causal)
 
 
 def reference(q, k, v, scale, ranges=None, causal=False):
@@ -132,7 +132,6 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 and t.stride(-2) == dim else t.contiguous()
 
 
-@torch.library.custom_op("vllm_accel::span_attention", mutates_args=())
 def _span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     ranges: torch.Tensor | None, scale: float,
                     causal: bool = False) -> torch.Tensor:
@@ -143,9 +142,12 @@ def _span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _kernel(q, k, v, ranges, scale, causal)
 
 
-@_span_attention.register_fake
-def _(q, k, v, ranges, scale, causal=False):
+def _span_attention_shape(q, k, v, ranges, scale, causal=False):
     return q.new_empty(q.shape)
+
+
+_op = ops.define("span_attention(Tensor q, Tensor k, Tensor v, Tensor? ranges, float scale, "
+                 "bool causal=False) -> Tensor", _span_attention, _span_attention_shape)
 
 
 # FMS towers (LlavaNext's SigLIP) pick their attention by name at each call.
