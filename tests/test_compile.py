@@ -187,6 +187,21 @@ def test_second_start_uses_the_compile_cache(compiled, tiny_models, cache_dir, w
           f"(warmup {float(match.group(1)):.1f} s)")
 
 
+def test_compiled_graphs_are_kept_per_op_schemas(compiled, cache_dir, monkeypatch):
+    """Graphs call our ops by their schemas, which inductor's cache does not
+    key on: the engine's graphs live in a folder named by them, and another
+    schema names another folder (an old graph is not loaded to call an op
+    whose arguments changed)."""
+    from vllm_accel.model import ops
+
+    graphs = model_runner(compiled[0]).compile_stats.cache_dir
+    assert graphs == cache_dir / "inductor" / f"ops-{ops.fingerprint()}"
+    assert any(graphs.rglob("*.py")), "the engine cached no graph there"
+    before = ops.fingerprint()
+    monkeypatch.setattr(ops, "_schemas", [*ops._schemas[:-1], ops._schemas[-1] + " "])
+    assert ops.fingerprint() != before
+
+
 def test_step_beyond_every_bucket_runs_as_several_forwards(tiny_models, cache_dir):
     config = accel_config(cache_dir, token_buckets="1,4,16")
     with running_llm(tiny_models["llama"], additional_config=config, **ENGINE) as llm:

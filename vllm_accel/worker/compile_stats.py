@@ -12,6 +12,7 @@ from pathlib import Path
 
 from vllm_accel.compat import dynamo_graph_count, inductor_cache_counts, last_compiled_functions
 from vllm_accel.log import get_logger
+from vllm_accel.model import ops
 
 logger = get_logger(__name__)
 
@@ -36,8 +37,9 @@ class CompileStats:
 
     def configure(self, cache_dir: Path) -> None:
         """Persist this engine's compiled graphs under cache_dir (inductor
-        uses it while the engine's model runs: patches.inductor_cache_dir)."""
-        self.cache_dir = cache_dir / "inductor"
+        uses it while the engine's model runs: patches.inductor_cache_dir), in
+        a folder of our ops' schemas (graphs call them: see ops.py)."""
+        self.cache_dir = cache_dir / "inductor" / f"ops-{ops.fingerprint()}"
         logger.info("vllm_accel compile cache: %s", self.cache_dir)
 
     def finish_warmup(self) -> None:
