@@ -433,8 +433,8 @@ DECODE_ATTENTION(f16, _Float16, void)
 
 // A step's new keys and values into their cache slots: token t's row
 // (kv_heads x dim, `row_bytes`; strides in bytes, rows may be spaced as in a
-// fused qkv) to slot slots[t] of each cache. torch's index_copy_ took ~46 us a
-// layer's call on average (~230 us for a 512-token prompt chunk in bfloat16).
+// fused qkv) to slot slots[t] of each cache. Two index_copy_ took 15.4 us for
+// 48 tokens and 76 us for 512 (bfloat16, ~128M Llama's rows); this 7.8 and 31.
 extern "C" void store_kv(const char* key, const char* value, int64_t key_stride,
                          int64_t value_stride, char* key_cache, char* value_cache,
                          const int64_t* slots, int64_t tokens, int64_t row_bytes) {

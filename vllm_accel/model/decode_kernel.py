@@ -68,7 +68,6 @@ class DecodeAttentionKernel:
         )
         return out
 
-
     def store(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
               value_cache: torch.Tensor, slots: torch.Tensor) -> bool:
         """Write key/value [tokens, kv_heads, dim] into their cache slots (int64
