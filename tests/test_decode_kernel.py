@@ -135,7 +135,8 @@ def test_kernel_supports_cpu_float_caches_only(tmp_path):
 def test_store_writes_what_index_copy_writes(tmp_path):
     """The kernel library's KV store: rows spaced as in a fused qkv (both
     dtypes), the same caches as index_copy_; a layout it does not read is
-    left to index_copy_ (False), a slot past the cache refused."""
+    left to index_copy_ (False), a slot past the cache refused with nothing
+    written."""
     kernel = decode_kernel.load(tmp_path)
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
@@ -150,5 +151,7 @@ def test_store_writes_what_index_copy_writes(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(caches, expected))
         assert not kernel.store(key.transpose(1, 2), value, *caches, slots)  # dims spaced
         assert not kernel.store(key, value, *caches, slots.int())
-        with pytest.raises(IndexError, match="out of range"):
-            kernel.store(key, value, *caches, torch.tensor([7, 0, 24, 12, 1]))
+        for bad in (24, -1):
+            with pytest.raises(IndexError, match=f"slot {bad} .token 2. out of range"):
+                kernel.store(2 * key, value, *caches, torch.tensor([7, 0, bad, 12, 1]))
+            assert all(torch.equal(a, b) for a, b in zip(caches, expected))

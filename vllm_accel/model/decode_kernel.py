@@ -37,8 +37,8 @@ class DecodeAttentionKernel:
             function.argtypes = [_PTR] * 6 + [_I64] * 6 + [_F32, _INT]
         self.calls = 0  # one per layer of each forward with decodes (tests count them)
         self._store = loaded.store_kv
-        self._store.restype = None
-        self._store.argtypes = [_PTR] * 2 + [_I64] * 2 + [_PTR] * 3 + [_I64] * 2
+        self._store.restype = _I64
+        self._store.argtypes = [_PTR] * 2 + [_I64] * 2 + [_PTR] * 3 + [_I64] * 3
 
     @staticmethod
     def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -71,9 +71,9 @@ class DecodeAttentionKernel:
     def store(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
               value_cache: torch.Tensor, slots: torch.Tensor) -> bool:
         """Write key/value [tokens, kv_heads, dim] into their cache slots (int64
-        [tokens]), as index_copy_ would; False (nothing written) where the
-        tensors are not laid out as the kernel reads them."""
-        slots_in_cache = key_cache.shape[0] * key_cache.shape[1]
+        [tokens]), as index_copy_ would (a slot outside the cache: IndexError,
+        nothing written); False (nothing written) where the tensors are not
+        laid out as the kernel reads them."""
         rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
                               for t in (key, value))
         if not (rows_contiguous and key.dtype == key_cache.dtype == value.dtype
@@ -82,15 +82,14 @@ class DecodeAttentionKernel:
                 and key.shape[1:] == key_cache.shape[2:] == value.shape[1:]
                 and key.shape[0] == value.shape[0] == slots.shape[0]):
             return False
-        if slots.numel():
-            lowest, highest = torch.aminmax(slots)
-            if not 0 <= int(lowest) <= int(highest) < slots_in_cache:
-                raise IndexError(f"KV cache slots {int(lowest)}..{int(highest)} out of range "
-                                 f"[0, {slots_in_cache})")
-        size = key.element_size()
-        self._store(key.data_ptr(), value.data_ptr(), key.stride(0) * size,
-                    value.stride(0) * size, key_cache.data_ptr(), value_cache.data_ptr(),
-                    slots.data_ptr(), slots.shape[0], key[0].numel() * size)
+        size, cache_slots = key.element_size(), key_cache.shape[0] * key_cache.shape[1]
+        bad = self._store(key.data_ptr(), value.data_ptr(), key.stride(0) * size,
+                          value.stride(0) * size, key_cache.data_ptr(), value_cache.data_ptr(),
+                          slots.data_ptr(), slots.shape[0], key.shape[1] * key.shape[2] * size,
+                          cache_slots)
+        if bad >= 0:
+            raise IndexError(f"KV cache slot {int(slots[bad])} (token {bad}) out of range "
+                             f"[0, {cache_slots})")
         return True
 
 
