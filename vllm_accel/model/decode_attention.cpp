@@ -18,7 +18,7 @@
 //   bfloat16 with a head size that is a multiple of 32 multiplies pairs of
 //   bfloat16 (vdpbf16ps: products exact, sums float32), others widen to
 //   float32 first;
-// - softmax: 16 scores at a time, a polynomial exp;
+// - softmax: 16 scores at a time, a polynomial exp (base 2);
 // - values: each token's value row is widened once and added into the
 //   outputs of up to 16 vectors' worth of heads held in registers;
 // - memory: the next block's lines (after the keys' last block the values'
@@ -340,17 +340,18 @@ void decode_attention_avx512(const DecodeArgs<typename T::E>& a) {
         }
       }
       // Softmax of each head's scores (times scale), unnormalised; 1/sum later.
-      const __m512 scale = _mm512_set1_ps(a.scale);
+      const float scale2 = a.scale * kLog2E;  // exp(x) = 2^(x log2 e)
+      const __m512 scale = _mm512_set1_ps(scale2);
       for (int64_t h = 0; h < heads; ++h) {
         float* s = scores.data() + h * len_pad;
         __m512 max = _mm512_set1_ps(-INFINITY);
         for (int64_t t = 0; t < len; t += 16)
           max = _mm512_mask_max_ps(max, first_lanes(len - t), max, _mm512_loadu_ps(s + t));
-        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(max) * a.scale);
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(max) * scale2);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t += 16) {
           const __m512 p = _mm512_maskz_mov_ps(
-              first_lanes(len - t), exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), scale, shift)));
+              first_lanes(len - t), exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), scale, shift)));
           _mm512_storeu_ps(s + t, p);
           sum = _mm512_add_ps(sum, p);
         }

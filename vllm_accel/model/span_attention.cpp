@@ -11,12 +11,13 @@
 //
 // PyTorch's CPU flash kernel runs the vision towers' attention at ~160
 // GFLOP/s on an AMD EPYC whose matmuls run at ~1,000; here bfloat16 runs at
-// 500-620. Per (batch entry, KV head) the keys are packed once in groups of P
-// along the head dimension and the values in groups of P along tokens (P = 2
+// 640-690. Per (batch entry, KV head) the keys are packed once in groups of P
+// along the head dimension, a score block's 32 keys contiguous (gathered 16
+// tokens at a time), and the values in groups of P along tokens (P = 2
 // for bfloat16: the pairs vdpbf16ps reads, 16 float32 sums of two products
 // each; P = 1 for float32, plain FMAs). Each block of query rows then computes
-// its scores (float32), their softmax (float32, a polynomial exp), and the
-// weighted values; bfloat16 rounds the probabilities to bfloat16 first, as
+// its scores (float32), their softmax (float32, a polynomial exp in base 2),
+// and the weighted values; bfloat16 rounds the probabilities to bfloat16 first, as
 // PyTorch's flash kernel does. Key blocks outside every row's span are skipped
 // (a causal prompt does half the work).
 //
@@ -84,27 +85,60 @@ struct BFloat16 {
 };
 #endif
 
-// keys [n][dim] (token stride ks) -> [dim/P][n_pad][P], zeros past n
+// keys [n][dim] (token stride ks) -> [n_pad/kKeys][dim/P][kKeys][P], zeros
+// past n: a score block's keys are contiguous. A key's P elements (a float32
+// or a pair of bfloat16) are one 32-bit lane: 16 tokens' lane p are gathered
+// into one vector.
 template <typename T>
 void pack_keys(const typename T::E* k, int64_t ks, int64_t n, int64_t n_pad, int64_t dim,
                typename T::E* out) {
   constexpr int P = T::P;
-  for (int64_t p = 0; p < dim / P; ++p)
-    for (int64_t j = 0; j < n_pad; ++j)
-      for (int e = 0; e < P; ++e) out[(p * n_pad + j) * P + e] = j < n ? k[j * ks + P * p + e] : 0;
+  const int64_t lanes = dim / P;
+  const __m512i rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(ks * sizeof(typename T::E))));
+  auto* packed = reinterpret_cast<int32_t*>(out);
+  for (int64_t j0 = 0; j0 < n_pad; j0 += kKeys)
+    for (int64_t p = 0; p < lanes; ++p)
+      for (int64_t j = j0; j < j0 + kKeys; j += 16, packed += 16) {
+        const __mmask16 valid = j + 16 <= n ? 0xffff
+                                : j >= n   ? 0
+                                           : static_cast<__mmask16>((1u << (n - j)) - 1);
+        const auto* first = reinterpret_cast<const char*>(k + j * ks + p * P);
+        _mm512_storeu_si512(packed, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid,
+                                                                rows, first, 1));
+      }
 }
 
-// values [n][dim] -> [n_pad/P][dim_pad][P], zeros past n and dim
+// values [n][dim] -> [n_pad/P][dim_pad][P], zeros past n and dim (bfloat16:
+// two tokens' rows interleaved element by element)
 template <typename T>
 void pack_values(const typename T::E* v, int64_t vs, int64_t n, int64_t n_pad, int64_t dim,
                  int64_t dim_pad, typename T::E* out) {
+  using E = typename T::E;
   constexpr int P = T::P;
-  for (int64_t p = 0; p < n_pad / P; ++p)
-    for (int64_t d = 0; d < dim_pad; ++d)
-      for (int e = 0; e < P; ++e) {
-        const int64_t j = P * p + e;
-        out[(p * dim_pad + d) * P + e] = (j < n && d < dim) ? v[j * vs + d] : 0;
+  for (int64_t p = 0; p < n_pad / P; ++p) {
+    E* group = out + p * dim_pad * P;
+    if constexpr (P == 1) {
+      const int64_t copied = p < n ? dim : 0;
+      if (copied) std::memcpy(group, v + p * vs, dim * sizeof(E));
+      std::memset(group + copied, 0, (dim_pad - copied) * sizeof(E));
+    } else {
+      // out[2d] = a[d], out[2d + 1] = b[d]: 16 of each per vector (vpermt2w)
+      const __m512i low = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004,
+                                            0x250005, 0x260006, 0x270007, 0x280008, 0x290009,
+                                            0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d, 0x2e000e,
+                                            0x2f000f);
+      const E* a = 2 * p < n ? v + 2 * p * vs : nullptr;
+      const E* b = 2 * p + 1 < n ? v + (2 * p + 1) * vs : nullptr;
+      for (int64_t d = 0; d < dim_pad; d += 16) {
+        const __mmask32 m = d + 16 <= dim ? 0xffff : d >= dim ? 0 : (1u << (dim - d)) - 1;
+        const __m512i ra = a ? _mm512_maskz_loadu_epi16(m, a + d) : _mm512_setzero_si512();
+        const __m512i rb = b ? _mm512_maskz_loadu_epi16(m, b + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(group + 2 * d, _mm512_permutex2var_epi16(ra, low, rb));
       }
+    }
+  }
 }
 
 // scores[r][j] = q[r] . key[j] for kRows rows and keys lo..hi (multiples of kKeys)
@@ -116,7 +150,7 @@ __attribute__((noinline)) void score_block(const typename T::E* q, int64_t qs, i
     __m512 acc[kRows][2];
     for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < dim / P; ++p) {
-      const typename T::E* b = keys + (p * n_pad + j) * P;
+      const typename T::E* b = keys + j * dim + p * kKeys * P;
       const typename T::Vec b0 = T::load(b), b1 = T::load(b + 16 * P);
       for (int r = 0; r < kRows; ++r) {
         const typename T::Vec a = T::broadcast(q + std::min(r, rows - 1) * qs + P * p);
@@ -167,18 +201,22 @@ __attribute__((noinline)) float softmax_row(const float* s, int64_t lo, int64_t 
     const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j)));
     return _mm512_cmpge_epi32_mask(index, begin) & _mm512_cmplt_epi32_mask(index, end);
   };
+  auto lanes = [&](int64_t j) -> __mmask16 {  // only a span's edges need comparing
+    return j >= first && j + 16 <= last ? 0xffff : in_range(j);
+  };
   __m512 max = _mm512_set1_ps(-INFINITY);
   for (int64_t j = lo; j < hi; j += 16)
-    max = _mm512_mask_max_ps(max, in_range(j), max, _mm512_loadu_ps(s + j));
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(max) * scale);
-  const __m512 scales = _mm512_set1_ps(scale);
+    max = _mm512_mask_max_ps(max, lanes(j), max, _mm512_loadu_ps(s + j));
+  const float scale2 = scale * kLog2E;  // exp(x) = 2^(x log2 e)
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(max) * scale2);
+  const __m512 scales = _mm512_set1_ps(scale2);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = lo; j < hi; j += 32) {
     const __m512 low = _mm512_maskz_mov_ps(
-        in_range(j), exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), scales, shift)));
+        lanes(j), exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), scales, shift)));
     const __m512 high = _mm512_maskz_mov_ps(
-        in_range(j + 16),
-        exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), scales, shift)));
+        lanes(j + 16),
+        exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), scales, shift)));
     sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
     T::store32(p + j, low, high);
   }
