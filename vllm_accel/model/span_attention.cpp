@@ -243,6 +243,7 @@ int span_attention(const typename T::E* q, const typename T::E* k, const typenam
   const int64_t n_pad = round_up(n_keys, kKeys), dim_pad = round_up(dim, 16);
   if (dim % P || dim_pad > 128) return 1;
   if (kv_heads < 1 || heads % kv_heads || n_keys < (causal ? n : 1)) return 3;
+  if (15 * k_token_stride * static_cast<int64_t>(sizeof(E)) > INT32_MAX) return 4;  // gathers' offsets
   const ValueBlock<T> values = kValueBlocks<T>[dim_pad / 16];
   const int64_t out_row = heads * dim, pairs = batch * heads, group = heads / kv_heads;
   const int64_t key_size = dim * n_pad, value_size = n_pad * dim_pad;
@@ -301,7 +302,8 @@ int span_attention(const typename T::E* q, const typename T::E* k, const typenam
 // Each returns 0, or 1 when the head size is above 128 (or odd, bfloat16;
 // callers check first), 2 when built without the instructions it needs
 // (AVX-512; bfloat16 also AVX-512 BF16), 3 when heads is not a multiple of
-// kv_heads or there are fewer keys than causal rows need.
+// kv_heads or there are fewer keys than causal rows need, 4 when a key's
+// token stride is too long for the packing's 32-bit gather offsets (> 2 GB / 15).
 #define SPAN_ATTENTION_ARGS(E)                                                                \
   const E *q, const E *k, const E *v, E *out, int64_t q_batch_stride, int64_t q_token_stride, \
       int64_t k_batch_stride, int64_t k_token_stride, int64_t v_batch_stride,                 \
