@@ -11,7 +11,7 @@
 //
 // PyTorch's CPU flash kernel runs the vision towers' attention at ~160
 // GFLOP/s on an AMD EPYC whose matmuls run at ~1,000; here bfloat16 runs at
-// 640-690. Per (batch entry, KV head) the keys are packed once in groups of P
+// 630-690. Per (batch entry, KV head) the keys are packed once in groups of P
 // along the head dimension, a score block's 32 keys contiguous (gathered 16
 // tokens at a time), and the values in groups of P along tokens (P = 2
 // for bfloat16: the pairs vdpbf16ps reads, 16 float32 sums of two products
