@@ -155,3 +155,23 @@ def test_store_writes_what_index_copy_writes(tmp_path):
             with pytest.raises(IndexError, match=f"slot {bad} .token 2. out of range"):
                 kernel.store(2 * key, value, *caches, torch.tensor([7, 0, bad, 12, 1]))
             assert all(torch.equal(a, b) for a, b in zip(caches, expected))
+
+
+def test_kernel_refuses_a_context_past_its_block_table(tmp_path):
+    """A context longer than its row of the block table would read blocks
+    the table does not name: the kernel refuses it (the first such row) and
+    computes nothing, for each dtype it reads."""
+    kernel = decode_kernel.load(tmp_path)
+    for dtype in (torch.float32, torch.bfloat16):
+        query, _, caches, metadata = _decode_step(4, 2, 64, context_lens=[5, 12, 3], width=3,
+                                                  dtype=dtype)
+        lens = metadata.decode_context_lens.clone()
+        lens[1] = 3 * BLOCK + 1  # one token past its 3 blocks
+        out = torch.full_like(query[0], 7.0)
+        with pytest.raises(IndexError, match="decode row 1: context of 13 tokens, its block "
+                                             "table holds 12"):
+            kernel(query[0], *caches, metadata.decode_block_table, lens, 0.125, out)
+        assert torch.equal(out, torch.full_like(out, 7.0))
+        lens[1] = 3 * BLOCK  # exactly full: runs
+        kernel(query[0], *caches, metadata.decode_block_table, lens, 0.125, out)
+        assert not torch.equal(out, torch.full_like(out, 7.0))

@@ -12,6 +12,7 @@ import torch
 from vllm_accel.model import decode_kernel
 from vllm_accel.model.paged_attention import (
     PagedAttentionMetadata,
+    PrefillChunk,
     attention_context,
     paged_attention,
 )
@@ -69,13 +70,19 @@ def test_compiled_reads_after_the_op_see_its_writes(by_kernel, tmp_path):
     torch.testing.assert_close(v_c, v_e)
 
 
-def test_padding_rows_are_zero(tmp_path, monkeypatch):
+@pytest.mark.parametrize("with_prompt", [False, True], ids=["decodes", "decodes+prompt"])
+def test_padding_rows_are_zero(with_prompt, tmp_path, monkeypatch):
     """Rows past the step's decodes and chunks (a token bucket's padding) come
-    out zero, not uninitialized memory (filled with NaN here)."""
+    out zero, not uninitialized memory (filled with NaN here); a prompt's
+    chunk after the decodes moves where the padding starts."""
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
     query, key, value, metadata = _step()
-    pad = lambda t: torch.cat([t, torch.ones_like(t)], dim=1)  # 2 more tokens
-    metadata.slot_mapping = torch.tensor([5, 9, 0, 0])
+    pad = lambda t: torch.cat([t, torch.ones_like(t), torch.ones_like(t)], dim=1)  # 4 more
+    metadata.slot_mapping = torch.tensor([5, 9, 13, 14, 0, 0])
+    if with_prompt:  # tokens 2-3: a prompt's first two tokens
+        metadata.prefills = [PrefillChunk(start=2, end=4)]
+    filled = 4 if with_prompt else 2
+    assert metadata.tokens == filled
     caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
     with torch.inference_mode(), attention_context(metadata, decode_kernel.load(tmp_path)):
         torch.use_deterministic_algorithms(True)
@@ -83,14 +90,15 @@ def test_padding_rows_are_zero(tmp_path, monkeypatch):
             out = paged_attention(pad(query), pad(key), pad(value), *caches, 0.25)
         finally:
             torch.use_deterministic_algorithms(False)
-    assert out.shape == (1, 4, HEADS, DIM) and out[0, :2].abs().sum() > 0
-    assert torch.equal(out[0, 2:], torch.zeros_like(out[0, 2:]))
+    assert out.shape == (1, 6, HEADS, DIM) and out[0, :filled].isfinite().all()
+    assert out[0, :filled].abs().sum() > 0
+    assert torch.equal(out[0, filled:], torch.zeros_like(out[0, filled:]))
 
 
 def test_a_prompt_start_attends_causally_to_its_own_keys():
     """A chunk with no earlier context (no block table: SDPA's causal path on
     the new keys) gives what attending over its blocks in the cache gives."""
-    from vllm_accel.model.paged_attention import PrefillChunk, causal_context_mask
+    from vllm_accel.model.paged_attention import causal_context_mask
 
     g = torch.Generator().manual_seed(1)
     tokens = 6  # positions 0..5 in blocks 1 and 2 (slots 4..9)

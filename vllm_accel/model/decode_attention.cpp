@@ -396,7 +396,7 @@ void (*avx512_kernel(int64_t dim))(const DecodeArgs<typename T::E>&) {
 
 // Vec: the AVX-512 element type, void for none (float16, or no AVX-512).
 template <typename Vec, typename E>
-static void decode_attention(const DecodeArgs<E>& args) {
+static void run_decode_attention(const DecodeArgs<E>& args) {
 #ifdef __AVX512F__
   if constexpr (!std::is_void_v<Vec>) {
     if (auto kernel = avx512_kernel<Vec>(args.dim)) return kernel(args);
@@ -412,6 +412,17 @@ static void decode_attention(const DecodeArgs<E>& args) {
   }
 }
 
+// Returns -1, or (nothing computed) the first row whose context is longer
+// than its block-table row holds: checked here once per call, not on the host
+// (a reduction and a host read per layer).
+template <typename Vec, typename E>
+static int64_t decode_attention(const DecodeArgs<E>& args) {
+  for (int64_t r = 0; r < args.rows; ++r)
+    if (args.context_lens[r] > args.width * args.block_size) return r;
+  run_decode_attention<Vec>(args);
+  return -1;
+}
+
 #ifdef __AVX512F__
 #define VEC(type) type
 #else
@@ -419,12 +430,12 @@ static void decode_attention(const DecodeArgs<E>& args) {
 #endif
 
 #define DECODE_ATTENTION(suffix, E, Vec)                                                 \
-  extern "C" void decode_attention_##suffix(                                           \
+  extern "C" int64_t decode_attention_##suffix(                                        \
       const E* query, const E* key_cache, const E* value_cache,                        \
       const int64_t* block_table, const int64_t* context_lens, E* out, int64_t rows,   \
       int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t width, \
       float scale, int num_threads) {                                                  \
-    decode_attention<Vec>(DecodeArgs<E>{query, key_cache, value_cache, block_table,     \
+    return decode_attention<Vec>(DecodeArgs<E>{query, key_cache, value_cache, block_table, \
                                         context_lens, out, rows, heads, kv_heads, dim,  \
                                         block_size, width, scale, num_threads});        \
   }

@@ -33,7 +33,7 @@ class DecodeAttentionKernel:
         loaded = ctypes.CDLL(str(library))
         self._functions = {dtype: getattr(loaded, name) for dtype, name in _ENTRY_POINTS.items()}
         for function in self._functions.values():
-            function.restype = None
+            function.restype = _I64  # -1, or the first row whose context overflows its table
             function.argtypes = [_PTR] * 6 + [_I64] * 6 + [_F32, _INT]
         self.calls = 0  # one per layer of each forward with decodes (tests count them)
         self._store = loaded.store_kv
@@ -50,22 +50,25 @@ class DecodeAttentionKernel:
                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """query [rows, heads, dim], one token per row attending over the first
         context_lens[row] tokens of its blocks -> [rows, heads, dim] (into
-        ``out`` where given: contiguous, query's shape and dtype)."""
+        ``out`` where given: contiguous, query's shape and dtype). A context
+        longer than its block-table row: IndexError, nothing computed."""
         rows, heads, dim = query.shape
         block_size, kv_heads = key_cache.shape[1:3]
         query = query.contiguous()
         block_table = block_table.contiguous()
         context_lens = context_lens.contiguous()
-        assert int(context_lens.max()) <= block_table.shape[1] * block_size
         out = torch.empty_like(query) if out is None else out
         assert key_cache.is_contiguous() and value_cache.is_contiguous() and out.is_contiguous()
         self.calls += 1
-        self._functions[query.dtype](
+        bad = self._functions[query.dtype](
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_table.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
             rows, heads, kv_heads, dim, block_size, block_table.shape[1],
             scale, torch.get_num_threads(),
         )
+        if bad >= 0:
+            raise IndexError(f"decode row {bad}: context of {int(context_lens[bad])} tokens, "
+                             f"its block table holds {block_table.shape[1] * block_size}")
         return out
 
     def store(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -94,6 +94,12 @@ class PagedAttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     sequences: SequenceTable | None = None
 
+    @property
+    def tokens(self) -> int:
+        """Tokens the step fills (decodes, then chunks in packed order); the
+        rows past them are the token bucket's padding."""
+        return self.prefills[-1].end if self.prefills else self.num_decodes
+
     def to(self, device: torch.device) -> PagedAttentionMetadata:
         """The same layout with its tensors on ``device`` (built on the host;
         a GPU's attention reads them there: no host round trip per layer)."""
@@ -173,9 +179,9 @@ def _paged_attention(
             query[0].contiguous(), key_cache, value_cache, out[0], table.query_start,
             table.seq_lens, table.block_table, scale)
         return out
-    # Every row is written below but the padding past the last chunk.
+    # Every row is written below but the padding.
     out = query.new_empty(query.shape)
-    out[0, max([md.num_decodes] + [chunk.end for chunk in md.prefills]):].zero_()
+    out[0, md.tokens:].zero_()
     if md.num_decodes:
         _attend_decodes(query[0, : md.num_decodes], key_cache, value_cache, md, scale,
                         out[0, : md.num_decodes])
