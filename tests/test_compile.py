@@ -118,6 +118,8 @@ def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
     runner = model_runner(llm)
     model_dir = tiny_models["llama"]
     graphs_before = runner.compile_stats.graphs_compiled
+    layer_forwards = [layer.forward for layer in runner.model.fms_model.base_model.layers]
+    guarded_before = [forward.guarded_calls for forward in layer_forwards]
     assert runner.decode_kernel is not None, "the cpu decode kernel did not build"
     kernel_calls_before = runner.decode_kernel.calls
 
@@ -161,6 +163,8 @@ def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
 
     assert runner.compile_stats.runtime_compiles == 0
     assert runner.compile_stats.graphs_compiled == graphs_before
+    # Warmup made every kind of layer call once: serving checks no dynamo guards.
+    assert [forward.guarded_calls for forward in layer_forwards] == guarded_before
     # Decodes went through the CPU decode-attention kernel (not the PyTorch path).
     assert runner.decode_kernel.calls > kernel_calls_before
 
@@ -257,3 +261,38 @@ def test_precompile_fills_a_cache_a_server_starts_from(tiny_models, tmp_path):
     config["accel"]["compile_cache_dir"] = str(cache)
     with running_llm(tiny_models["llama"], additional_config=config, **ENGINE) as llm:
         assert model_runner(llm).compile_stats.cache_hits == (2, 0)
+
+
+class Scaled(torch.nn.Module):
+    """A layer whose graph depends on an attribute and an argument (dynamo
+    bakes ints in)."""
+
+    def __init__(self, factor: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+        self.factor = factor
+
+    def forward(self, x, *, shift=0.0):
+        return (x @ self.weight) * self.factor + shift
+
+
+def test_each_layer_runs_its_graph_without_guards_once_it_has_seen_a_kind_of_call():
+    """compile.LayerForward: the first call of a kind (shapes, strides, dtypes,
+    other arguments' values) goes through dynamo, later ones straight to the
+    graph dynamo picked for that layer, which computes what eager does."""
+    from vllm_accel.model.compile import compile_shared_forward
+
+    layers = [Scaled(2), Scaled(2), Scaled(3)]
+    compile_shared_forward(layers, "eager", num_shapes=4)
+    x = torch.randn(5, 4)
+    kinds = [((x,), {}), ((torch.randn(6, 4),), {}), ((torch.randn(4, 5).t(),), {}),
+             ((x,), {"shift": 1}), ((x,), {"shift": 2}), ((x.double(),), {})]
+    with torch.no_grad():
+        for seen, (args, kwargs) in enumerate(kinds, start=1):
+            for _ in range(3):
+                for layer in layers:
+                    if args[0].dtype == torch.float64:
+                        layer.double()
+                    got = layer(*args, **kwargs)
+                    assert torch.equal(got, Scaled.forward(layer, *args, **kwargs))
+            assert [layer.forward.guarded_calls for layer in layers] == [seen] * 3

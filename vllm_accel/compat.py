@@ -137,6 +137,19 @@ def dynamo_graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def dynamo_code_for(function, frame_locals: dict):
+    """The code dynamo runs for a call of ``function`` with these arguments
+    (``frame_locals``: parameter name -> value): that of its first cached
+    graph whose guards pass, or None. Dynamo keeps the code it rewrote, which
+    feeds the frame's tensors to the graph, in the original code's cache."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    for entry in _debug_get_cache_entry_list(function.__code__):
+        if entry.guard_manager.check(frame_locals):
+            return entry.code
+    return None
+
+
 def inductor_cache_counts() -> tuple[int, int]:
     """Inductor FX-graph cache (hits, misses) in this process so far."""
     from torch._dynamo.utils import counters
