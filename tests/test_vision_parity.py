@@ -105,6 +105,11 @@ def test_compiled_serving_never_recompiles_across_image_sizes(arch, model_dir, c
             assert runner.vision_encoder.buckets == arch.vision_buckets
         stats = runner.compile_stats
         assert stats.warmup_graphs == arch.warmup_graphs
+        layers = [*runner.model.fms_model.base_model.layers,
+                  *runner.vision_encoder.adapter.vision_compile_units()]
+        guarded = [layer.forward.guarded_calls for layer in layers]
         got = vision_greedy(compiled, cases, MAX_TOKENS)
         assert stats.runtime_compiles == 0
+        # Warmup made every kind of layer call: serving checks no dynamo guards.
+        assert [layer.forward.guarded_calls for layer in layers] == guarded
     assert got == expected

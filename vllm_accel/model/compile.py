@@ -6,7 +6,7 @@ compile time that does not grow with depth. Shapes are static (one graph per
 bucket), as on a real accelerator.
 
 A call through torch.compile first checks dynamo's guards, for an FMS layer a
-tree of a few hundred checks over its submodules: with dynamo's entry, 60-90
+tree of a few hundred checks over its submodules: with dynamo's entry, 60-110
 us a layer call, ~3 % of a ~90M bfloat16 batch. So each layer runs the
 graph dynamo chose for a kind of call (its arguments' shapes, strides and
 dtypes; other arguments' values) directly from the second such call on.
@@ -25,16 +25,19 @@ from vllm_accel.compat import dynamo_code_for
 from vllm_accel.patches import raise_recompile_limit
 
 
+def _with_code(function, code: types.CodeType):
+    """``function`` running ``code`` instead of its own."""
+    copy = types.FunctionType(code, function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__  # keyword-only defaults (FMS blocks have some)
+    return copy
+
+
 def _own_copy(function):
     """A copy of ``function`` with its own code object. Dynamo keeps compiled
     graphs per code object, process-wide; a copy makes each engine own (and
     count) its graphs instead of silently reusing another engine's."""
-    copy = types.FunctionType(
-        function.__code__.replace(), function.__globals__, function.__name__,
-        function.__defaults__, function.__closure__,
-    )
-    copy.__kwdefaults__ = function.__kwdefaults__  # keyword-only defaults (FMS blocks have some)
-    return copy
+    return _with_code(function, function.__code__.replace())
 
 
 def compile_shared_forward(layers: list[nn.Module], backend: str, num_shapes: int) -> None:
@@ -54,13 +57,12 @@ class LayerForward:
     it compiles one); later calls of that kind run the code dynamo ran then:
     the same graph, without the guards. What a kind leaves out is what does
     not change while an engine serves: the layer's own attributes and weights'
-    shapes, and global state other than grad mode."""
+    shapes, and global state other than grad and inference mode."""
 
     def __init__(self, layer: nn.Module, function: Callable, compiled: Callable):
         self._layer = layer
         self._function = function
         self._compiled = compiled
-        self._signature = inspect.signature(function)
         self._direct: dict[tuple, Callable] = {}
         self.guarded_calls = 0  # calls that went through dynamo (tests count them)
 
@@ -78,16 +80,10 @@ class LayerForward:
         return outputs
 
     def _code_dynamo_ran(self, args, kwargs) -> Callable | None:
-        bound = self._signature.bind(self._layer, *args, **kwargs)
+        bound = inspect.signature(self._function).bind(self._layer, *args, **kwargs)
         bound.apply_defaults()
         code = dynamo_code_for(self._function, dict(bound.arguments))
-        if code is None:
-            return None
-        original = self._function
-        direct = types.FunctionType(code, original.__globals__, original.__name__,
-                                    original.__defaults__, original.__closure__)
-        direct.__kwdefaults__ = original.__kwdefaults__
-        return direct
+        return None if code is None else _with_code(self._function, code)
 
 
 class _Unknown(Exception):
