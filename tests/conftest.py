@@ -25,3 +25,20 @@ from vllm_accel.testing.fixtures import SUPPORTED_ARCHS, make_tiny_model  # noqa
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_model(arch, root / arch) for arch in SUPPORTED_ARCHS}
+
+
+@pytest.fixture
+def with_bfloat16(monkeypatch):
+    """``with_bfloat16(kernel)``: our linear or span-attention kernel runs
+    bfloat16 for this test wherever its build does, AMX or not. The engine
+    leaves bfloat16 to torch on a CPU with AMX (cpu_kernels.py), but the
+    kernel's bfloat16 still serves every other AVX-512 BF16 CPU, so it is
+    tested there too. Skips where the build runs no bfloat16."""
+    import torch
+
+    def on(kernel):
+        if kernel is None or torch.bfloat16 not in kernel.runs:
+            pytest.skip("the kernel's bfloat16 needs AVX-512 BF16")
+        monkeypatch.setattr(kernel, "dtypes", kernel.dtypes | {torch.bfloat16})
+        return kernel
+    return on

@@ -3,16 +3,14 @@ the op the packed linear layers call, and which layers run by it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
-from vllm_accel.model import linear_kernel
+from vllm_accel.model import cpu_kernels, linear_kernel, span_attention
 from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
 
-CPU_FLAGS = Path("/proc/cpuinfo").read_text()
+CPU_FLAGS = cpu_kernels.cpu_flags() or set()
 pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS, reason="the kernel needs AVX-512")
 DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     "avx512_bf16" not in CPU_FLAGS, reason="bfloat16 needs AVX-512 BF16")), torch.float32]
@@ -20,10 +18,12 @@ DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 
 @pytest.fixture
 def kernel(tmp_path_factory, monkeypatch):
-    """The kernel loaded for this test only (layers packed outside it use oneDNN)."""
+    """The kernel loaded for this test only (layers packed outside it use
+    oneDNN), running every dtype its build runs (AMX or not)."""
     monkeypatch.setattr(linear_kernel, "_kernel", None)
     kernel = linear_kernel.enable(tmp_path_factory.mktemp("kernels"))
     assert kernel is not None
+    monkeypatch.setattr(kernel, "dtypes", set(kernel.runs))
     return kernel
 
 
@@ -119,3 +119,21 @@ def test_odd_bfloat16_inputs_stay_onednn(kernel):
         pytest.skip("bfloat16 needs AVX-512 BF16")
     assert not PackedLinear(nn.Linear(33, 8).to(torch.bfloat16)).by_kernel
     assert PackedLinear(nn.Linear(33, 8)).by_kernel  # float32 takes any size
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512_bf16", "amx"])
+def test_bfloat16_left_to_torch_where_the_cpu_has_amx(tmp_path, monkeypatch, amx):
+    """On a CPU with AMX, bfloat16 linear layers run by oneDNN and bfloat16
+    attention by torch's SDPA (both multiply on AMX tiles); float32 stays ours."""
+    flags = {"avx512f", "avx512_bf16"} | ({"amx_bf16", "amx_tile"} if amx else set())
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    for module in (linear_kernel, span_attention):
+        monkeypatch.setattr(module, "_kernel", None)
+        kernel = module.enable(tmp_path)
+        if torch.bfloat16 not in kernel.runs:
+            pytest.skip("the kernels' bfloat16 needs AVX-512 BF16")
+        assert kernel.dtypes == ({torch.float32} if amx else {torch.float32, torch.bfloat16})
+    assert PackedLinear(nn.Linear(64, 8).to(torch.bfloat16)).by_kernel == (not amx)
+    assert PackedLinear(nn.Linear(64, 8)).by_kernel
+    assert span_attention.supported(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)) == (not amx)
+    assert span_attention.supported(torch.zeros(1, 4, 2, 64))

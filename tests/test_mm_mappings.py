@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -333,14 +332,13 @@ def test_pack_first_fit(rows, budget, groups):
     assert pack_first_fit(rows, budget) == groups
 
 
-@pytest.mark.skipif("avx512_bf16" not in Path("/proc/cpuinfo").read_text(),
-                    reason="the kernel needs AVX-512 BF16")
-def test_bfloat16_tower_attends_by_the_kernel(ckpt, hf_config, utils, tmp_path, monkeypatch):
+def test_bfloat16_tower_attends_by_the_kernel(ckpt, hf_config, utils, tmp_path, monkeypatch,
+                                             with_bfloat16):
     """In bfloat16 on the CPU SigLIP's layers attend by our kernel, compiled
     too; against the float32 tower as close as with FMS's SDPA."""
     from vllm_accel.model import span_attention
 
-    kernel = span_attention.enable(tmp_path)
+    kernel = with_bfloat16(span_attention.enable(tmp_path))
     half = vision_adapter_class(hf_config)(_model_config(hf_config, ckpt),
                                            _fms_model(ckpt).to(torch.bfloat16))
     items = utils.warmup_items([(80, 50), (128, 128)])

@@ -4,7 +4,6 @@ processing; crop-axis padding; torch.compile of the ViT block."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -151,7 +150,7 @@ def test_backbone_compiles(ours, items):
 
 @pytest.mark.parametrize("path", ["kernel", "matmul"])
 def test_bfloat16_attention_as_accurate_as_sdpa(vllm_model, ours, items, monkeypatch, tmp_path,
-                                                path):
+                                                with_bfloat16, path):
     """In bfloat16 on the CPU the ViT attends by our kernel (span_attention)
     or, where that does not run, by matmul, float32 softmax, matmul (faster
     than SDPA's kernel there): against vLLM's float32 backbone each must be
@@ -163,9 +162,7 @@ def test_bfloat16_attention_as_accurate_as_sdpa(vllm_model, ours, items, monkeyp
     from vllm_accel.model import molmo, span_attention
 
     if path == "kernel":
-        if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
-            pytest.skip("the kernel needs AVX-512 BF16")
-        kernel = span_attention.enable(tmp_path)
+        kernel = with_bfloat16(span_attention.enable(tmp_path))
         calls = kernel.calls
     else:
         monkeypatch.setattr(span_attention, "_kernel", None)

@@ -4,7 +4,6 @@ caches, so a compiled graph that reads a cache after the op sees the write
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -118,16 +117,14 @@ def test_a_prompt_start_attends_causally_to_its_own_keys():
     assert outputs[0].abs().sum() > 0
 
 
-def test_bfloat16_prompts_attend_by_the_kernel(tmp_path):
+def test_bfloat16_prompts_attend_by_the_kernel(tmp_path, with_bfloat16):
     """bfloat16 on a CPU with AVX-512 BF16: each prompt-start chunk of a forward
     (two prompts packed one after the other) attends by our span kernel,
     causally over its own keys, as SDPA does."""
     from vllm_accel.model import span_attention
     from vllm_accel.model.paged_attention import PrefillChunk
 
-    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("the kernel needs AVX-512 BF16")
-    kernel = span_attention.enable(tmp_path)
+    kernel = with_bfloat16(span_attention.enable(tmp_path))
     g = torch.Generator().manual_seed(2)
     lengths = (7, 5)
     tokens = sum(lengths)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,13 +197,11 @@ def test_banded_attention_is_the_masked_attention(fms):
     assert ours <= 1.1 * theirs
 
 
-@pytest.mark.skipif("avx512_bf16" not in Path("/proc/cpuinfo").read_text(),
-                    reason="the kernel needs AVX-512 BF16")
-def test_bfloat16_tower_attends_by_the_kernel(fms, tmp_path, monkeypatch):
+def test_bfloat16_tower_attends_by_the_kernel(fms, tmp_path, monkeypatch, with_bfloat16):
     """In bfloat16 on the CPU every block attends by our kernel (spans of
     rows: windows, frames; images packed with padding): against the float32
     tower (masked SDPA) as close as the masked SDPA path in bfloat16."""
-    kernel = span_attention.enable(tmp_path)
+    kernel = with_bfloat16(span_attention.enable(tmp_path))
     tower = fms.visual
     half = copy.deepcopy(tower).to(torch.bfloat16)
     grid = [[1, 10, 14], [1, 6, 6]]

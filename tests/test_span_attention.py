@@ -3,24 +3,24 @@ through the op the towers and the prompts' paged attention call."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from vllm_accel.model import span_attention
+from vllm_accel.model import cpu_kernels, span_attention
 
-CPU_FLAGS = Path("/proc/cpuinfo").read_text()
+CPU_FLAGS = cpu_kernels.cpu_flags() or set()
 HAS_AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
 pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS, reason="the kernel needs AVX-512")
 DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not HAS_AVX512_BF16, reason="bfloat16 needs AVX-512 BF16")), torch.float32]
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
+@pytest.fixture
+def kernel(tmp_path_factory, monkeypatch):
+    """The kernel, running every dtype its build runs (AMX or not)."""
     kernel = span_attention.enable(tmp_path_factory.mktemp("kernels"))
     assert kernel is not None
+    monkeypatch.setattr(kernel, "dtypes", set(kernel.runs))
     return kernel
 
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from vllm_accel.log import get_logger
+from vllm_accel.model.cpu_kernels import cpu_flags
 from vllm_accel.settings import AccelSettings, env_var_name, resolve_device
 
 logger = get_logger(__name__)
@@ -159,13 +159,5 @@ def cpu_multiplies_bfloat16(cpuinfo: str | None = None) -> bool:
     """Whether the host CPU has bfloat16 dot-product instructions (x86
     ``avx512_bf16``/``amx_bf16`` flags, Arm ``bf16`` feature). True where
     /proc/cpuinfo cannot be read: unknown, so nothing to warn about."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return True
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return bool(set(value.split()) & {"avx512_bf16", "amx_bf16", "bf16"})
-    return True
+    flags = cpu_flags(cpuinfo)
+    return flags is None or bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})

@@ -1,6 +1,12 @@
 """Build our C++ CPU kernels (decode_attention.cpp, span_attention.cpp,
 linear_kernel.cpp).
 
+A kernel whose work is matmuls (``MATMUL_BOUND``: linear layers, span
+attention) runs bfloat16 only where the CPU lacks AMX: its AVX-512 BF16 dot
+products reach ~230 GFLOP/s on two cores of a Xeon with AMX, where oneDNN's
+matmul on AMX tiles reaches 1,100-3,000 and torch's flash attention is 1.2-3.7x
+ours (benchmarks/README.md, fourteenth session); there both are left to torch.
+
 Each kernel is plain C++ with OpenMP and a C ABI: the same compiler inductor
 already needs builds it in a second or two, into the compile cache, once per
 source, compiler flags and CPU. It links the OpenMP runtime torch has already
@@ -18,6 +24,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from vllm_accel.log import get_logger
 
@@ -62,16 +70,37 @@ def load(kernel_class, source: Path, cache_dir: Path, instead: str):
     """``kernel_class`` over the library of ``source`` (built into ``cache_dir``
     if missing), or None where it cannot be built or runs no dtype here (a CPU
     without AVX-512): logged at info with what runs ``instead``, since such a
-    CPU is not a fault."""
+    CPU is not a fault. A ``MATMUL_BOUND`` kernel's ``dtypes`` leave out
+    bfloat16 where the CPU has AMX (see the module's docstring)."""
     try:
         kernel = kernel_class(build(source, cache_dir))
         if not kernel.dtypes:
             raise RuntimeError("this CPU has no AVX-512")
+        if (getattr(kernel, "MATMUL_BOUND", False) and torch.bfloat16 in kernel.dtypes
+                and "amx_bf16" in (cpu_flags() or ())):
+            kernel.dtypes.discard(torch.bfloat16)
+            logger.info("vllm_accel: %s kernel in float32 only, bfloat16 %s (AMX)",
+                        source.stem, instead)
         return kernel
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.info("vllm_accel: %s kernel unavailable, %s: %s", source.stem, instead, detail)
         return None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
+    """The host CPU's feature flags (x86 ``flags``, Arm ``Features`` in
+    /proc/cpuinfo, or the text given); None where they cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return None
 
 
 def _local_headers(folder: Path, source: bytes) -> list[bytes]:

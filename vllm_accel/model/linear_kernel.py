@@ -1,4 +1,5 @@
-"""Linear layers by our kernel (linear_kernel.cpp) on a CPU with AVX-512.
+"""Linear layers by our kernel (linear_kernel.cpp) on a CPU with AVX-512
+(bfloat16 only without AMX, whose tiles oneDNN uses: cpu_kernels.py).
 
 oneDNN's packed matmul leaves DRAM idle while it computes a block's rows
 after the first; ours streams the next block in meanwhile. The ~90M Llama's
@@ -27,7 +28,10 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 class LinearKernel:
     """The kernel's entry points, loaded from a built shared library;
-    ``dtypes``: those this CPU runs."""
+    ``runs``: the dtypes its build runs on this CPU, ``dtypes``: those layers
+    run by it (set by ``cpu_kernels.load``)."""
+
+    MATMUL_BOUND = True  # bfloat16 left to torch where the CPU has AMX (cpu_kernels)
 
     def __init__(self, library: Path):
         loaded = ctypes.CDLL(str(library))
@@ -36,9 +40,10 @@ class LinearKernel:
             function.restype = ctypes.c_int
             function.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
         # Status 2: built without the instructions that dtype needs.
-        self.dtypes = {dtype for dtype in self._functions
-                       if self._run(torch.zeros(1, 2, dtype=dtype),
-                                    pack(torch.zeros(1, 2, dtype=dtype)), None, 1)[1] != 2}
+        self.runs = {dtype for dtype in self._functions
+                     if self._run(torch.zeros(1, 2, dtype=dtype),
+                                  pack(torch.zeros(1, 2, dtype=dtype)), None, 1)[1] != 2}
+        self.dtypes = set(self.runs)
 
     def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              out_features: int) -> tuple[torch.Tensor, int]:

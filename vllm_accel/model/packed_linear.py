@@ -1,6 +1,6 @@
 """Linear layers over weights packed once (cpu device): by our kernel where
-it runs (linear_kernel.py: AVX-512; a layer without an activation to fuse),
-else by oneDNN.
+it runs (linear_kernel.py: AVX-512, bfloat16 without AMX; a layer without an
+activation to fuse), else by oneDNN.
 
 torch runs a float32 ``nn.Linear`` on the CPU with MKL's sgemm, a bfloat16
 one with oneDNN over the plain weight. Packing each weight once into oneDNN's

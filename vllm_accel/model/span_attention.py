@@ -12,7 +12,8 @@ prompt's causal attention (grouped query heads) 4.6-5.9x faster; in float32
 (``benchmarks/span_attention.py``).
 
 The tower modules call ``attend`` where ``supported`` says yes and keep their
-own attention otherwise (CUDA, a CPU without AVX-512, a head size above 128);
+own attention otherwise (CUDA, a CPU without AVX-512, bfloat16 on a CPU with
+AMX, where torch's flash kernel is faster: cpu_kernels.py, a head size above 128);
 so does the paged attention op for prompts. The kernel is loaded once per
 process by ``enable`` (the runner's cpu device); the op is opaque to inductor,
 so every compiled graph calls it.
@@ -40,7 +41,10 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 class SpanAttentionKernel:
     """The kernel's entry points (bfloat16, float32), loaded from a built
-    shared library; ``dtypes``: those this CPU runs."""
+    shared library; ``runs``: the dtypes its build runs on this CPU,
+    ``dtypes``: those attention runs by it (set by ``cpu_kernels.load``)."""
+
+    MATMUL_BOUND = True  # bfloat16 left to torch where the CPU has AMX (cpu_kernels)
 
     def __init__(self, library: Path):
         loaded = ctypes.CDLL(str(library))
@@ -52,8 +56,9 @@ class SpanAttentionKernel:
                                  + [ctypes.c_float, ctypes.c_int])
         # Status 2: built without the instructions that dtype needs.
         probes = {dtype: torch.zeros(1, 1, 1, 2, dtype=dtype) for dtype in self._functions}
-        self.dtypes = {dtype for dtype, probe in probes.items()
-                       if self._run(probe, probe, probe, None, 1.0)[1] != 2}
+        self.runs = {dtype for dtype, probe in probes.items()
+                     if self._run(probe, probe, probe, None, 1.0)[1] != 2}
+        self.dtypes = set(self.runs)
         self.calls = 0  # one per attention layer run (tests count them)
 
     def _run(self, q, k, v, ranges, scale, causal=False):
@@ -82,12 +87,13 @@ _kernel: SpanAttentionKernel | None = None
 def enable(cache_dir: Path) -> SpanAttentionKernel | None:
     """Load the kernel for this process (built into ``cache_dir`` if missing).
     None where it cannot be built or this CPU lacks AVX-512 (logged):
-    attention stays torch's. Without AVX-512 BF16 only float32 runs by it."""
+    attention stays torch's. Without AVX-512 BF16, or with AMX (torch's flash
+    kernel multiplies on its tiles), only float32 runs by it."""
     global _kernel
     if _kernel is None:
         _kernel = cpu_kernels.load(SpanAttentionKernel, SOURCE, cache_dir,
                                    "attention stays torch's")
-        if _kernel is not None and torch.bfloat16 not in _kernel.dtypes:
+        if _kernel is not None and torch.bfloat16 not in _kernel.runs:
             logger.info("vllm_accel: span attention kernel in float32 only (no AVX-512 BF16)")
     return _kernel
 
