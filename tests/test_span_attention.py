@@ -115,3 +115,27 @@ def test_kernel_runs_only_where_it_applies(kernel):
     if HAS_AVX512_BF16:
         assert span_attention.supported(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16))
         assert not span_attention.supported(torch.zeros(1, 4, 2, 63, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_spans_by_sdpa_where_the_kernel_does_not_run(monkeypatch, dtype):
+    """Without the kernel for the dtype (bfloat16 on a CPU with AMX, a CPU
+    without AVX-512) ``attend`` runs torch's SDPA over each run of rows with
+    one span: the masked SDPA's result, runs of one length batched (windows
+    of 4 rows, a partial one, images of 9 and 7, grouped query heads)."""
+    monkeypatch.setattr(span_attention, "_kernel", None)
+    g = torch.Generator().manual_seed(3)
+    bounds = [0, 4, 8, 12, 14, 23, 30, 34]
+    spans = [(s, e) for s, e in zip(bounds, bounds[1:]) for _ in range(s, e)]
+    ranges = torch.tensor(spans, dtype=torch.int32)[None].expand(2, -1, -1)
+    q = torch.randn(2, 34, 4, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, 34, 2, 16, generator=g).to(dtype) for _ in range(2))
+    got = span_attention.attend(q, k, v, 0.25, ranges)
+    expected = span_attention.reference(q, k, v, 0.25, ranges)
+    tolerance = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    # One run's keys changed: only its rows change.
+    k[:, 14:23] += 1
+    after = span_attention.attend(q, k, v, 0.25, ranges)
+    changed = (after != got).flatten(2).any(-1)
+    assert changed[:, 14:23].all() and not changed[:, :14].any() and not changed[:, 23:].any()

@@ -21,9 +21,10 @@ blocks, in ``VisionLayout``; a block only sees tensors of the padded size, so
 a compiled graph per bucket serves every block of a kind: window blocks
 attend within a band of rows (``banded_attention``: work linear in the rows,
 as a window's rows are consecutive), full-attention blocks over the whole
-call under a mask (two graphs per bucket); on the CPU with AVX-512 both kinds
-attend by our kernel (``span_attention``), each row to its window's or
-frame's span of rows. Padding rows form their own
+call under a mask (two graphs per bucket); on the CPU both kinds attend by
+``span_attention`` (our kernel, or torch's SDPA per window or frame where the
+kernel does not run the dtype), each row to its window's or frame's span of
+rows. Padding rows form their own
 attention segment (real patches never see them) and their own merged rows
 (pad counts are multiples of 4), which are dropped before returning.
 
@@ -123,14 +124,14 @@ class VisionAttention(nn.Module):
     def forward(self, x, cos, sin, mask, ranges):
         """x [N, D], cos/sin [N, head_dim], mask (True = may attend): [N, N],
         or [chunks, band, 3 * band] for ``banded_attention``; ranges [N, 2]:
-        the same keys as spans, for our CPU kernel (``span_attention``)."""
+        the same keys as spans, for ``span_attention`` on the CPU."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.nheads, -1).unbind(1)  # [N, H, hd] each
         # Rotary in float32, as HF does for the vision tower.
         cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        if span_attention.supported(q):  # frames and windows are spans of rows
+        if q.device.type == "cpu":  # frames and windows are spans of rows
             out = span_attention.attend(q[None], k[None], v[None], q.shape[-1] ** -0.5,
                                           ranges[None])[0]
         elif mask.dim() == 3:  # a window block: a band of rows around each chunk
