@@ -145,7 +145,7 @@ def _by_segments(q, k, v, ranges, scale):
     (an image, a window), runs of one shape batched: no work across spans, as
     one masked SDPA over the call would do (Qwen2.5-VL's full blocks over 4
     packed images, bfloat16 on a Xeon with AMX: 146 ms masked, 28 by images)."""
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous, as the op's shape function says
     for entry in range(q.shape[0]):
         spans = ranges[entry]
         first = torch.ones(spans.shape[0], dtype=torch.bool)
@@ -173,7 +173,7 @@ def _span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not supported(q):  # torch's SDPA (bfloat16 with AMX, no AVX-512, ...)
         if ranges is not None and not causal:
             return _by_segments(q, k, v, ranges, scale)
-        return reference(q, k, v, scale, ranges, causal)
+        return reference(q, k, v, scale, ranges, causal).contiguous()
     q, k, v = (_rows_contiguous(t) for t in (q, k, v))
     if ranges is not None:
         ranges = ranges.to(torch.int32).contiguous()  # what the kernel reads
