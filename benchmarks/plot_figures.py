@@ -44,8 +44,12 @@ def main(argv):
     cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.4 * rows), squeeze=False)
+    several_machines = len(figures.get("machines", [])) > 1
     for ax, panel in zip(axes.flat, panels):
-        bars(ax, panel["title"], panel["unit"], panel["entries"])
+        title = panel["title"]
+        if several_machines and panel.get("machine"):  # figures of two CPUs do not compare
+            title += f"\n{panel['machine']['cpu']} ({panel['machine']['isa'].split(', ')[-1]})"
+        bars(ax, title, panel["unit"], panel["entries"])
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(figures["caption"], fontsize=9)

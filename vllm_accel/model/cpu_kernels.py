@@ -4,7 +4,7 @@ linear_kernel.cpp).
 A kernel whose work is matmuls (``MATMUL_BOUND``: linear layers, span
 attention) runs bfloat16 only where the CPU lacks AMX: its AVX-512 BF16 dot
 products reach ~230 GFLOP/s on two cores of a Xeon with AMX, where oneDNN's
-matmul on AMX tiles reaches 1,100-3,000 and torch's flash attention is 1.2-3.7x
+matmul on AMX tiles reaches 1,100-3,000 and torch's flash attention is 1.0-3.7x
 ours (benchmarks/README.md, fourteenth session); there both are left to torch.
 
 Each kernel is plain C++ with OpenMP and a C ABI: the same compiler inductor
