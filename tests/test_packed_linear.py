@@ -51,30 +51,6 @@ def test_packed_linear_equals_nn_linear(dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_rows_run_a_block_at_a_time(dtype, monkeypatch):
-    """Calls over more rows than ``ROWS_PER_CALL`` run by blocks of rows (the
-    last one short), fused activation included: the same result as one call."""
-    from vllm_accel import compat
-    from vllm_accel.model import packed_linear
-
-    layer = linear(48, 80, True, dtype, seed=4)
-    packed = PackedLinear(layer, ("gelu", "tanh"))
-    x = torch.randn(3, 11, 48).to(dtype)
-    with torch.inference_mode():
-        whole = packed(x)
-        calls = []
-        onednn_linear = compat.onednn_linear
-        monkeypatch.setattr(compat, "onednn_linear",
-                            lambda x, *args: calls.append(x.shape[0]) or onednn_linear(x, *args))
-        monkeypatch.setattr(packed_linear, "ROWS_PER_CALL", 8)
-        by_blocks = packed(x)
-    assert calls == [8, 8, 8, 8, 1]
-    assert by_blocks.shape == whole.shape == (3, 11, 80)
-    expected = nn.functional.gelu(layer(x).float(), approximate="tanh")
-    assert close(by_blocks, expected, dtype) and close(whole, expected, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_graph_shared_by_two_packed_layers(dtype):
     """One inductor graph, the packed weight a graph input (as compile.py
     shares one graph between layers): each layer gets its own result."""

@@ -37,28 +37,11 @@ def _packed_linear_shape(x, packed_weight, bias, activation="none", algorithm=""
     return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))
 
 
-# oneDNN's matmul runs a vision tower's calls (3,645-4,096 rows, 3-7K columns)
-# up to 2x faster a block of rows at a time: SigLIP's fc1 + GELU at 3,645 rows,
-# bfloat16 on a Xeon with AMX, 29.6 -> 21.6 ms, its q/k/v 19.0 -> 11.4,
-# Qwen2.5-VL's at 4,096 rows 40.5 -> 18.8; float32 0-10 % (scratch timing).
-ROWS_PER_CALL = 1024
-
-
-def _onednn_linear_by_row_blocks(x, packed_weight, bias, activation="none", algorithm=""):
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= ROWS_PER_CALL:
-        return compat.onednn_linear(x, packed_weight, bias, activation, algorithm)
-    blocks = [compat.onednn_linear(rows[start:start + ROWS_PER_CALL], packed_weight, bias,
-                                   activation, algorithm)
-              for start in range(0, rows.shape[0], ROWS_PER_CALL)]
-    return torch.cat(blocks).view(*x.shape[:-1], -1)
-
-
 # packed_linear(x, oneDNN's packed weight, bias, activation, algorithm): a
 # oneDNN post-op (see ``_activation_post_op``).
 packed_linear = ops.define(
     'packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, str activation="none", '
-    'str algorithm="") -> Tensor', _onednn_linear_by_row_blocks, _packed_linear_shape)
+    'str algorithm="") -> Tensor', compat.onednn_linear, _packed_linear_shape)
 
 
 def _activation_post_op(module: nn.Module) -> tuple[str, str] | None:
