@@ -1,11 +1,13 @@
 """Build our C++ CPU kernels (decode_attention.cpp, span_attention.cpp,
 linear_kernel.cpp).
 
-A kernel whose work is matmuls (``MATMUL_BOUND``: linear layers, span
-attention) runs bfloat16 only where the CPU lacks AMX: its AVX-512 BF16 dot
-products reach ~230 GFLOP/s on two cores of a Xeon with AMX, where oneDNN's
-matmul on AMX tiles reaches 1,100-3,000 and torch's flash attention is 1.0-3.7x
-ours (benchmarks/README.md, fourteenth session); there both are left to torch.
+The kernels ``load`` serves (linear layers, span attention) are matmuls: they
+run bfloat16 only where the CPU lacks AMX. Their AVX-512 BF16 dot products
+reach ~230 GFLOP/s on two cores of a Xeon with AMX, where oneDNN's matmul on
+AMX tiles reaches 1,100-3,000 and torch's flash attention is 1.0-3.7x ours
+(benchmarks/README.md, fourteenth session); there both are left to torch.
+(The decode kernel, which reads the KV cache more than it multiplies, is
+built by ``build`` alone and runs bfloat16 on every AVX-512 BF16 CPU.)
 
 Each kernel is plain C++ with OpenMP and a C ABI: the same compiler inductor
 already needs builds it in a second or two, into the compile cache, once per
@@ -15,6 +17,7 @@ loaded (same soname), so it shares torch's threads instead of adding a pool.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -70,14 +73,15 @@ def load(kernel_class, source: Path, cache_dir: Path, instead: str):
     """``kernel_class`` over the library of ``source`` (built into ``cache_dir``
     if missing), or None where it cannot be built or runs no dtype here (a CPU
     without AVX-512): logged at info with what runs ``instead``, since such a
-    CPU is not a fault. A ``MATMUL_BOUND`` kernel's ``dtypes`` leave out
-    bfloat16 where the CPU has AMX (see the module's docstring)."""
+    CPU is not a fault. Sets the kernel's ``dtypes`` (what the engine runs by
+    it) to its ``runs`` (what its build runs here) but bfloat16 where the CPU
+    has AMX (see the module's docstring)."""
     try:
         kernel = kernel_class(build(source, cache_dir))
-        if not kernel.dtypes:
+        if not kernel.runs:
             raise RuntimeError("this CPU has no AVX-512")
-        if (getattr(kernel, "MATMUL_BOUND", False) and torch.bfloat16 in kernel.dtypes
-                and "amx_bf16" in (cpu_flags() or ())):
+        kernel.dtypes = set(kernel.runs)
+        if torch.bfloat16 in kernel.dtypes and "amx_bf16" in (cpu_flags() or ()):
             kernel.dtypes.discard(torch.bfloat16)
             logger.info("vllm_accel: %s kernel in float32 only, bfloat16 %s (AMX)",
                         source.stem, instead)
@@ -88,19 +92,31 @@ def load(kernel_class, source: Path, cache_dir: Path, instead: str):
         return None
 
 
+@functools.cache
+def _host_cpuinfo() -> str | None:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+
+
+def _first_cpu(cpuinfo: str) -> dict[str, str]:
+    """The fields of /proc/cpuinfo text, each as the first processor gives it."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, colon, value = line.partition(":")
+        if colon:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
     """The host CPU's feature flags (x86 ``flags``, Arm ``Features`` in
     /proc/cpuinfo, or the text given); None where they cannot be read."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return None
+    cpuinfo = _host_cpuinfo() if cpuinfo is None else cpuinfo
+    fields = _first_cpu(cpuinfo or "")
+    value = fields.get("flags", fields.get("Features"))
+    return None if value is None else set(value.split())
 
 
 def _local_headers(folder: Path, source: bytes) -> list[bytes]:
@@ -112,9 +128,8 @@ def _local_headers(folder: Path, source: bytes) -> list[bytes]:
 
 def _cpu_model() -> str:
     """The CPU's model name and flags: -march=native code runs only on such a CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    cpuinfo = _host_cpuinfo()
+    if cpuinfo is None:
         return platform.processor()
-    first = {line.split(":")[0].strip(): line for line in reversed(lines) if ":" in line}
-    return first.get("model name", "") + first.get("flags", "")
+    fields = _first_cpu(cpuinfo)
+    return fields.get("model name", "") + fields.get("flags", "")

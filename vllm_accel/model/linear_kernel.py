@@ -31,8 +31,6 @@ class LinearKernel:
     ``runs``: the dtypes its build runs on this CPU, ``dtypes``: those layers
     run by it (set by ``cpu_kernels.load``)."""
 
-    MATMUL_BOUND = True  # bfloat16 left to torch where the CPU has AMX (cpu_kernels)
-
     def __init__(self, library: Path):
         loaded = ctypes.CDLL(str(library))
         self._functions = {torch.float32: loaded.linear_f32, torch.bfloat16: loaded.linear_bf16}
@@ -43,7 +41,7 @@ class LinearKernel:
         self.runs = {dtype for dtype in self._functions
                      if self._run(torch.zeros(1, 2, dtype=dtype),
                                   pack(torch.zeros(1, 2, dtype=dtype)), None, 1)[1] != 2}
-        self.dtypes = set(self.runs)
+        self.dtypes: set[torch.dtype] = set()
 
     def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              out_features: int) -> tuple[torch.Tensor, int]:
