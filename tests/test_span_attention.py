@@ -121,21 +121,25 @@ def test_kernel_runs_only_where_it_applies(kernel):
 def test_spans_by_sdpa_where_the_kernel_does_not_run(monkeypatch, dtype):
     """Without the kernel for the dtype (bfloat16 on a CPU with AMX, a CPU
     without AVX-512) ``attend`` runs torch's SDPA over each run of rows with
-    one span: the masked SDPA's result, runs of one length batched (windows
-    of 4 rows, a partial one, images of 9 and 7, grouped query heads)."""
+    one span: the masked SDPA's result, runs of one shape batched (windows of
+    4 rows, a partial one, images of 9 and 7; grouped query heads; in the
+    second batch entry runs whose keys are not their own rows)."""
     monkeypatch.setattr(span_attention, "_kernel", None)
     g = torch.Generator().manual_seed(3)
     bounds = [0, 4, 8, 12, 14, 23, 30, 34]
-    spans = [(s, e) for s, e in zip(bounds, bounds[1:]) for _ in range(s, e)]
-    ranges = torch.tensor(spans, dtype=torch.int32)[None].expand(2, -1, -1)
+    own = [(s, e) for s, e in zip(bounds, bounds[1:]) for _ in range(s, e)]
+    # entry 1: rows 0-3 see keys 2-9, rows 4-7 keys 6-13 (same shape: one batch), the rest 20-33
+    other = [(2, 10)] * 4 + [(6, 14)] * 4 + [(20, 34)] * 26
+    ranges = torch.tensor([own, other], dtype=torch.int32)
     q = torch.randn(2, 34, 4, 16, generator=g).to(dtype)
     k, v = (torch.randn(2, 34, 2, 16, generator=g).to(dtype) for _ in range(2))
     got = span_attention.attend(q, k, v, 0.25, ranges)
     expected = span_attention.reference(q, k, v, 0.25, ranges)
+    assert got.is_contiguous()
     tolerance = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
     # One run's keys changed: only its rows change.
-    k[:, 14:23] += 1
+    k[0, 14:23] += 1
     after = span_attention.attend(q, k, v, 0.25, ranges)
     changed = (after != got).flatten(2).any(-1)
-    assert changed[:, 14:23].all() and not changed[:, :14].any() and not changed[:, 23:].any()
+    assert changed[0, 14:23].all() and not changed[0, :14].any() and not changed[0, 23:].any()

@@ -11,10 +11,12 @@ prompt's causal attention (grouped query heads) 4.6-5.9x faster; in float32
 (AVX-512 without BF16 suffices) 1.1-1.7x and 2.5-3.1x, a few ulps from SDPA
 (``benchmarks/span_attention.py``).
 
-The tower modules call ``attend`` where ``supported`` says yes and keep their
-own attention otherwise (CUDA, a CPU without AVX-512, bfloat16 on a CPU with
-AMX, where torch's flash kernel is faster: cpu_kernels.py, a head size above 128);
-so does the paged attention op for prompts. The kernel is loaded once per
+SigLIP, Molmo's ViT and the paged attention op for prompts call ``attend``
+where ``supported`` says yes and keep their own attention otherwise (CUDA, a
+CPU without AVX-512, a head size above 128, bfloat16 on a CPU with AMX, where
+torch's flash kernel is faster: cpu_kernels.py). Qwen2.5-VL's tower calls it
+on every CPU: where the kernel does not run, ``attend`` runs torch's SDPA span
+by span, not masked over the whole call. The kernel is loaded once per
 process by ``enable`` (the runner's cpu device); the op is opaque to inductor,
 so every compiled graph calls it.
 """
@@ -44,8 +46,6 @@ class SpanAttentionKernel:
     shared library; ``runs``: the dtypes its build runs on this CPU,
     ``dtypes``: those attention runs by it (set by ``cpu_kernels.load``)."""
 
-    MATMUL_BOUND = True  # bfloat16 left to torch where the CPU has AMX (cpu_kernels)
-
     def __init__(self, library: Path):
         loaded = ctypes.CDLL(str(library))
         self._functions = {torch.bfloat16: loaded.span_attention_bf16,
@@ -58,7 +58,7 @@ class SpanAttentionKernel:
         probes = {dtype: torch.zeros(1, 1, 1, 2, dtype=dtype) for dtype in self._functions}
         self.runs = {dtype for dtype, probe in probes.items()
                      if self._run(probe, probe, probe, None, 1.0)[1] != 2}
-        self.dtypes = set(self.runs)
+        self.dtypes: set[torch.dtype] = set()
         self.calls = 0  # one per attention layer run (tests count them)
 
     def _run(self, q, k, v, ranges, scale, causal=False):
@@ -146,25 +146,31 @@ def _by_segments(q, k, v, ranges, scale):
     one masked SDPA over the call would do (Qwen2.5-VL's full blocks over 4
     packed images, bfloat16 on a Xeon with AMX: 146 ms masked, 28 by images)."""
     out = q.new_empty(q.shape)  # contiguous, as the op's shape function says
-    for entry in range(q.shape[0]):
-        spans = ranges[entry]
+    for entry, spans in enumerate(ranges):
         first = torch.ones(spans.shape[0], dtype=torch.bool)
         first[1:] = (spans[1:] != spans[:-1]).any(-1)
-        starts = first.nonzero().flatten().tolist() + [spans.shape[0]]
-        runs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rows, keys) -> (row, key)
-        for start, end in zip(starts, starts[1:]):
-            key_start, key_end = spans[start].tolist()
+        starts = first.nonzero().flatten()
+        ends = torch.cat([starts[1:], starts.new_tensor([spans.shape[0]])])
+        # (rows, keys) -> the (first row, first key) of each run of that shape
+        runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for start, end, (key_start, key_end) in zip(starts.tolist(), ends.tolist(),
+                                                    spans[starts].tolist()):
             runs.setdefault((end - start, key_end - key_start), []).append((start, key_start))
-        for (rows, keys), where in runs.items():
-            def stacked(t, length, column):  # [runs, heads, length, dim]
-                return torch.stack([t[entry, at[column]:at[column] + length]
-                                    for at in where]).transpose(1, 2)
+        for (rows, keys), firsts in runs.items():
             attended = F.scaled_dot_product_attention(
-                stacked(q, rows, 0), stacked(k, keys, 1), stacked(v, keys, 1), scale=scale,
-                enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
-            for (start, _), rows_out in zip(where, attended):
+                _stacked(q[entry], [row for row, _ in firsts], rows),
+                _stacked(k[entry], [key for _, key in firsts], keys),
+                _stacked(v[entry], [key for _, key in firsts], keys),
+                scale=scale, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+            for (start, _), rows_out in zip(firsts, attended):
                 out[entry, start:start + rows] = rows_out
     return out
+
+
+def _stacked(t: torch.Tensor, starts: list[int], length: int) -> torch.Tensor:
+    """[tokens, heads, dim] -> [len(starts), heads, length, dim]: the runs
+    of ``length`` tokens from ``starts``."""
+    return torch.stack([t[start:start + length] for start in starts]).transpose(1, 2)
 
 
 def _span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
