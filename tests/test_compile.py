@@ -285,7 +285,7 @@ def test_each_layer_runs_its_graph_without_guards_once_it_has_seen_a_kind_of_cal
     layers = [Scaled(2), Scaled(2), Scaled(3)]
     compile_shared_forward(layers, "eager", num_shapes=4)
     x = torch.randn(5, 4)
-    kinds = [((x,), {}), ((torch.randn(6, 4),), {}), ((torch.randn(4, 5).t(),), {}),
+    kinds = [((x,), {}), ((torch.randn(6, 4),), {}), ((torch.randn(7, 4),), {}),
              ((x,), {"shift": 1}), ((x,), {"shift": 2}), ((x.double(),), {})]
     with torch.no_grad():
         for seen, (args, kwargs) in enumerate(kinds, start=1):
@@ -296,3 +296,24 @@ def test_each_layer_runs_its_graph_without_guards_once_it_has_seen_a_kind_of_cal
                     got = layer(*args, **kwargs)
                     assert torch.equal(got, Scaled.forward(layer, *args, **kwargs))
             assert [layer.forward.guarded_calls for layer in layers] == [seen] * 3
+
+
+def test_a_layer_takes_its_hidden_states_row_by_row():
+    """A strided hidden state (SigLIP's patches come transposed from its
+    convolution) enters the compiled layer contiguous: the graph's output,
+    and so every later layer's input, takes that layout, and a transposed
+    one of the same shape is the same kind of call."""
+    from vllm_accel.model.compile import compile_shared_forward
+
+    class Elementwise(torch.nn.Module):
+        def forward(self, x):
+            return x * 2  # laid out as its input
+
+    layers = [Elementwise(), Elementwise()]
+    compile_shared_forward(layers, "eager", num_shapes=2)
+    transposed = torch.randn(3, 729, 16).transpose(1, 2)  # [3, 16, 729], strides of [3, 729, 16]
+    with torch.no_grad():
+        out = layers[1](layers[0](transposed))
+        assert out.is_contiguous() and torch.equal(out, transposed * 4)
+        layers[0](transposed.contiguous())
+    assert [layer.forward.guarded_calls for layer in layers] == [1, 1]

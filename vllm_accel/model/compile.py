@@ -67,6 +67,12 @@ class LayerForward:
         self.guarded_calls = 0  # calls that went through dynamo (tests count them)
 
     def __call__(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+            # The hidden states, laid out row by row: the graph's output takes
+            # its input's layout, so one strided input (SigLIP's patches come
+            # transposed from its convolution) would make every layer's
+            # normalizations read across rows and copy before each matmul.
+            args = (args[0].contiguous(), *args[1:])
         kind = _call_kind(args, kwargs)
         direct = self._direct.get(kind)
         if direct is not None:
