@@ -219,6 +219,22 @@ def test_bfloat16_tower_attends_by_the_kernel(fms, tmp_path, monkeypatch, with_b
     assert kernel_error.max() < 0.1 * reference.abs().max()
 
 
+def test_compiled_blocks_see_one_kind_of_call_whatever_the_pixels_dtype(fms):
+    """vLLM hands the tower bfloat16 pixels where the warmup hands it the
+    processor's float32 ones: the blocks' inputs (rotary tables included)
+    must not change with them, or serving compiles new graphs."""
+    from vllm_accel.model.compile import compile_shared_forward
+
+    half = copy.deepcopy(fms.visual).to(torch.bfloat16)
+    compile_shared_forward(list(half.layers), "eager", num_shapes=2)
+    pixels = torch.randn(64, half.config.patch_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        from_float32 = half(pixels, [[1, 8, 8]])
+        from_bfloat16 = half(pixels.bfloat16(), [[1, 8, 8]])
+    assert torch.equal(from_float32, from_bfloat16)
+    assert {layer.forward.guarded_calls for layer in half.layers} == {1}
+
+
 def test_vision_padding_must_keep_merge_groups(fms):
     with pytest.raises(ValueError, match="multiple of 4"):
         vision_layout(fms.config.vision_config, [[1, 4, 4]], 16 + 2)

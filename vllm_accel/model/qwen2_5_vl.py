@@ -217,7 +217,10 @@ class VisionLayout:
 
     order: torch.Tensor  # [N_padded] patch rows in window order, then the padding rows
     restore: torch.Tensor  # [N_real / merge**2] merged rows back to the processor's order
-    cos: torch.Tensor  # [N_padded, head_dim] rotary angles in `order`
+    # [N_padded, head_dim] rotary angles in `order`; float32 whatever the pixels'
+    # dtype, as HF's (and so one kind of call for the compiled blocks: vLLM
+    # sends bfloat16 pixels, the warmup the processor's float32)
+    cos: torch.Tensor
     sin: torch.Tensor
     full_mask: torch.Tensor  # [N_padded, N_padded] bool: same frame
     # [chunks, band, 3 * band] bool: same window, for banded_attention (a
@@ -230,8 +233,7 @@ class VisionLayout:
 
 
 def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]],
-                  num_padded: int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> VisionLayout:
+                  num_padded: int, device: torch.device | str = "cpu") -> VisionLayout:
     """grid_thw: per image (frames t, patch rows h, patch columns w), as the
     image processor returns. num_padded: total patch rows including padding.
     Built on the host, returned on ``device`` (where the tower runs)."""
@@ -305,8 +307,8 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
     return VisionLayout(
         order=order.to(device),
         restore=torch.argsort(window_index).to(device),
-        cos=angles.cos().to(device, dtype),
-        sin=angles.sin().to(device, dtype),
+        cos=angles.cos().to(device),
+        sin=angles.sin().to(device),
         full_mask=same(frame_rows).to(device),
         window_mask=same_in_band(window_rows).to(device),
         full_ranges=spans(frame_rows).to(device),
@@ -331,8 +333,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         Returns [N_real / merge**2, out_dim]: the image tokens, in prompt order."""
         if layout is None:
             layout = vision_layout(self.config, torch.as_tensor(grid_thw).tolist(),
-                                   pixel_values.shape[0], pixel_values.dtype,
-                                   pixel_values.device)
+                                   pixel_values.shape[0], pixel_values.device)
         full = set(self.config.fullatt_block_indexes)
         x = self.patch_embed(pixel_values.to(self.merger.ln_q.weight.dtype))[layout.order]
         for i, layer in enumerate(self.layers):
