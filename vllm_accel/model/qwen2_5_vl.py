@@ -121,17 +121,15 @@ class VisionAttention(nn.Module):
         self.dense = nn.Linear(emb_dim, emb_dim)
 
     def forward(self, x, cos, sin, mask, ranges):
-        """x [N, D], cos/sin [N, head_dim], mask (True = may attend): [N, N],
+        """x [N, D], cos/sin [N, head_dim / 2], mask (True = may attend): [N, N],
         or [chunks, band, 3 * band] for ``banded_attention``; ranges [N, 2]:
         the same keys as spans, for ``span_attention`` on the CPU."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.nheads, -1).unbind(1)  # [N, H, hd] each
-        # Rotary in float32, as HF does for the vision tower: its angles are
-        # the same for both halves of a head, so each half is rotated from
-        # slices (HF's rotate_half made inductor write four float32 copies of
-        # q and k first: 8 of a full-size block's ~140 ms on the Xeon).
-        half = q.shape[-1] // 2
-        cos, sin = cos[:, None, :half].float(), sin[:, None, :half].float()
+        # Rotary in float32, as HF does for the vision tower, on each head's
+        # halves as slices (HF's rotate_half, a cat, made inductor write four
+        # float32 copies of q and k first: 8 of a full-size block's ~140 ms).
+        cos, sin = cos[:, None], sin[:, None]
 
         def rotate(t: torch.Tensor) -> torch.Tensor:
             first, second = t.float().chunk(2, dim=-1)
@@ -194,7 +192,7 @@ class Qwen2_5_VisionBlock(nn.Module):
         assert self.mlp.hidden_dim == c.hidden_dim
 
     def forward(self, x, cos, sin, mask, ranges):
-        """All inputs have the padded size: x [N, D], cos/sin [N, head_dim],
+        """All inputs have the padded size: x [N, D], cos/sin [N, head_dim / 2],
         mask and ranges as ``VisionAttention``'s. Dynamo-clean (no
         data-dependent Python)."""
         x = x + self.attn(self.ln(x), cos, sin, mask, ranges)
@@ -225,9 +223,10 @@ class VisionLayout:
 
     order: torch.Tensor  # [N_padded] patch rows in window order, then the padding rows
     restore: torch.Tensor  # [N_real / merge**2] merged rows back to the processor's order
-    # [N_padded, head_dim] rotary angles in `order`; float32 whatever the pixels'
-    # dtype, as HF's (and so one kind of call for the compiled blocks: vLLM
-    # sends bfloat16 pixels, the warmup the processor's float32)
+    # [N_padded, head_dim / 2] rotary angles in `order`, dims i and i + head_dim / 2
+    # turning together (HF's table repeats them for both halves); float32
+    # whatever the pixels' dtype, as HF's (and so one kind of call for the
+    # compiled blocks: vLLM sends bfloat16 pixels, the warmup float32 ones)
     cos: torch.Tensor
     sin: torch.Tensor
     full_mask: torch.Tensor  # [N_padded, N_padded] bool: same frame
@@ -310,8 +309,7 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
     pos = torch.stack([torch.cat(rows), torch.cat(cols)], dim=-1).float()  # [N_real, 2]
     freqs = (pos[..., None] * inv_freq).flatten(1)  # [N_real, head_dim / 2]: rows then columns
-    freqs = torch.cat([freqs, freqs.new_zeros(num_pad, freqs.shape[1])])
-    angles = torch.cat([freqs, freqs], dim=-1)
+    angles = torch.cat([freqs, freqs.new_zeros(num_pad, freqs.shape[1])])
     return VisionLayout(
         order=order.to(device),
         restore=torch.argsort(window_index).to(device),
