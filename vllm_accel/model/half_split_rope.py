@@ -26,6 +26,16 @@ from fms.modules.positions import PositionEncoder, RotaryEmbedding
 _FIXED_ANGLES = ("regular", "llama3")
 
 
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., head] rotated in float32, dims i and i + head/2 a pair, by
+    angles whose ``cos`` / ``sin`` [..., head/2] broadcast against each half:
+    slices inductor vectorizes (HF's rotate_half, a cat, and FMS's adjacent
+    pairs both compile to extra copies or scalar loops)."""
+    first, second = x.float().chunk(2, dim=-1)
+    return torch.cat([cos * first - sin * second, sin * first + cos * second],
+                     dim=-1).type_as(x)
+
+
 class HalfSplitRotary(PositionEncoder):
     """FMS's rotation angles (its own table, to ``max_positions``) applied to
     heads whose pairs are (i, i + head/2)."""
@@ -45,14 +55,7 @@ class HalfSplitRotary(PositionEncoder):
         """q [B, L, heads, head], k [B, L, kv_heads, head]; position_ids [B, L]."""
         cos = self.cos[position_ids].unsqueeze(2)  # [B, L, 1, head/2]
         sin = self.sin[position_ids].unsqueeze(2)
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            # In float32, as FMS's rotary: first * cos - second * sin, ...
-            first, second = x.float().chunk(2, dim=-1)
-            return torch.cat([cos * first - sin * second, sin * first + cos * second],
-                             dim=-1).type_as(x)
-
-        return rotate(q), rotate(k)
+        return rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)  # float32, as FMS's
 
 
 def _supported(rotary) -> bool:

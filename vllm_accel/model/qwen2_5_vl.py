@@ -48,6 +48,7 @@ from fms.utils.activation import str_to_activation
 from fms.utils.config import ModelConfig
 
 from vllm_accel.model import span_attention
+from vllm_accel.model.half_split_rope import rotate_halves
 from vllm_accel.model.ports import FmsPort
 from vllm_accel.model.qwen2 import (
     Qwen2Config,
@@ -127,16 +128,9 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.nheads, -1).unbind(1)  # [N, H, hd] each
         # Rotary in float32, as HF does for the vision tower, on each head's
-        # halves as slices (HF's rotate_half, a cat, made inductor write four
-        # float32 copies of q and k first: 8 of a full-size block's ~140 ms).
-        cos, sin = cos[:, None], sin[:, None]
-
-        def rotate(t: torch.Tensor) -> torch.Tensor:
-            first, second = t.float().chunk(2, dim=-1)
-            return torch.cat([first * cos - second * sin, second * cos + first * sin],
-                             dim=-1).to(x.dtype)
-
-        q, k = rotate(q), rotate(k)
+        # halves (HF's rotate_half made inductor write four float32 copies of
+        # q and k first: 8 of a full-size block's ~140 ms).
+        q, k = (rotate_halves(t, cos[:, None], sin[:, None]) for t in (q, k))
         if q.device.type == "cpu":  # frames and windows are spans of rows
             out = span_attention.attend(q[None], k[None], v[None], q.shape[-1] ** -0.5,
                                           ranges[None])[0]
