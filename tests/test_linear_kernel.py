@@ -38,15 +38,17 @@ def _errors(x, weight, bias, dtype):
     ours = linear_kernel.linear(x, linear_kernel.pack(weight), bias, weight.shape[0])
     onednn = compat.onednn_linear(x, compat.onednn_pack_linear_weight(weight), bias)
     assert ours.shape == onednn.shape and ours.dtype == dtype
-    return [(out.double() - reference).abs().max().item() for out in (ours, onednn)]
+    return [(out.double() - reference).abs().max().item() if out.numel() else 0.0
+            for out in (ours, onednn)]
 
 
-@pytest.mark.parametrize("rows", [1, 6, 7, 8, 13, 32, 64, 65, 300])
+@pytest.mark.parametrize("rows", [0, 1, 6, 7, 8, 13, 32, 64, 65, 300])
 @pytest.mark.parametrize("in_features, out_features", [(96, 160), (1024, 1536), (34, 5),
                                                        (2816, 200)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_is_as_accurate_as_onednn(kernel, rows, in_features, out_features, dtype):
-    """Row counts around the kernel's tiles (up to 7 rows each), columns not a
+    """Row counts around the kernel's tiles (up to 7 rows each; AMX: groups of
+    16, two at a time) and none (a step that samples nothing), columns not a
     multiple of its 64-column blocks (and fewer than one vector), one block or
     many (the next one prefetched), a bias or none."""
     g = torch.Generator().manual_seed(rows * 7 + in_features)
@@ -123,17 +125,41 @@ def test_odd_bfloat16_inputs_stay_onednn(kernel):
 
 @pytest.mark.parametrize("amx", [False, True], ids=["avx512_bf16", "amx"])
 def test_bfloat16_left_to_torch_where_the_cpu_has_amx(tmp_path, monkeypatch, amx):
-    """On a CPU with AMX, bfloat16 linear layers run by oneDNN and bfloat16
-    attention by torch's SDPA (both multiply on AMX tiles); float32 stays ours."""
+    """On a CPU with AMX, a kernel runs bfloat16 only if it multiplies on AMX
+    tiles (the linear kernel built for such a CPU does); bfloat16 attention
+    goes to torch's SDPA; float32 stays ours."""
     flags = {"avx512f", "avx512_bf16"} | ({"amx_bf16", "amx_tile"} if amx else set())
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    kernels = []
     for module in (linear_kernel, span_attention):
         monkeypatch.setattr(module, "_kernel", None)
-        kernel = module.enable(tmp_path)
-        if torch.bfloat16 not in kernel.runs:
+        kernels.append(module.enable(tmp_path))
+        if torch.bfloat16 not in kernels[-1].runs:
             pytest.skip("the kernels' bfloat16 needs AVX-512 BF16")
-        assert kernel.dtypes == ({torch.float32} if amx else {torch.float32, torch.bfloat16})
-    assert PackedLinear(nn.Linear(64, 8).to(torch.bfloat16)).by_kernel == (not amx)
+    linear, span = kernels
+    on_tiles = not amx or linear.multiplies_on_amx
+    assert linear.dtypes == ({torch.float32, torch.bfloat16} if on_tiles else {torch.float32})
+    assert span.dtypes == ({torch.float32} if amx else {torch.float32, torch.bfloat16})
+    assert PackedLinear(nn.Linear(64, 8).to(torch.bfloat16)).by_kernel == on_tiles
     assert PackedLinear(nn.Linear(64, 8)).by_kernel
     assert span_attention.supported(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)) == (not amx)
     assert span_attention.supported(torch.zeros(1, 4, 2, 64))
+
+
+def test_an_encoders_layers_stay_onednn(kernel):
+    """Only the decoder's layers run by the kernel (an encoder's thousands of
+    rows are oneDNN's); the model computes what it did."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"encoder": nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)),
+                           "decoder": nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32))})
+    x = torch.randn(5, 32)
+
+    def run():
+        return model["decoder"](model["encoder"](x))
+
+    with torch.inference_mode():
+        expected = run()
+        assert pack_linear_layers(model, decoder=model["decoder"]) == 4
+        assert [layer.by_kernel for layer in model["encoder"]] == [False, False]
+        assert [layer.by_kernel for layer in model["decoder"]] == [True, True]
+        assert (run() - expected).abs().max() <= 1e-5 * expected.abs().max()

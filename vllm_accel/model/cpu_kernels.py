@@ -1,11 +1,12 @@
 """Build our C++ CPU kernels (decode_attention.cpp, span_attention.cpp,
 linear_kernel.cpp).
 
-The kernels ``load`` serves (linear layers, span attention) are matmuls: they
-run bfloat16 only where the CPU lacks AMX. Their AVX-512 BF16 dot products
+The kernels ``load`` serves (linear layers, span attention) are matmuls: where
+the CPU has AMX they run bfloat16 only if they multiply on its tiles (the
+linear kernel does; span attention does not). AVX-512 BF16 dot products
 reach ~230 GFLOP/s on two cores of a Xeon with AMX, where oneDNN's matmul on
 AMX tiles reaches 1,100-3,000 and torch's flash attention is 1.0-3.7x ours
-(benchmarks/README.md, fourteenth session); there both are left to torch.
+(benchmarks/README.md, fourteenth session); there such work is left to torch.
 (The decode kernel, which reads the KV cache more than it multiplies, is
 built by ``build`` alone and runs bfloat16 on every AVX-512 BF16 CPU.)
 
@@ -75,13 +76,15 @@ def load(kernel_class, source: Path, cache_dir: Path, instead: str):
     without AVX-512): logged at info with what runs ``instead``, since such a
     CPU is not a fault. Sets the kernel's ``dtypes`` (what the engine runs by
     it) to its ``runs`` (what its build runs here) but bfloat16 where the CPU
-    has AMX (see the module's docstring)."""
+    has AMX and the kernel does not multiply on its tiles (``multiplies_on_amx``;
+    see the module's docstring)."""
     try:
         kernel = kernel_class(build(source, cache_dir))
         if not kernel.runs:
             raise RuntimeError("this CPU has no AVX-512")
         kernel.dtypes = set(kernel.runs)
-        if torch.bfloat16 in kernel.dtypes and "amx_bf16" in (cpu_flags() or ()):
+        if (torch.bfloat16 in kernel.dtypes and "amx_bf16" in (cpu_flags() or ())
+                and not getattr(kernel, "multiplies_on_amx", False)):
             kernel.dtypes.discard(torch.bfloat16)
             logger.info("vllm_accel: %s kernel in float32 only, bfloat16 %s (AMX)",
                         source.stem, instead)

@@ -1,13 +1,14 @@
 """Linear layers by our kernel (linear_kernel.cpp) on a CPU with AVX-512
-(bfloat16 only without AMX, whose tiles oneDNN uses: cpu_kernels.py).
+(bfloat16 by AVX-512 BF16 dot products, or on AMX tiles where the CPU has them).
 
 oneDNN's packed matmul leaves DRAM idle while it computes a block's rows
 after the first; ours streams the next block in meanwhile. The ~90M Llama's
 decoder linears (8 layers, weights from DRAM) at 32 rows: 18.0 -> 13.6 ms in
 float32, 9.3 -> 7.4 ms in bfloat16; 1.03-1.33x at 1-64 rows, 1.03-1.06x at 512
-(``benchmarks/linear.py --layers 8``). A layer runs by it where ``packs`` says yes and
-it has no activation to fuse (those keep oneDNN's post-ops): see
-packed_linear.py. Loaded once per process by ``enable`` (the cpu device).
+(``benchmarks/linear.py --layers 8``); on a Xeon with AMX, bfloat16 on tiles, 1.1-1.5x
+at 1-64 rows, 0.9x at 256-512, slower at thousands (linear_kernel.cpp). A layer runs
+by it where ``packs`` says yes, it has no activation to fuse (those keep oneDNN's
+post-ops) and it is not an encoder's: see packed_linear.py. Loaded once per process by ``enable`` (the cpu device).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 from vllm_accel.model import cpu_kernels, ops
 
 SOURCE = Path(__file__).with_name("linear_kernel.cpp")
-BLOCK = 64  # output columns per packed block
 _PAIRED = {torch.float32: 1, torch.bfloat16: 2}  # elements along K per multiply
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -29,7 +29,8 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 class LinearKernel:
     """The kernel's entry points, loaded from a built shared library;
     ``runs``: the dtypes its build runs on this CPU, ``dtypes``: those layers
-    run by it (set by ``cpu_kernels.load``)."""
+    run by it (set by ``cpu_kernels.load``); ``multiplies_on_amx``: bfloat16
+    on AMX tiles (its own layout: ``layout``)."""
 
     def __init__(self, library: Path):
         loaded = ctypes.CDLL(str(library))
@@ -37,11 +38,33 @@ class LinearKernel:
         for function in self._functions.values():
             function.restype = ctypes.c_int
             function.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
-        # Status 2: built without the instructions that dtype needs.
+        self.multiplies_on_amx = bool(loaded.bf16_on_amx())
+        # Status 2: built without the instructions that dtype needs; 3: the OS
+        # refused AMX.
         self.runs = {dtype for dtype in self._functions
                      if self._run(torch.zeros(1, 2, dtype=dtype),
-                                  pack(torch.zeros(1, 2, dtype=dtype)), None, 1)[1] != 2}
+                                  self.pack(torch.zeros(1, 2, dtype=dtype)), None, 1)[1] == 0}
         self.dtypes: set[torch.dtype] = set()
+
+    def layout(self, dtype: torch.dtype) -> tuple[int, int]:
+        """(output columns per packed block, multiple K is padded to)."""
+        if dtype == torch.bfloat16 and self.multiplies_on_amx:
+            return 32, 32  # AMX tiles: 16 columns, 32 along K
+        return 64, _PAIRED[dtype]
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [out, in] -> blocks [out / B, in / P, B, P] (B columns per
+        block, P: 1 float32, 2 bfloat16; see ``layout``), the last block's
+        missing columns zero, and ``in`` padded with zeros to the layout's
+        multiple."""
+        out_features, in_features = weight.shape
+        block, k_multiple = self.layout(weight.dtype)
+        paired = _PAIRED[weight.dtype]
+        padded = weight.new_zeros(-(-out_features // block) * block,
+                                  -(-in_features // k_multiple) * k_multiple)
+        padded[:out_features, :in_features] = weight.detach()
+        blocks = padded.view(-1, block, padded.shape[1] // paired, paired)
+        return blocks.permute(0, 2, 1, 3).contiguous()
 
     def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              out_features: int) -> tuple[torch.Tensor, int]:
@@ -82,14 +105,9 @@ def packs(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] -> the kernel's layout [blocks, in / P, 64, P] (P: 1
-    float32, 2 bfloat16), the last block's missing columns zero."""
-    out_features, in_features = weight.shape
-    paired = _PAIRED[weight.dtype]
-    padded = weight.new_zeros(-(-out_features // BLOCK) * BLOCK, in_features)
-    padded[:out_features] = weight.detach()
-    blocks = padded.view(-1, BLOCK, in_features // paired, paired)
-    return blocks.permute(0, 2, 1, 3).contiguous()
+    """weight [out, in] -> the loaded kernel's layout (``LinearKernel.pack``)."""
+    assert _kernel is not None, "linear_kernel.enable() first"
+    return _kernel.pack(weight)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -1,6 +1,6 @@
 """Linear layers over weights packed once (cpu device): by our kernel where
-it runs (linear_kernel.py: AVX-512, bfloat16 without AMX; a layer without an
-activation to fuse), else by oneDNN.
+it runs (linear_kernel.py: AVX-512; a decoder's layer without an activation to
+fuse), else by oneDNN.
 
 torch runs a float32 ``nn.Linear`` on the CPU with MKL's sgemm, a bfloat16
 one with oneDNN over the plain weight. Packing each weight once into oneDNN's
@@ -16,6 +16,11 @@ constants, and ours are graph inputs (one compiled graph serves every layer).
 The packed copy replaces the dense weight, so the weights' memory does not
 grow (but for a head tied to the embedding, whose dense weight the embedding
 keeps).
+
+Our kernel is for the rows a decoder brings (a decode step's tens, a
+prompt chunk's hundreds); an encoder's calls of thousands of rows stay
+oneDNN's, whose cache blocking wins there (on AMX 1.2-1.5x ours at 2,048
+rows; about even without AMX).
 
 An FMS feed-forward block's activation (GELU, ReLU, SiLU) runs inside its
 first matmul as a oneDNN post-op: the [rows, hidden] activations are written
@@ -63,11 +68,13 @@ class PackedLinear(nn.Module):
     (``by_kernel``) or for oneDNN, which also runs ``post_op`` (an activation
     fused in, as oneDNN names it: see ``_activation_post_op``)."""
 
-    def __init__(self, linear: nn.Linear, post_op: tuple[str, str] = ("none", "")):
+    def __init__(self, linear: nn.Linear, post_op: tuple[str, str] = ("none", ""),
+                 kernel_allowed: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.post_op = post_op
-        self.by_kernel = post_op[0] == "none" and linear_kernel.packs(linear.weight)
+        self.by_kernel = (kernel_allowed and post_op[0] == "none"
+                          and linear_kernel.packs(linear.weight))
         weight = (linear_kernel.pack(linear.weight) if self.by_kernel
                   else compat.onednn_pack_linear_weight(linear.weight))
         self.register_buffer("packed_weight", weight, persistent=False)
@@ -84,11 +91,13 @@ class PackedLinear(nn.Module):
                f"post_op={self.post_op[0]}"
 
 
-def pack_linear_layers(model: nn.Module) -> int:
+def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> int:
     """Replace every linear layer of ``model`` (text, vision and head) by a
     ``PackedLinear``, each FMS ``FeedForwardBlock``'s activation fused into
-    its first; returns how many. A model of a dtype oneDNN does not pack here
-    is left as it is (0)."""
+    its first; returns how many. Our kernel may run the layers of ``decoder``
+    (a part of ``model``; None: all of it), the others stay oneDNN's (see the
+    module's docstring). A model of a dtype oneDNN does not pack here is left
+    as it is (0)."""
     dtype = next(model.parameters()).dtype
     if not compat.onednn_packs_dtype(dtype):
         return 0
@@ -103,12 +112,14 @@ def pack_linear_layers(model: nn.Module) -> int:
     # Only layers that are called, never read: plain nn.Linear and FMS's LM
     # head class (its TP variant all-reduces). A subclass may be read by its
     # owner (nn.MultiheadAttention reads its out_proj's weight).
+    decoder_layers = {id(m) for m in (decoder or model).modules()}
     packed: dict[int, PackedLinear] = {}  # by id of the linear: a layer may have two parents
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) in _PACKABLE and child.weight.dtype == dtype:
                 if id(child) not in packed:
-                    packed[id(child)] = PackedLinear(child, post_ops.get(id(child), ("none", "")))
+                    packed[id(child)] = PackedLinear(child, post_ops.get(id(child), ("none", "")),
+                                                     kernel_allowed=id(child) in decoder_layers)
                 setattr(parent, name, packed[id(child)])
     for block in fused:
         if isinstance(block.w1, PackedLinear):  # not a layer of another dtype, left dense

@@ -181,17 +181,18 @@ class AccelModelRunner:
                                    tp_group=tp_group)
         rotated = half_split_rope.install(fms_model, self.model_config.max_model_len)
         logger.info("vllm_accel rotary embedding on head halves: %d attention layers", rotated)
-        if self.backend.device == "cpu":
-            linear_kernel.enable(self.settings.cache_dir / "kernels")  # before packing for it
-            packed = pack_linear_layers(fms_model)
-            by_kernel = sum(getattr(m, "by_kernel", False) for m in fms_model.modules())
-            logger.info("vllm_accel linear layers packed: %d (%s), %d by our kernel, the rest "
-                        "by oneDNN", packed, self.dtype, by_kernel)
         adapter_class = vision_adapter_class(hf_config)
         if adapter_class is not None:
             self.vision = adapter_class(self.model_config, fms_model)
             self.requests.vision = self.vision
-            fms_model = self.vision.text_model
+        text_model = fms_model if self.vision is None else self.vision.text_model
+        if self.backend.device == "cpu":
+            linear_kernel.enable(self.settings.cache_dir / "kernels")  # before packing for it
+            packed = pack_linear_layers(fms_model, decoder=text_model)
+            by_kernel = sum(getattr(m, "by_kernel", False) for m in fms_model.modules())
+            logger.info("vllm_accel linear layers packed: %d (%s), %d by our kernel, the rest "
+                        "by oneDNN", packed, self.dtype, by_kernel)
+        fms_model = text_model
         self.model = FmsCausalLM(fms_model)
         if self.tp_size > 1 and not self.model.head_replicated:
             # Only the driver computes logits: a sharded head would need every rank.
