@@ -19,11 +19,11 @@
 // AMX tiles instead, over another layout: blocks of 32 columns, each
 // [kp / 2][32][2] with kp = K rounded up to 32 (zeros past K), so that one
 // step along K of a block (16 pairs) is 2 KB in a row: two B tiles side by
-// side. Same reason to be ours: the ~90M Llama's decoder linears (8 layers)
-// at 1-64 rows ran 1.1-1.5x oneDNN's on AMX, the next block prefetched while
-// the tiles multiply; 0.9x at 256-512 rows and 0.65-0.8x at 2,048 (oneDNN
-// blocks for caches, this does not), so encoders stay oneDNN's
-// (packed_linear.py).
+// side. Same reason to be ours: the ~90M and ~128M Llamas' decoder linears
+// (8-9 layers) at 1-64 rows ran 1.06-1.32x oneDNN's on AMX, the next block
+// prefetched while the tiles multiply; 0.8-0.9x at 512 rows and ~0.65x at
+// 2,048 in a scratch loop (oneDNN blocks for caches, this does not), so
+// encoders stay oneDNN's (packed_linear.py).
 //
 // Plain C ABI, no torch headers (builds in about a second); returns 2 where it
 // was built without the instructions a dtype needs, 3 where the OS refuses
