@@ -48,7 +48,7 @@ def _errors(x, weight, bias, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_is_as_accurate_as_onednn(kernel, rows, in_features, out_features, dtype):
     """Row counts around the kernel's tiles (up to 7 rows each; AMX: groups of
-    16, two at a time) and none (a step that samples nothing), columns not a
+    16, two at a time) and none (seen while serving), columns not a
     multiple of its 64-column blocks (and fewer than one vector), one block or
     many (the next one prefetched), a bias or none."""
     g = torch.Generator().manual_seed(rows * 7 + in_features)
