@@ -124,7 +124,7 @@ def test_odd_bfloat16_inputs_stay_onednn(kernel):
 
 
 @pytest.mark.parametrize("amx", [False, True], ids=["avx512_bf16", "amx"])
-def test_bfloat16_left_to_torch_where_the_cpu_has_amx(tmp_path, monkeypatch, amx):
+def test_bfloat16_on_amx_only_by_kernels_that_multiply_on_its_tiles(tmp_path, monkeypatch, amx):
     """On a CPU with AMX, a kernel runs bfloat16 only if it multiplies on AMX
     tiles (the linear kernel built for such a CPU does); bfloat16 attention
     goes to torch's SDPA; float32 stays ours."""

@@ -84,7 +84,7 @@ def load(kernel_class, source: Path, cache_dir: Path, instead: str):
             raise RuntimeError("this CPU has no AVX-512")
         kernel.dtypes = set(kernel.runs)
         if (torch.bfloat16 in kernel.dtypes and "amx_bf16" in (cpu_flags() or ())
-                and not getattr(kernel, "multiplies_on_amx", False)):
+                and not kernel.multiplies_on_amx):
             kernel.dtypes.discard(torch.bfloat16)
             logger.info("vllm_accel: %s kernel in float32 only, bfloat16 %s (AMX)",
                         source.stem, instead)

@@ -19,8 +19,8 @@ keeps).
 
 Our kernel is for the rows a decoder brings (a decode step's tens, a
 prompt chunk's hundreds); an encoder's calls of thousands of rows stay
-oneDNN's, whose cache blocking wins there (on AMX 1.2-1.5x ours at 2,048
-rows; about even without AMX).
+oneDNN's, whose cache blocking wins there (on AMX ~1.5x ours at 2,048
+rows in a scratch loop; about even without AMX).
 
 An FMS feed-forward block's activation (GELU, ReLU, SiLU) runs inside its
 first matmul as a oneDNN post-op: the [rows, hidden] activations are written

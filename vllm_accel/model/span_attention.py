@@ -46,6 +46,8 @@ class SpanAttentionKernel:
     shared library; ``runs``: the dtypes its build runs on this CPU,
     ``dtypes``: those attention runs by it (set by ``cpu_kernels.load``)."""
 
+    multiplies_on_amx = False  # AVX-512 BF16 dot products: on AMX CPUs torch's SDPA is faster
+
     def __init__(self, library: Path):
         loaded = ctypes.CDLL(str(library))
         self._functions = {torch.bfloat16: loaded.span_attention_bf16,
