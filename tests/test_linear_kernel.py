@@ -126,8 +126,9 @@ def test_odd_bfloat16_inputs_stay_onednn(kernel):
 @pytest.mark.parametrize("amx", [False, True], ids=["avx512_bf16", "amx"])
 def test_bfloat16_on_amx_only_by_kernels_that_multiply_on_its_tiles(tmp_path, monkeypatch, amx):
     """On a CPU with AMX, a kernel runs bfloat16 only if it multiplies on AMX
-    tiles (the linear kernel built for such a CPU does); bfloat16 attention
-    goes to torch's SDPA; float32 stays ours."""
+    tiles (the linear and span attention kernels built for such a CPU do; a
+    kernel of AVX-512 BF16 dot products leaves bfloat16 to oneDNN or torch's
+    SDPA); float32 stays ours."""
     flags = {"avx512f", "avx512_bf16"} | ({"amx_bf16", "amx_tile"} if amx else set())
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
     kernels = []
@@ -137,13 +138,22 @@ def test_bfloat16_on_amx_only_by_kernels_that_multiply_on_its_tiles(tmp_path, mo
         if torch.bfloat16 not in kernels[-1].runs:
             pytest.skip("the kernels' bfloat16 needs AVX-512 BF16")
     linear, span = kernels
-    on_tiles = not amx or linear.multiplies_on_amx
-    assert linear.dtypes == ({torch.float32, torch.bfloat16} if on_tiles else {torch.float32})
-    assert span.dtypes == ({torch.float32} if amx else {torch.float32, torch.bfloat16})
-    assert PackedLinear(nn.Linear(64, 8).to(torch.bfloat16)).by_kernel == on_tiles
+    both, f32 = {torch.float32, torch.bfloat16}, {torch.float32}
+    linear_tiles, span_tiles = (not amx or kernel.multiplies_on_amx for kernel in kernels)
+    assert linear.dtypes == (both if linear_tiles else f32)
+    assert span.dtypes == (both if span_tiles else f32)
+    assert PackedLinear(nn.Linear(64, 8).to(torch.bfloat16)).by_kernel == linear_tiles
     assert PackedLinear(nn.Linear(64, 8)).by_kernel
-    assert span_attention.supported(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)) == (not amx)
+    assert span_attention.supported(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)) == span_tiles
     assert span_attention.supported(torch.zeros(1, 4, 2, 64))
+
+    class DotProductsOnly(span_attention.SpanAttentionKernel):
+        def __init__(self, library):
+            super().__init__(library)
+            self.multiplies_on_amx = False
+
+    dot_products = cpu_kernels.load(DotProductsOnly, span_attention.SOURCE, tmp_path, "SDPA")
+    assert dot_products.dtypes == (f32 if amx else both)
 
 
 def test_an_encoders_layers_stay_onednn(kernel):

@@ -30,13 +30,13 @@
 // this process AMX. Called by linear_kernel.py.
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "amx_tiles.h"
 
 namespace {
 
@@ -160,36 +160,10 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
   return 0;
 }
 
-
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define LINEAR_AMX 1
+#if defined(VLLM_ACCEL_AMX)
 
 constexpr int64_t kAmxBlock = 32;  // output columns per block: two 16-column B tiles
 constexpr int64_t kAmxStep = 32;   // bfloat16 along K per tile multiply
-
-// Linux hands AMX's tile state to a process that asks (once per process).
-bool amx_permitted() {
-  static const bool permitted =
-      syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3 sums (rows of two groups of 16 x two 16-column halves), 4-5 x
-// (a group's 16 rows x 32 along K), 6-7 weights (16 pairs along K x 16 columns).
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 // One tile of float32 sums [16][16] -> `rows` rows of y (+ bias), bfloat16.
 void store_sums(const float* sums, uint16_t* y, int64_t n_size, int rows, int64_t columns,
@@ -200,6 +174,8 @@ void store_sums(const float* sums, uint16_t* y, int64_t n_size, int rows, int64_
     BFloat16::store(y + r * n_size, m, _mm512_add_ps(_mm512_load_ps(sums + r * 16), b));
 }
 
+// Tiles 0-3 sums (rows of two groups of 16 x two 16-column halves), 4-5 x
+// (a group's 16 rows x 32 along K), 6-7 weights (16 pairs along K x 16 columns).
 int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                int64_t m_size, int64_t n_size, int64_t k_size, int num_threads) {
   if (k_size % 2) return 1;
@@ -302,7 +278,7 @@ extern "C" int linear_f32(LINEAR_ARGS(float)) {
 }
 
 extern "C" int linear_bf16(LINEAR_ARGS(uint16_t)) {
-#if defined(LINEAR_AMX)
+#if defined(VLLM_ACCEL_AMX)
   return linear_amx(x, w, bias, y, m, n, k, num_threads);
 #elif defined(__AVX512F__) && defined(__AVX512BF16__)
   return linear<BFloat16>(x, w, bias, y, m, n, k, num_threads);
@@ -313,7 +289,7 @@ extern "C" int linear_bf16(LINEAR_ARGS(uint16_t)) {
 
 // 1 where bfloat16 runs on AMX tiles (its weights in the AMX layout above).
 extern "C" int bf16_on_amx() {
-#if defined(LINEAR_AMX)
+#if defined(VLLM_ACCEL_AMX)
   return 1;
 #else
   return 0;

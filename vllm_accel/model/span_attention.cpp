@@ -21,6 +21,16 @@
 // PyTorch's flash kernel does. Key blocks outside every row's span are skipped
 // (a causal prompt does half the work).
 //
+// Where the build has AMX, bfloat16 multiplies on its tiles instead (the dot
+// products above lose to torch's flash kernel on such a CPU): blocks of 32
+// query rows; keys packed once per KV head as B tiles (16 keys' pairs along the
+// head dimension, transposed 16 x 16 in registers), values as above; the
+// softmax and its bfloat16 probabilities as above. Two cores of a Xeon with
+// AMX (seventeenth session, `benchmarks/span_attention.py`): SigLIP's
+// 5 tiles 1.5-1.7x torch's flash kernel, Qwen2.5-VL's windows ~2x, a
+// prompt's causal attention ~2x, Molmo's crops and Qwen2.5-VL's full blocks
+// 1.0-1.2x (scratch runs; the softmax is now the largest part).
+//
 // Plain C ABI, no torch headers; built and called by span_attention.py.
 #include <immintrin.h>
 
@@ -30,6 +40,7 @@
 #include <cstring>
 #include <memory>
 
+#include "amx_tiles.h"
 #include "vector_math.h"
 
 #ifdef __AVX512F__
@@ -296,6 +307,177 @@ int span_attention(const typename T::E* q, const typename T::E* k, const typenam
   return 0;
 }
 
+
+#if defined(VLLM_ACCEL_AMX)
+// bfloat16 on AMX tiles (where the build has them): the same three steps for
+// blocks of 32 query rows (two row tiles), each product 2 x 2 tiles at a time
+// (tdpbf16ps: exact products, float32 sums), the softmax as above.
+constexpr int kAmxRows = 32;
+
+// Lane i of r[p] <- lane p of r[i]: a 16 x 16 transpose of 32-bit lanes.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      r[i + 2 * j] = _mm512_unpacklo_epi64(t[i + j], t[i + j + 2]);
+      r[i + 2 * j + 1] = _mm512_unpackhi_epi64(t[i + j], t[i + j + 2]);
+    }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// keys [n][dim] (token stride ks) -> [n_pad/16][dim32/2][16][2]: 16 keys x 32
+// along the head dimension (16 pairs x 16 keys, a B tile) are 1 KB in a row;
+// zeros past n and dim. 16 keys' pairs at a time, transposed in registers.
+void pack_keys_amx(const uint16_t* k, int64_t ks, int64_t n, int64_t n_pad, int64_t dim,
+                   int64_t dim32, uint16_t* out) {
+  const int64_t pairs = dim32 / 2, used = dim / 2;
+  for (int64_t j0 = 0; j0 < n_pad; j0 += 16) {
+    auto* block = reinterpret_cast<int32_t*>(out) + j0 * pairs;
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      const __mmask16 m = p0 + 16 <= used ? 0xffff : p0 >= used ? 0 : (1u << (used - p0)) - 1;
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const uint16_t* row = k + (j0 + i) * ks + 2 * p0;
+        if (j0 + 16 + i < n) {  // the next keys' row (strided rows: the hardware's prefetch misses them)
+          _mm_prefetch(reinterpret_cast<const char*>(row + 16 * ks), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(row + 16 * ks) + 63, _MM_HINT_T0);
+        }
+        r[i] = j0 + i < n ? _mm512_maskz_loadu_epi32(m, row) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int p = 0; p < 16 && p0 + p < pairs; ++p) _mm512_storeu_si512(block + (p0 + p) * 16, r[p]);
+    }
+  }
+}
+
+int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
+                       int64_t q_batch_stride, int64_t q_token_stride, int64_t k_batch_stride,
+                       int64_t k_token_stride, int64_t v_batch_stride, int64_t v_token_stride,
+                       const int32_t* ranges, int causal, int64_t batch, int64_t n,
+                       int64_t n_keys, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                       int num_threads) {
+  using E = uint16_t;
+  const int64_t n_pad = round_up(n_keys, kKeys), dim_pad = round_up(dim, 16);
+  const int64_t dim32 = round_up(dim, 32), pairs = dim32 / 2;
+  if (dim % 2 || dim_pad > 128) return 1;
+  if (kv_heads < 1 || heads % kv_heads || n_keys < (causal ? n : 1)) return 3;
+  if (!amx_permitted()) return 5;
+  const int64_t out_row = heads * dim, group = heads / kv_heads;
+  const int64_t key_size = n_pad * dim32, value_size = n_pad * dim_pad;
+  std::unique_ptr<E[]> packed(new E[batch * kv_heads * (key_size + value_size)]);
+#pragma omp parallel for num_threads(num_threads)
+  for (int64_t bk = 0; bk < batch * kv_heads; ++bk) {
+    const int64_t b = bk / kv_heads, h = bk % kv_heads;
+    E* keys = packed.get() + bk * (key_size + value_size);
+    pack_keys_amx(k + b * k_batch_stride + h * dim, k_token_stride, n_keys, n_pad, dim, dim32,
+                  keys);
+    pack_values<BFloat16>(v + b * v_batch_stride + h * dim, v_token_stride, n_keys, n_pad, dim,
+                          dim_pad, keys + key_size);
+  }
+  const int64_t blocks = (n + kAmxRows - 1) / kAmxRows;
+#pragma omp parallel num_threads(num_threads)
+  {
+    configure_tiles();
+    std::unique_ptr<float[]> scores(new float[kAmxRows * n_pad]), o(new float[kAmxRows * dim_pad]);
+    std::unique_ptr<E[]> probs(new E[kAmxRows * n_pad]), query(new E[kAmxRows * dim32]());
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < batch * heads * blocks; ++task) {
+      const int64_t bh = task / blocks, r0 = task % blocks * kAmxRows;
+      const int64_t b = bh / heads, h = bh % heads;
+      const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, n - r0));
+      int64_t first[kAmxRows], last[kAmxRows], lo = n_keys, hi = 0;
+      for (int r = 0; r < kAmxRows; ++r) {  // past the rows: the last row again, not written
+        const int64_t row = r0 + std::min(r, rows - 1);
+        const int32_t* range = ranges ? ranges + (b * n + row) * 2 : nullptr;
+        first[r] = range ? range[0] : 0;
+        last[r] = range ? range[1] : causal ? n_keys - n + row + 1 : n_keys;
+        lo = std::min(lo, first[r]);
+        hi = std::max(hi, last[r]);
+        std::memcpy(query.get() + r * dim32, q + b * q_batch_stride + row * q_token_stride + h * dim,
+                    dim * sizeof(E));  // past dim: zeros since allocation
+      }
+      lo = lo / kKeys * kKeys;
+      hi = round_up(hi, kKeys);
+      const E* keys = packed.get() + (b * kv_heads + h / group) * (key_size + value_size);
+      const E* values = keys + key_size;
+      // Scores, 32 rows x 32 keys a step (tiles 0-3), rows 4-5, keys 6-7.
+      for (int64_t j = lo; j < hi; j += kKeys) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const E* key_tiles = keys + j / 16 * pairs * 32;
+        for (int64_t d = 0; d < dim32; d += 32) {
+          _tile_loadd(4, query.get() + d, dim32 * 2);
+          _tile_loadd(5, query.get() + 16 * dim32 + d, dim32 * 2);
+          _tile_loadd(6, key_tiles + d * 16, 64);
+          _tile_loadd(7, key_tiles + pairs * 32 + d * 16, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        float* s = scores.get() + j;
+        _tile_stored(0, s, n_pad * 4);
+        _tile_stored(1, s + 16, n_pad * 4);
+        _tile_stored(2, s + 16 * n_pad, n_pad * 4);
+        _tile_stored(3, s + 16 * n_pad + 16, n_pad * 4);
+      }
+      float inv_sum[kAmxRows];
+      for (int r = 0; r < kAmxRows; ++r)
+        inv_sum[r] = 1.0f / softmax_row<BFloat16>(scores.get() + r * n_pad, lo, hi, first[r],
+                                                  last[r], scale, probs.get() + r * n_pad);
+      // Weighted values, 32 rows x 32 of the head dimension a pass (tiles
+      // 0-3), probabilities 4-5 (32 keys a step), values 6-7 (16 pairs of
+      // keys x 16 of the head dimension).
+      for (int64_t d = 0; d < dim_pad; d += 32) {
+        const bool two = d + 16 < dim_pad;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j = lo; j < hi; j += kKeys) {
+          const E* value_tiles = values + (j / 2 * dim_pad + d) * 2;
+          _tile_loadd(4, probs.get() + j, n_pad * 2);
+          _tile_loadd(5, probs.get() + 16 * n_pad + j, n_pad * 2);
+          _tile_loadd(6, value_tiles, dim_pad * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two) {
+            _tile_loadd(7, value_tiles + 32, dim_pad * 4);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, o.get() + d, dim_pad * 4);
+        _tile_stored(2, o.get() + 16 * dim_pad + d, dim_pad * 4);
+        if (two) {
+          _tile_stored(1, o.get() + d + 16, dim_pad * 4);
+          _tile_stored(3, o.get() + 16 * dim_pad + d + 16, dim_pad * 4);
+        }
+      }
+      E* result = out + (b * n + r0) * out_row + h * dim;
+      for (int r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < dim; ++d)
+          result[r * out_row + d] = BFloat16::from_float(o[r * dim_pad + d] * inv_sum[r]);
+    }
+    _tile_release();
+  }
+  return 0;
+}
+#endif  // AMX
 }  // namespace
 #endif
 
@@ -303,7 +485,8 @@ int span_attention(const typename T::E* q, const typename T::E* k, const typenam
 // callers check first), 2 when built without the instructions it needs
 // (AVX-512; bfloat16 also AVX-512 BF16), 3 when heads is not a multiple of
 // kv_heads or there are fewer keys than causal rows need, 4 when a key's
-// token stride is too long for the packing's 32-bit gather offsets (> 2 GB / 15).
+// token stride is too long for the packing's 32-bit gather offsets (> 2 GB / 15),
+// 5 when the OS refuses this process AMX.
 #define SPAN_ATTENTION_ARGS(E)                                                                \
   const E *q, const E *k, const E *v, E *out, int64_t q_batch_stride, int64_t q_token_stride, \
       int64_t k_batch_stride, int64_t k_token_stride, int64_t v_batch_stride,                 \
@@ -324,9 +507,22 @@ extern "C" int span_attention_f32(SPAN_ATTENTION_ARGS(float)) {
 }
 
 extern "C" int span_attention_bf16(SPAN_ATTENTION_ARGS(uint16_t)) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(VLLM_ACCEL_AMX)
+  return span_attention_amx(q, k, v, out, q_batch_stride, q_token_stride, k_batch_stride,
+                            k_token_stride, v_batch_stride, v_token_stride, ranges, causal,
+                            batch, n, n_keys, heads, kv_heads, dim, scale, num_threads);
+#elif defined(__AVX512F__) && defined(__AVX512BF16__)
   return SPAN_ATTENTION_CALL(BFloat16);
 #else
   return 2;
+#endif
+}
+
+// 1 where bfloat16 runs on AMX tiles.
+extern "C" int bf16_on_amx() {
+#if defined(VLLM_ACCEL_AMX)
+  return 1;
+#else
+  return 0;
 #endif
 }

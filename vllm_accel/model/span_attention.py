@@ -11,10 +11,14 @@ prompt's causal attention (grouped query heads) 4.6-5.9x faster; in float32
 (AVX-512 without BF16 suffices) 1.1-1.7x and 2.5-3.1x, a few ulps from SDPA
 (``benchmarks/span_attention.py``).
 
+Where the build has AMX, bfloat16 multiplies on its tiles instead (there
+torch's flash kernel, on AMX itself, beat the dot products above): see
+span_attention.cpp for its figures.
+
 SigLIP, Molmo's ViT and the paged attention op for prompts call ``attend``
 where ``supported`` says yes and keep their own attention otherwise (CUDA, a
-CPU without AVX-512, a head size above 128, bfloat16 on a CPU with AMX, where
-torch's flash kernel is faster: cpu_kernels.py). Qwen2.5-VL's tower calls it
+CPU without AVX-512, a head size above 128, bfloat16 on a CPU with AMX where
+the kernel was built without AMX: cpu_kernels.py). Qwen2.5-VL's tower calls it
 on every CPU: where the kernel does not run, ``attend`` runs torch's SDPA span
 by span, not masked over the whole call. The kernel is loaded once per
 process by ``enable`` (the runner's cpu device); the op is opaque to inductor,
@@ -46,20 +50,22 @@ class SpanAttentionKernel:
     shared library; ``runs``: the dtypes its build runs on this CPU,
     ``dtypes``: those attention runs by it (set by ``cpu_kernels.load``)."""
 
-    multiplies_on_amx = False  # AVX-512 BF16 dot products: on AMX CPUs torch's SDPA is faster
-
     def __init__(self, library: Path):
         loaded = ctypes.CDLL(str(library))
+        # bfloat16 on AMX tiles where built with them (AVX-512 BF16 dot
+        # products alone lose to torch's SDPA on such a CPU: cpu_kernels.load).
+        self.multiplies_on_amx = bool(loaded.bf16_on_amx())
         self._functions = {torch.bfloat16: loaded.span_attention_bf16,
                            torch.float32: loaded.span_attention_f32}
         for function in self._functions.values():
             function.restype = ctypes.c_int
             function.argtypes = ([_PTR] * 4 + [_I64] * 6 + [_PTR, ctypes.c_int] + [_I64] * 6
                                  + [ctypes.c_float, ctypes.c_int])
-        # Status 2: built without the instructions that dtype needs.
+        # Status 2: built without the instructions that dtype needs; 5: the OS
+        # refused AMX.
         probes = {dtype: torch.zeros(1, 1, 1, 2, dtype=dtype) for dtype in self._functions}
         self.runs = {dtype for dtype, probe in probes.items()
-                     if self._run(probe, probe, probe, None, 1.0)[1] != 2}
+                     if self._run(probe, probe, probe, None, 1.0)[1] not in (2, 5)}
         self.dtypes: set[torch.dtype] = set()
         self.calls = 0  # one per attention layer run (tests count them)
 

@@ -1,0 +1,44 @@
+// AMX tiles as our CPU kernels use them (linear_kernel.cpp, span_attention.cpp):
+// eight tiles of 16 rows x 64 bytes, the process's permission asked of Linux
+// once. Header-only; cpu_kernels.py rebuilds a kernel when a header it
+// includes changes.
+#pragma once
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define VLLM_ACCEL_AMX 1
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace {
+
+// Linux hands AMX's tile state to a process that asks (once per process).
+inline bool amx_permitted() {
+  static const bool permitted =
+      syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes: 16 x 16 float32 sums, or 16 x 32 bfloat16
+// (a row tile: 16 rows x 32 along K; a VNNI tile: 16 pairs along K x 16
+// columns). Once per thread, before its first tile instruction.
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+}  // namespace
+#endif
