@@ -362,6 +362,51 @@ void pack_keys_amx(const uint16_t* k, int64_t ks, int64_t n, int64_t n_pad, int6
   }
 }
 
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xffff : (1u << n) - 1; }
+
+// 2^t for finite t <= 0, to the precision bfloat16 probabilities need: a
+// degree-4 polynomial (relative error under 3e-6; vector_math.h's degree 5,
+// under 1e-7, cost a quarter more of the softmax here) and no clamp (scores of
+// finite bfloat16 inputs are finite; 2^n underflows to zero by itself).
+inline __m512 exp2_for_bfloat16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.5701087e-3f);
+  for (float c : {5.5917867e-2f, 2.4024744e-1f, 6.9312179e-1f, 9.9999928e-1f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax_row for the AMX path: the same probabilities (bfloat16) and sum,
+// lanes masked only at a span's edges.
+float probabilities_amx(const float* s, int64_t lo, int64_t hi, int64_t first, int64_t last,
+                        float scale, uint16_t* p) {
+  auto lanes = [&](int64_t j) -> __mmask16 {
+    if (j >= first && j + 16 <= last) return 0xffff;
+    const int64_t begin = std::clamp<int64_t>(first - j, 0, 16), end = std::clamp<int64_t>(last - j, 0, 16);
+    return static_cast<__mmask16>(((1u << end) - 1) & ~((1u << begin) - 1));
+  };
+  __m512 max = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = std::max(lo, first / 16 * 16); j < std::min(hi, last); j += 16)
+    max = _mm512_mask_max_ps(max, lanes(j), max, _mm512_loadu_ps(s + j));
+  const float scale2 = scale * kLog2E;  // exp(x) = 2^(x log2 e)
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(max) * scale2);
+  const __m512 scales = _mm512_set1_ps(scale2);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = lo; j < hi; j += 32) {
+    __m512 low = exp2_for_bfloat16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), scales, shift));
+    __m512 high = exp2_for_bfloat16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), scales, shift));
+    const __mmask16 low_lanes = lanes(j), high_lanes = lanes(j + 16);
+    if ((low_lanes & high_lanes) != 0xffff) {
+      low = _mm512_maskz_mov_ps(low_lanes, low);
+      high = _mm512_maskz_mov_ps(high_lanes, high);
+    }
+    sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
+    BFloat16::store32(p + j, low, high);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
                        int64_t q_batch_stride, int64_t q_token_stride, int64_t k_batch_stride,
                        int64_t k_token_stride, int64_t v_batch_stride, int64_t v_token_stride,
@@ -437,8 +482,8 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       }
       float inv_sum[kAmxRows];
       for (int r = 0; r < kAmxRows; ++r)
-        inv_sum[r] = 1.0f / softmax_row<BFloat16>(scores.get() + r * n_pad, lo, hi, first[r],
-                                                  last[r], scale, probs.get() + r * n_pad);
+        inv_sum[r] = 1.0f / probabilities_amx(scores.get() + r * n_pad, lo, hi, first[r],
+                                              last[r], scale, probs.get() + r * n_pad);
       // Weighted values, 32 rows x 32 of the head dimension a pass (tiles
       // 0-3), probabilities 4-5 (32 keys a step), values 6-7 (16 pairs of
       // keys x 16 of the head dimension).
@@ -470,8 +515,12 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       }
       E* result = out + (b * n + r0) * out_row + h * dim;
       for (int r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < dim; ++d)
-          result[r * out_row + d] = BFloat16::from_float(o[r * dim_pad + d] * inv_sum[r]);
+        for (int64_t d = 0; d < dim; d += 16) {
+          const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o.get() + r * dim_pad + d),
+                                         _mm512_set1_ps(inv_sum[r]));
+          _mm256_mask_storeu_epi16(result + r * out_row + d, first_lanes(dim - d),
+                                   (__m256i)_mm512_cvtneps_pbh(x));
+        }
     }
     _tile_release();
   }
