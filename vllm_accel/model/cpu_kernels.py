@@ -2,11 +2,12 @@
 linear_kernel.cpp).
 
 The kernels ``load`` serves (linear layers, span attention) are matmuls: where
-the CPU has AMX they run bfloat16 only if they multiply on its tiles (the
-linear kernel does; span attention does not). AVX-512 BF16 dot products
-reach ~230 GFLOP/s on two cores of a Xeon with AMX, where oneDNN's matmul on
-AMX tiles reaches 1,100-3,000 and torch's flash attention is 1.0-3.7x ours
-(benchmarks/README.md, fourteenth session); there such work is left to torch.
+the CPU has AMX they run bfloat16 only if they multiply on its tiles (both
+do where built with AMX). AVX-512 BF16 dot products reach ~230 GFLOP/s on two
+cores of a Xeon with AMX, where oneDNN's matmul on AMX tiles reaches
+1,100-3,000 and torch's flash attention was 1.0-3.7x our dot products
+(benchmarks/README.md, fourteenth session); a kernel without tiles leaves such
+work to torch.
 (The decode kernel, which reads the KV cache more than it multiplies, is
 built by ``build`` alone and runs bfloat16 on every AVX-512 BF16 CPU.)
 

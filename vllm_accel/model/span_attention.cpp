@@ -25,11 +25,12 @@
 // products above lose to torch's flash kernel on such a CPU): blocks of 32
 // query rows; keys packed once per KV head as B tiles (16 keys' pairs along the
 // head dimension, transposed 16 x 16 in registers), values as above; the
-// softmax and its bfloat16 probabilities as above. Two cores of a Xeon with
-// AMX (seventeenth session, `benchmarks/span_attention.py`): SigLIP's
-// 5 tiles 1.5-1.7x torch's flash kernel, Qwen2.5-VL's windows ~2x, a
-// prompt's causal attention ~2x, Molmo's crops and Qwen2.5-VL's full blocks
-// 1.0-1.2x (scratch runs; the softmax is now the largest part).
+// probabilities as above, their exp to bfloat16's precision. Two cores of a
+// Xeon with AMX (`benchmarks/span_attention.py --rounds 3 --seconds 1`,
+// seventeenth session): SigLIP's tiles 1.9x torch's flash kernel, prompts'
+// causal attention 2.6-3.3x, Molmo's crops 1.2x, a Qwen2.5-VL full block
+// 1.1-1.25x (its windows ~2x by SDPA window by window, a scratch loop);
+// errors against float64 as SDPA's. The softmax is now its largest part.
 //
 // Plain C ABI, no torch headers; built and called by span_attention.py.
 #include <immintrin.h>
