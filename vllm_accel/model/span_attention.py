@@ -48,7 +48,8 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 class SpanAttentionKernel:
     """The kernel's entry points (bfloat16, float32), loaded from a built
     shared library; ``runs``: the dtypes its build runs on this CPU,
-    ``dtypes``: those attention runs by it (set by ``cpu_kernels.load``)."""
+    ``dtypes``: those attention runs by it (set by ``cpu_kernels.load``);
+    ``multiplies_on_amx``: bfloat16 on AMX tiles (span_attention.cpp)."""
 
     def __init__(self, library: Path):
         loaded = ctypes.CDLL(str(library))
@@ -95,8 +96,8 @@ _kernel: SpanAttentionKernel | None = None
 def enable(cache_dir: Path) -> SpanAttentionKernel | None:
     """Load the kernel for this process (built into ``cache_dir`` if missing).
     None where it cannot be built or this CPU lacks AVX-512 (logged):
-    attention stays torch's. Without AVX-512 BF16, or with AMX (torch's flash
-    kernel multiplies on its tiles), only float32 runs by it."""
+    attention stays torch's. Without AVX-512 BF16, or on a CPU with AMX
+    where the build has no AMX tiles, only float32 runs by it."""
     global _kernel
     if _kernel is None:
         _kernel = cpu_kernels.load(SpanAttentionKernel, SOURCE, cache_dir,
