@@ -1,7 +1,8 @@
 // AMX tiles as our CPU kernels use them (linear_kernel.cpp, span_attention.cpp):
 // eight tiles of 16 rows x 64 bytes, the process's permission asked of Linux
-// once. Header-only; cpu_kernels.py rebuilds a kernel when a header it
-// includes changes.
+// once; and bf16_on_amx(), which each such kernel's library exports. Included
+// once per kernel (each is one source file); cpu_kernels.py rebuilds a kernel
+// when a header it includes changes.
 #pragma once
 
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -42,3 +43,12 @@ inline void configure_tiles() {
 
 }  // namespace
 #endif
+
+// 1 where this build's bfloat16 runs on AMX tiles (the kernel's loader reads it).
+extern "C" int bf16_on_amx() {
+#if defined(VLLM_ACCEL_AMX)
+  return 1;
+#else
+  return 0;
+#endif
+}

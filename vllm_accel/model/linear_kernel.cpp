@@ -286,12 +286,3 @@ extern "C" int linear_bf16(LINEAR_ARGS(uint16_t)) {
   return 2;
 #endif
 }
-
-// 1 where bfloat16 runs on AMX tiles (its weights in the AMX layout above).
-extern "C" int bf16_on_amx() {
-#if defined(VLLM_ACCEL_AMX)
-  return 1;
-#else
-  return 0;
-#endif
-}

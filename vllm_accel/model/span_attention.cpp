@@ -200,10 +200,25 @@ __attribute__((noinline)) void value_block(const typename T::E* probs, int64_t n
   }
 }
 
+// 2^t for finite t <= 0, to the precision bfloat16 probabilities need: a
+// degree-4 polynomial (relative error under 3e-6; vector_math.h's is degree 5,
+// under 1e-7) and no clamp (scores of finite bfloat16 inputs are finite; 2^n
+// underflows to zero by itself). The AMX path's softmax uses it: with it, and
+// masks only at a span's edges, a SigLIP call's softmax took ~15 % less
+// (phase timers, a scratch build).
+inline __m512 exp2_for_bfloat16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.5701087e-3f);
+  for (float c : {5.5917867e-2f, 2.4024744e-1f, 6.9312179e-1f, 9.9999928e-1f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
 // One row's softmax over its keys first..last - 1 of lo..hi (multiples of 32
 // apart): p[j] = exp((s[j] - max) * scale) (as T), 0 outside the keys;
-// returns the sum of the (unrounded) exponentials.
-template <typename T>
+// returns the sum of the (unrounded) exponentials. Exp: 2^t for t <= 0.
+template <typename T, __m512 (*Exp)(__m512) = exp2_nonpositive>
 __attribute__((noinline)) float softmax_row(const float* s, int64_t lo, int64_t hi, int64_t first, int64_t last,
                   float scale, typename T::E* p) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -224,11 +239,13 @@ __attribute__((noinline)) float softmax_row(const float* s, int64_t lo, int64_t 
   const __m512 scales = _mm512_set1_ps(scale2);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = lo; j < hi; j += 32) {
-    const __m512 low = _mm512_maskz_mov_ps(
-        lanes(j), exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), scales, shift)));
-    const __m512 high = _mm512_maskz_mov_ps(
-        lanes(j + 16),
-        exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), scales, shift)));
+    __m512 low = Exp(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), scales, shift));
+    __m512 high = Exp(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), scales, shift));
+    const __mmask16 low_lanes = lanes(j), high_lanes = lanes(j + 16);
+    if ((low_lanes & high_lanes) != 0xffff) {  // zeros outside the keys
+      low = _mm512_maskz_mov_ps(low_lanes, low);
+      high = _mm512_maskz_mov_ps(high_lanes, high);
+    }
     sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
     T::store32(p + j, low, high);
   }
@@ -359,50 +376,6 @@ void pack_keys_amx(const uint16_t* k, int64_t ks, int64_t n, int64_t n_pad, int6
 
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xffff : (1u << n) - 1; }
 
-// 2^t for finite t <= 0, to the precision bfloat16 probabilities need: a
-// degree-4 polynomial (relative error under 3e-6; vector_math.h's is degree 5,
-// under 1e-7) and no clamp (scores of finite bfloat16 inputs are finite; 2^n
-// underflows to zero by itself). With masks only at a span's edges, the
-// softmax of a SigLIP call took ~15 % less (phase timers, a scratch build).
-inline __m512 exp2_for_bfloat16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.5701087e-3f);
-  for (float c : {5.5917867e-2f, 2.4024744e-1f, 6.9312179e-1f, 9.9999928e-1f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
-// softmax_row for the AMX path: the same probabilities (bfloat16) and sum,
-// lanes masked only at a span's edges.
-float probabilities_amx(const float* s, int64_t lo, int64_t hi, int64_t first, int64_t last,
-                        float scale, uint16_t* p) {
-  auto lanes = [&](int64_t j) -> __mmask16 {
-    if (j >= first && j + 16 <= last) return 0xffff;
-    const int64_t begin = std::clamp<int64_t>(first - j, 0, 16), end = std::clamp<int64_t>(last - j, 0, 16);
-    return static_cast<__mmask16>(((1u << end) - 1) & ~((1u << begin) - 1));
-  };
-  __m512 max = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = std::max(lo, first / 16 * 16); j < std::min(hi, last); j += 16)
-    max = _mm512_mask_max_ps(max, lanes(j), max, _mm512_loadu_ps(s + j));
-  const float scale2 = scale * kLog2E;  // exp(x) = 2^(x log2 e)
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(max) * scale2);
-  const __m512 scales = _mm512_set1_ps(scale2);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = lo; j < hi; j += 32) {
-    __m512 low = exp2_for_bfloat16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), scales, shift));
-    __m512 high = exp2_for_bfloat16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), scales, shift));
-    const __mmask16 low_lanes = lanes(j), high_lanes = lanes(j + 16);
-    if ((low_lanes & high_lanes) != 0xffff) {
-      low = _mm512_maskz_mov_ps(low_lanes, low);
-      high = _mm512_maskz_mov_ps(high_lanes, high);
-    }
-    sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
-    BFloat16::store32(p + j, low, high);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
 int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
                        int64_t q_batch_stride, int64_t q_token_stride, int64_t k_batch_stride,
                        int64_t k_token_stride, int64_t v_batch_stride, int64_t v_token_stride,
@@ -478,8 +451,8 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       }
       float inv_sum[kAmxRows];
       for (int r = 0; r < kAmxRows; ++r)
-        inv_sum[r] = 1.0f / probabilities_amx(scores.get() + r * n_pad, lo, hi, first[r],
-                                              last[r], scale, probs.get() + r * n_pad);
+        inv_sum[r] = 1.0f / softmax_row<BFloat16, exp2_for_bfloat16>(
+            scores.get() + r * n_pad, lo, hi, first[r], last[r], scale, probs.get() + r * n_pad);
       // Weighted values, 32 rows x 32 of the head dimension a pass (tiles
       // 0-3), probabilities 4-5 (32 keys a step), values 6-7 (16 pairs of
       // keys x 16 of the head dimension).
@@ -560,14 +533,5 @@ extern "C" int span_attention_bf16(SPAN_ATTENTION_ARGS(uint16_t)) {
   return SPAN_ATTENTION_CALL(BFloat16);
 #else
   return 2;
-#endif
-}
-
-// 1 where bfloat16 runs on AMX tiles.
-extern "C" int bf16_on_amx() {
-#if defined(VLLM_ACCEL_AMX)
-  return 1;
-#else
-  return 0;
 #endif
 }
