@@ -260,6 +260,28 @@ constexpr ValueBlock<T> kValueBlocks[] = {
     nullptr, value_block<T, 1>, value_block<T, 2>, value_block<T, 3>, value_block<T, 4>,
     value_block<T, 5>, value_block<T, 6>, value_block<T, 7>, value_block<T, 8>};
 
+// The keys each of a block's R query rows r0.. attends to, first[r] ..
+// last[r] - 1 (rows past the call's n: the last row again, not written), and
+// the span of key blocks lo .. hi (multiples of kKeys) that covers them all.
+template <int R>
+struct RowSpans {
+  int64_t first[R], last[R], lo, hi;
+  RowSpans(const int32_t* ranges, int causal, int64_t b, int64_t n, int64_t n_keys, int64_t r0,
+           int rows)
+      : lo(n_keys), hi(0) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + std::min(r, rows - 1);
+      const int32_t* range = ranges ? ranges + (b * n + row) * 2 : nullptr;
+      first[r] = range ? range[0] : 0;
+      last[r] = range ? range[1] : causal ? n_keys - n + row + 1 : n_keys;
+      lo = std::min(lo, first[r]);
+      hi = std::max(hi, last[r]);
+    }
+    lo = lo / kKeys * kKeys;
+    hi = round_up(hi, kKeys);
+  }
+};
+
 template <typename T>
 int span_attention(const typename T::E* q, const typename T::E* k, const typename T::E* v,
                    typename T::E* out, int64_t q_batch_stride, int64_t q_token_stride,
@@ -296,25 +318,15 @@ int span_attention(const typename T::E* q, const typename T::E* k, const typenam
       const int64_t bh = task / blocks, r0 = task % blocks * kRows;
       const int64_t b = bh / heads, h = bh % heads;
       const int rows = static_cast<int>(std::min<int64_t>(kRows, n - r0));
-      // Each row's keys, and the span of key blocks that covers them all.
-      int64_t first[kRows], last[kRows], lo = n_keys, hi = 0;
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t row = r0 + std::min(r, rows - 1);
-        const int32_t* range = ranges ? ranges + (b * n + row) * 2 : nullptr;
-        first[r] = range ? range[0] : 0;
-        last[r] = range ? range[1] : causal ? n_keys - n + row + 1 : n_keys;
-        lo = std::min(lo, first[r]);
-        hi = std::max(hi, last[r]);
-      }
-      lo = lo / kKeys * kKeys;
-      hi = round_up(hi, kKeys);
+      const RowSpans<kRows> spans(ranges, causal, b, n, n_keys, r0, rows);
+      const int64_t lo = spans.lo, hi = spans.hi;
       const E* keys = packed.get() + (b * kv_heads + h / group) * (key_size + value_size);
       score_block<T>(q + b * q_batch_stride + r0 * q_token_stride + h * dim, q_token_stride,
                      rows, keys, n_pad, dim, lo, hi, scores.get());
       float inv_sum[kRows];
       for (int r = 0; r < kRows; ++r)
-        inv_sum[r] = 1.0f / softmax_row<T>(scores.get() + r * n_pad, lo, hi, first[r], last[r],
-                                           scale, probs.get() + r * n_pad);
+        inv_sum[r] = 1.0f / softmax_row<T>(scores.get() + r * n_pad, lo, hi, spans.first[r],
+                                           spans.last[r], scale, probs.get() + r * n_pad);
       values(probs.get(), n_pad, keys + key_size, lo, hi, o.get());
       E* result = out + (b * n + r0) * out_row + h * dim;
       for (int r = 0; r < rows; ++r)
@@ -411,19 +423,12 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       const int64_t bh = task / blocks, r0 = task % blocks * kAmxRows;
       const int64_t b = bh / heads, h = bh % heads;
       const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, n - r0));
-      int64_t first[kAmxRows], last[kAmxRows], lo = n_keys, hi = 0;
-      for (int r = 0; r < kAmxRows; ++r) {  // past the rows: the last row again, not written
-        const int64_t row = r0 + std::min(r, rows - 1);
-        const int32_t* range = ranges ? ranges + (b * n + row) * 2 : nullptr;
-        first[r] = range ? range[0] : 0;
-        last[r] = range ? range[1] : causal ? n_keys - n + row + 1 : n_keys;
-        lo = std::min(lo, first[r]);
-        hi = std::max(hi, last[r]);
-        std::memcpy(query.get() + r * dim32, q + b * q_batch_stride + row * q_token_stride + h * dim,
-                    dim * sizeof(E));  // past dim: zeros since allocation
-      }
-      lo = lo / kKeys * kKeys;
-      hi = round_up(hi, kKeys);
+      const RowSpans<kAmxRows> spans(ranges, causal, b, n, n_keys, r0, rows);
+      const int64_t lo = spans.lo, hi = spans.hi;
+      for (int r = 0; r < kAmxRows; ++r)  // past dim: zeros since allocation
+        std::memcpy(query.get() + r * dim32,
+                    q + b * q_batch_stride + (r0 + std::min(r, rows - 1)) * q_token_stride + h * dim,
+                    dim * sizeof(E));
       const E* keys = packed.get() + (b * kv_heads + h / group) * (key_size + value_size);
       const E* values = keys + key_size;
       // Scores, 32 rows x 32 keys a step (tiles 0-3), rows 4-5, keys 6-7.
@@ -452,7 +457,8 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       float inv_sum[kAmxRows];
       for (int r = 0; r < kAmxRows; ++r)
         inv_sum[r] = 1.0f / softmax_row<BFloat16, exp2_for_bfloat16>(
-            scores.get() + r * n_pad, lo, hi, first[r], last[r], scale, probs.get() + r * n_pad);
+            scores.get() + r * n_pad, lo, hi, spans.first[r], spans.last[r], scale,
+            probs.get() + r * n_pad);
       // Weighted values, 32 rows x 32 of the head dimension a pass (tiles
       // 0-3), probabilities 4-5 (32 keys a step), values 6-7 (16 pairs of
       // keys x 16 of the head dimension).
