@@ -236,8 +236,6 @@ inline __m512 sum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x44), _mm512_shuffle_ps(s[0], s[1], 0xee));
 }
 
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xffff : (1u << n) - 1; }
-
 // scores[t] = q . key[t] for a block's n tokens of one KV head (token stride
 // `stride`), 16 tokens at a time.
 template <typename T, int DIM>

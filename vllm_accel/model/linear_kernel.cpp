@@ -21,7 +21,7 @@
 // step along K of a block (16 pairs) is 2 KB in a row: two B tiles side by
 // side. Same reason to be ours: the ~90M and ~128M Llamas' decoder linears
 // (8-9 layers) at 1-64 rows ran 1.06-1.32x oneDNN's on AMX, the next block
-// prefetched while the tiles multiply; 0.8-0.9x at 512 rows and ~0.65x at
+// prefetched while the tiles multiply; 0.81-0.93x at 512 rows and ~0.65x at
 // 2,048 in a scratch loop (oneDNN blocks for caches, this does not), so
 // encoders stay oneDNN's (packed_linear.py).
 //
@@ -37,16 +37,13 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "vector_math.h"
 
 namespace {
 
 constexpr int64_t kBlock = 64;  // output columns per block: 4 vectors of 16 sums
 
 #ifdef __AVX512F__
-
-inline __mmask16 column_mask(int64_t columns_left) {
-  return columns_left >= 16 ? 0xffff : static_cast<__mmask16>((1u << columns_left) - 1);
-}
 
 struct Float32 {
   using T = float;
@@ -108,7 +105,7 @@ void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
     }
   }
   for (int j = 0; j < 4 && j * 16 < columns; ++j) {
-    const __mmask16 m = column_mask(columns - j * 16);
+    const __mmask16 m = first_lanes(columns - j * 16);
     const __m512 b = bias ? D::load(m, bias + j * 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) D::store(y + r * n_size + j * 16, m, _mm512_add_ps(sum[r][j], b));
   }
@@ -168,7 +165,7 @@ constexpr int64_t kAmxStep = 32;   // bfloat16 along K per tile multiply
 // One tile of float32 sums [16][16] -> `rows` rows of y (+ bias), bfloat16.
 void store_sums(const float* sums, uint16_t* y, int64_t n_size, int rows, int64_t columns,
                 const uint16_t* bias) {
-  const __mmask16 m = column_mask(columns);
+  const __mmask16 m = first_lanes(columns);
   const __m512 b = bias ? BFloat16::load(m, bias) : _mm512_setzero_ps();
   for (int r = 0; r < rows; ++r)
     BFloat16::store(y + r * n_size, m, _mm512_add_ps(_mm512_load_ps(sums + r * 16), b));

@@ -1,9 +1,11 @@
 // Vector arithmetic our CPU kernels share (span_attention.cpp,
-// decode_attention.cpp). Header-only; cpu_kernels.py rebuilds a kernel when
-// a header it includes changes.
+// decode_attention.cpp, linear_kernel.cpp). Header-only; cpu_kernels.py
+// rebuilds a kernel when a header it includes changes.
 #pragma once
 
 #include <immintrin.h>
+
+#include <cstdint>
 
 #ifdef __AVX512F__
 namespace {
@@ -25,6 +27,12 @@ inline __m512 exp2_nonpositive(__m512 t) {
 }
 
 constexpr float kLog2E = 1.44269504089f;
+
+// The first n lanes of 16 (all for n >= 16; callers pass n > 0): a row's
+// tail of columns, tokens or head dimensions.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+}
 
 }  // namespace
 #endif
