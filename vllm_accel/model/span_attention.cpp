@@ -27,10 +27,11 @@
 // head dimension, transposed 16 x 16 in registers), values as above; the
 // probabilities as above, their exp to bfloat16's precision. Two cores of a
 // Xeon with AMX (`benchmarks/span_attention.py --rounds 3 --seconds 1`,
-// seventeenth session): SigLIP's tiles 1.9-2.5x torch's flash kernel,
-// prompts' causal attention 2.6-3.6x, Molmo's crops 1.2-1.3x, a Qwen2.5-VL
-// full block 1.1-1.3x (its windows ~2x by SDPA window by window, a scratch
-// loop); errors against float64 as SDPA's. The softmax is now its largest part.
+// seventeenth session, five runs): SigLIP's tiles 1.8-2.5x torch's flash
+// kernel, prompts' causal attention 2.6-3.8x, Molmo's crops 1.2-1.3x, a
+// Qwen2.5-VL full block 1.0-1.3x (its windows ~2x by SDPA window by window, a
+// scratch loop); errors against float64 as SDPA's. The softmax is now its
+// largest part.
 //
 // Plain C ABI, no torch headers; built and called by span_attention.py.
 #include <immintrin.h>

@@ -11,8 +11,8 @@ prompt's causal attention (grouped query heads) 4.6-5.9x faster; in float32
 (AVX-512 without BF16 suffices) 1.1-1.7x and 2.5-3.1x, a few ulps from SDPA
 (``benchmarks/span_attention.py``).
 
-Where the build has AMX, bfloat16 multiplies on its tiles instead (there
-torch's flash kernel, on AMX itself, beat the dot products above): see
+Where the build has AMX, bfloat16 multiplies on its tiles instead (on such
+a CPU torch's flash kernel beat the dot products above): see
 span_attention.cpp for its figures.
 
 SigLIP, Molmo's ViT and the paged attention op for prompts call ``attend``
