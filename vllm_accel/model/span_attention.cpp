@@ -268,6 +268,21 @@ struct RowSpans {
   }
 };
 
+// Keys and values packed once per batch entry and KV head (the query heads of
+// a group share them), in parallel: [batch * kv_heads][key_size + value_size],
+// keys first; pack(b, h, keys, values) fills one.
+template <typename E, typename Pack>
+std::unique_ptr<E[]> pack_kv_heads(int64_t batch, int64_t kv_heads, int64_t key_size,
+                                   int64_t value_size, int num_threads, Pack pack) {
+  std::unique_ptr<E[]> packed(new E[batch * kv_heads * (key_size + value_size)]);
+#pragma omp parallel for num_threads(num_threads)
+  for (int64_t bk = 0; bk < batch * kv_heads; ++bk) {
+    E* keys = packed.get() + bk * (key_size + value_size);
+    pack(bk / kv_heads, bk % kv_heads, keys, keys + key_size);
+  }
+  return packed;
+}
+
 template <typename T>
 int span_attention(const typename T::E* q, const typename T::E* k, const typename T::E* v,
                    typename T::E* out, int64_t q_batch_stride, int64_t q_token_stride,
@@ -284,16 +299,13 @@ int span_attention(const typename T::E* q, const typename T::E* k, const typenam
   const ValueBlock<T> values = kValueBlocks<T>[dim_pad / 16];
   const int64_t out_row = heads * dim, pairs = batch * heads, group = heads / kv_heads;
   const int64_t key_size = dim * n_pad, value_size = n_pad * dim_pad;
-  // Keys and values packed once per KV head (query heads of a group share them).
-  std::unique_ptr<E[]> packed(new E[batch * kv_heads * (key_size + value_size)]);
-#pragma omp parallel for num_threads(num_threads)
-  for (int64_t bk = 0; bk < batch * kv_heads; ++bk) {
-    const int64_t b = bk / kv_heads, h = bk % kv_heads;
-    E* keys = packed.get() + bk * (key_size + value_size);
-    pack_keys<T>(k + b * k_batch_stride + h * dim, k_token_stride, n_keys, n_pad, dim, keys);
-    pack_values<T>(v + b * v_batch_stride + h * dim, v_token_stride, n_keys, n_pad, dim,
-                   dim_pad, keys + key_size);
-  }
+  const auto packed = pack_kv_heads<E>(
+      batch, kv_heads, key_size, value_size, num_threads,
+      [&](int64_t b, int64_t h, E* keys, E* values) {
+        pack_keys<T>(k + b * k_batch_stride + h * dim, k_token_stride, n_keys, n_pad, dim, keys);
+        pack_values<T>(v + b * v_batch_stride + h * dim, v_token_stride, n_keys, n_pad, dim,
+                       dim_pad, values);
+      });
   const int64_t blocks = (n + kRows - 1) / kRows;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -400,16 +412,14 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
   if (!amx_permitted()) return 5;
   const int64_t out_row = heads * dim, group = heads / kv_heads;
   const int64_t key_size = n_pad * dim32, value_size = n_pad * dim_pad;
-  std::unique_ptr<E[]> packed(new E[batch * kv_heads * (key_size + value_size)]);
-#pragma omp parallel for num_threads(num_threads)
-  for (int64_t bk = 0; bk < batch * kv_heads; ++bk) {
-    const int64_t b = bk / kv_heads, h = bk % kv_heads;
-    E* keys = packed.get() + bk * (key_size + value_size);
-    pack_keys_amx(k + b * k_batch_stride + h * dim, k_token_stride, n_keys, n_pad, dim, dim32,
-                  keys);
-    pack_values<BFloat16>(v + b * v_batch_stride + h * dim, v_token_stride, n_keys, n_pad, dim,
-                          dim_pad, keys + key_size);
-  }
+  const auto packed = pack_kv_heads<E>(
+      batch, kv_heads, key_size, value_size, num_threads,
+      [&](int64_t b, int64_t h, E* keys, E* values) {
+        pack_keys_amx(k + b * k_batch_stride + h * dim, k_token_stride, n_keys, n_pad, dim,
+                      dim32, keys);
+        pack_values<BFloat16>(v + b * v_batch_stride + h * dim, v_token_stride, n_keys, n_pad,
+                              dim, dim_pad, values);
+      });
   const int64_t blocks = (n + kAmxRows - 1) / kAmxRows;
 #pragma omp parallel num_threads(num_threads)
   {
