@@ -30,10 +30,14 @@ def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     """``x`` [..., head] rotated in float32, dims i and i + head/2 a pair, by
     angles whose ``cos`` / ``sin`` [..., head/2] broadcast against each half:
     slices inductor vectorizes (HF's rotate_half, a cat, and FMS's adjacent
-    pairs both compile to extra copies or scalar loops)."""
+    pairs both compile to extra copies or scalar loops). Each half is cast
+    back before the cat, so inductor writes the halves straight into the
+    output: cast after it, a bfloat16 ``x`` had the rotated halves written to
+    a float32 copy first, then cast (Qwen2.5-VL's tower, 4,096 rows: 4.6 ->
+    2.2 ms, the same values)."""
     first, second = x.float().chunk(2, dim=-1)
-    return torch.cat([cos * first - sin * second, sin * first + cos * second],
-                     dim=-1).type_as(x)
+    return torch.cat([(cos * first - sin * second).type_as(x),
+                      (sin * first + cos * second).type_as(x)], dim=-1)
 
 
 class HalfSplitRotary(PositionEncoder):
