@@ -3,11 +3,20 @@
 //
 // Why ours: at the row counts decodes run (8-64), oneDNN's packed matmul reads
 // each block of weights from DRAM while it computes the first rows, and the
-// block's other rows then come from L2 with DRAM idle. Here each block's row
-// tiles after the first ask for the next block's lines (software prefetch), so
-// the weights stream in while the arithmetic runs: the ~90M Llama's decoder
+// block's other rows then come from L2 with DRAM idle. Here the weights stream
+// in while the arithmetic runs (software prefetch): the ~90M Llama's decoder
 // linears at 32 rows ran 1.26-1.33x faster than oneDNN, 1.03-1.06x at 512
 // rows and 0.94-1.06x at a vision tower's 2,048-4,096 (benchmarks/linear.py).
+//
+// At up to kChunkRows rows, each block is walked along K in chunks of
+// kChunkSteps steps (32 KB of weights): every tile of rows multiplies the
+// chunk while it sits in L1 (their sums parked in a per-thread buffer between
+// chunks), and each asks for its share of the next chunk's lines. Tile after
+// tile reading a whole block from L2 had kept the core's line-fill buffers
+// busy with L2 traffic, leaving few for DRAM: the arithmetic and the stream
+// ran nearly one after the other (float32, the ~90M Llama's 8 layers at 32
+// rows: 28.0 -> 21.8 ms a call, 16 rows 24.0 -> 16.5; a scratch loop). More
+// rows keep a block's whole K per tile (chunks ran 10 % slower at 384-512).
 //
 // Layout of a packed weight [N, K]: blocks of 64 columns (the last zero-padded),
 // each [K / P][64][P] with P = 1 (float32) or 2 (bfloat16: the pairs along K
@@ -80,19 +89,21 @@ struct BFloat16 {
 };
 #endif
 
-// R rows of x times one block of weights; while at it, asks for the first
-// `prefetch_lines` cache lines from `prefetch`, one a step along K (more, with
-// few rows, left too little arithmetic to hide them: 8 rows ran 15 % slower).
+// R rows of x times steps [k0, k1) along K of one block of weights, their
+// sums started at zero (`first`) or from `parked`, and left there or (`last`)
+// stored to y with the bias. While at it, asks for `prefetch_lines` cache
+// lines from `prefetch`, one a step.
 template <typename D, int R>
 void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
           typename D::T* y, int64_t n_size, int64_t columns, const typename D::T* bias,
+          int64_t k0, int64_t k1, float* parked, bool first, bool last,
           const char* prefetch, int64_t prefetch_lines) {
   __m512 sum[R][4];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_setzero_ps();
-  const int64_t steps = k_size / D::kPair;
-  for (int64_t k = 0; k < steps; ++k) {
-    if (k < prefetch_lines) _mm_prefetch(prefetch + k * 64, _MM_HINT_T1);
+    for (int j = 0; j < 4; ++j)
+      sum[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(parked + r * kBlock + j * 16);
+  for (int64_t k = k0; k < k1; ++k) {
+    if (k - k0 < prefetch_lines) _mm_prefetch(prefetch + (k - k0) * 64, _MM_HINT_T1);
     const typename D::T* wk = w + k * kBlock * D::kPair;
     const auto w0 = D::load_weights(wk), w1 = D::load_weights(wk + 16 * D::kPair),
                w2 = D::load_weights(wk + 32 * D::kPair), w3 = D::load_weights(wk + 48 * D::kPair);
@@ -104,6 +115,11 @@ void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
       sum[r][3] = D::madd(sum[r][3], xk, w3);
     }
   }
+  if (!last) {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(parked + r * kBlock + j * 16, sum[r][j]);
+    return;
+  }
   for (int j = 0; j < 4 && j * 16 < columns; ++j) {
     const __mmask16 m = first_lanes(columns - j * 16);
     const __m512 b = bias ? D::load(m, bias + j * 16) : _mm512_setzero_ps();
@@ -114,44 +130,60 @@ void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
 template <typename D, int R = D::kMaxRows>
 void tile_of(int rows, const typename D::T* x, int64_t k_size, const typename D::T* w,
              typename D::T* y, int64_t n_size, int64_t columns, const typename D::T* bias,
+             int64_t k0, int64_t k1, float* parked, bool first, bool last,
              const char* prefetch, int64_t prefetch_lines) {
   if constexpr (R > 1) {
     if (rows < R)
-      return tile_of<D, R - 1>(rows, x, k_size, w, y, n_size, columns, bias, prefetch,
-                               prefetch_lines);
+      return tile_of<D, R - 1>(rows, x, k_size, w, y, n_size, columns, bias, k0, k1, parked,
+                               first, last, prefetch, prefetch_lines);
   }
-  tile<D, R>(x, k_size, w, y, n_size, columns, bias, prefetch, prefetch_lines);
+  tile<D, R>(x, k_size, w, y, n_size, columns, bias, k0, k1, parked, first, last, prefetch,
+             prefetch_lines);
 }
+
+constexpr int64_t kChunkRows = 128;   // up to here, K in chunks (measured at 1-64 and 256)
+constexpr int64_t kChunkSteps = 128;  // 32 KB of weights in either dtype (32-128 tried)
 
 template <typename D>
 int linear(const typename D::T* x, const typename D::T* w, const typename D::T* bias,
            typename D::T* y, int64_t m_size, int64_t n_size, int64_t k_size, int num_threads) {
   if (k_size % D::kPair) return 1;
+  if (m_size == 0) return 0;
   const int64_t blocks = (n_size + kBlock - 1) / kBlock;
+  const int64_t steps = k_size / D::kPair, step_bytes = kBlock * D::kPair * sizeof(typename D::T);
   const int64_t block_elements = k_size * kBlock;
-  const int64_t block_lines = block_elements * static_cast<int64_t>(sizeof(typename D::T)) / 64;
   const int64_t tiles = (m_size + D::kMaxRows - 1) / D::kMaxRows;
-  const int64_t rows = m_size / std::max<int64_t>(tiles, 1), extra = m_size % std::max<int64_t>(tiles, 1);
-  // The next block's lines, spread over this block's tiles after the first
-  // (each takes at most one a step: with few tiles, only the first part).
-  const int64_t lines_per_tile = tiles > 1 ? (block_lines + tiles - 2) / (tiles - 1) : 0;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const typename D::T* wb = w + b * block_elements;
-    const char* next = reinterpret_cast<const char*>(wb + block_elements);
-    const int64_t columns = std::min(kBlock, n_size - b * kBlock);
-    int64_t m = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int tile_rows = static_cast<int>(rows + (t < extra));
-      int64_t lines = 0;
-      const char* prefetch = next;
-      if (t > 0 && b + 1 < blocks) {
-        prefetch += (t - 1) * lines_per_tile * 64;
-        lines = std::clamp<int64_t>(block_lines - (t - 1) * lines_per_tile, 0, lines_per_tile);
+  const int64_t rows = m_size / tiles, extra = m_size % tiles;
+  const bool chunked = m_size <= kChunkRows;
+  const int64_t chunk = chunked ? kChunkSteps : steps;
+  const char* end = reinterpret_cast<const char*>(w + blocks * block_elements);
+#pragma omp parallel num_threads(num_threads)
+  {
+    // Sums between chunks: kBlock floats a row, in whole aligned vectors.
+    struct alignas(64) Vector { float lanes[16]; };
+    std::vector<Vector> parked(chunked ? m_size * kBlock / 16 : 0);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const typename D::T* wb = w + b * block_elements;
+      const int64_t columns = std::min(kBlock, n_size - b * kBlock);
+      for (int64_t k0 = 0; k0 < steps; k0 += chunk) {
+        const int64_t k1 = std::min(steps, k0 + chunk);
+        // The weights' next chunk (the next block's first, after the last):
+        // its lines shared out among the tiles, at most one a step.
+        const char* next = reinterpret_cast<const char*>(wb) + (k0 + chunk) * step_bytes;
+        const int64_t next_lines = std::min((k1 - k0) * step_bytes, std::max<int64_t>(end - next, 0)) / 64;
+        const int64_t share = std::min((next_lines + tiles - 1) / tiles, k1 - k0);
+        int64_t m = 0;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int tile_rows = static_cast<int>(rows + (t < extra));
+          const int64_t lines = std::clamp<int64_t>(next_lines - t * share, 0, share);
+          tile_of<D>(tile_rows, x + m * k_size, k_size, wb, y + m * n_size + b * kBlock, n_size,
+                     columns, bias ? bias + b * kBlock : nullptr, k0, k1,
+                     reinterpret_cast<float*>(parked.data()) + m * kBlock, k0 == 0, k1 == steps,
+                     next + t * share * 64, lines);
+          m += tile_rows;
+        }
       }
-      tile_of<D>(tile_rows, x + m * k_size, k_size, wb, y + m * n_size + b * kBlock, n_size,
-                 columns, bias ? bias + b * kBlock : nullptr, prefetch, lines);
-      m += tile_rows;
     }
   }
   return 0;

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #ifdef __AVX512F__
 namespace {
