@@ -6,7 +6,9 @@
 // block's other rows then come from L2 with DRAM idle. Here the weights stream
 // in while the arithmetic runs (software prefetch): the ~90M Llama's decoder
 // linears at 32 rows ran 1.26-1.33x faster than oneDNN, 1.03-1.06x at 512
-// rows and 0.94-1.06x at a vision tower's 2,048-4,096 (benchmarks/linear.py).
+// rows and 0.94-1.06x at a vision tower's 2,048-4,096 (benchmarks/linear.py,
+// an AMD EPYC; with the chunks below, float32 on a Xeon: 1.17-1.40x at 8-64
+// rows, 0.97-0.99x at 512).
 //
 // At up to kChunkRows rows, each block is walked along K in chunks of
 // kChunkSteps steps (32 KB of weights): every tile of rows multiplies the
@@ -21,7 +23,7 @@
 // Layout of a packed weight [N, K]: blocks of 64 columns (the last zero-padded),
 // each [K / P][64][P] with P = 1 (float32) or 2 (bfloat16: the pairs along K
 // that one vdpbf16ps multiplies). A tile of R rows keeps R x 64 sums in 4R
-// registers over the whole K, so each weight load feeds R multiply-adds per
+// registers over the whole K (or a chunk), so each weight load feeds R multiply-adds per
 // lane; rows split into as few tiles as fit, of near-equal sizes.
 //
 // Where the CPU has AMX (built with its instructions), bfloat16 multiplies on

@@ -2,10 +2,13 @@
 (bfloat16 by AVX-512 BF16 dot products, or on AMX tiles where the CPU has them).
 
 oneDNN's packed matmul leaves DRAM idle while it computes a block's rows
-after the first; ours streams the next block in meanwhile. The ~90M Llama's
+after the first; ours streams the weights in meanwhile. The ~90M Llama's
 decoder linears (8 layers, weights from DRAM) at 32 rows: 18.0 -> 13.6 ms in
 float32, 9.3 -> 7.4 ms in bfloat16; 1.03-1.33x at 1-64 rows, 1.03-1.06x at 512
-(``benchmarks/linear.py --layers 8``); on a Xeon with AMX, bfloat16 on tiles,
+(``benchmarks/linear.py --layers 8``, an AMD EPYC). Since each block is
+walked along K in chunks that stay in L1 (up to 128 rows: linear_kernel.cpp),
+float32 on a Xeon runs 1.17-1.40x oneDNN's at 8-64 rows, 0.97-0.99x at 512;
+on a Xeon with AMX, bfloat16 on tiles,
 1.06-1.32x at 1-64 rows, 0.81-0.93x at 512, slower at thousands (linear_kernel.cpp).
 A layer runs by it where ``packs`` says yes, it has no activation to fuse (those
 keep oneDNN's post-ops) and it is not an encoder's: see packed_linear.py. Loaded
