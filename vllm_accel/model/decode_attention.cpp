@@ -25,7 +25,11 @@
 //   first, after the values' last the next request's first keys) are asked
 //   for a part at a time, spread over the work on the block before: the
 //   blocks come from DRAM (a forward's weights pass through the L3 between
-//   two layers), and asking for a whole block at once overlapped less.
+//   two layers), and asking for a whole block at once overlapped less. They
+//   go to L2: a block of six float32 KV heads (48 KB) fills L1, and asked
+//   into L1 the next block pushed out the one at work (48 rows of ~160
+//   tokens, six KV heads of 64, caches flushed, two scratch runs: float32
+//   1.42-1.50 -> 1.29-1.41 ms a call, bfloat16 0.89-0.96 -> 0.85-0.92).
 // Elsewhere (no AVX-512, float16, other head sizes) a portable loop does the
 // same arithmetic one token at a time.
 //
@@ -283,14 +287,14 @@ inline void group_values(int64_t heads, const float* probs, int64_t probs_stride
   }
 }
 
-// Asks for a block's lines a part at a time, spread over the work on the
-// block before it: a burst of a whole block's requests at once overlaps less.
+// Asks for a block's lines (into L2) a part at a time, spread over the work
+// on the block before it: a burst of a whole block's requests at once overlaps less.
 struct Prefetch {
   const char* lines = nullptr;
   int64_t bytes = 0;
   void part(int64_t i, int64_t parts) const {
     for (int64_t at = bytes * i / parts / 64 * 64; at < bytes * (i + 1) / parts; at += 64)
-      _mm_prefetch(lines + at, _MM_HINT_T0);
+      _mm_prefetch(lines + at, _MM_HINT_T1);
   }
 };
 
