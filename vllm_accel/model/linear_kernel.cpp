@@ -143,7 +143,7 @@ void tile_of(int rows, const typename D::T* x, int64_t k_size, const typename D:
              prefetch_lines);
 }
 
-constexpr int64_t kChunkRows = 128;   // up to here, K in chunks (measured at 1-64 and 256)
+constexpr int64_t kChunkRows = 128;   // up to here, K in chunks (measured at 1-128, 256-512)
 constexpr int64_t kChunkSteps = 128;  // 32 KB of weights in either dtype (32-128 tried)
 
 template <typename D>
@@ -172,8 +172,8 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
         const int64_t k1 = std::min(steps, k0 + chunk);
         // The weights' next chunk (the next block's first, after the last):
         // its lines shared out among the tiles, at most one a step.
-        const char* next = reinterpret_cast<const char*>(wb) + (k0 + chunk) * step_bytes;
-        const int64_t next_lines = std::min((k1 - k0) * step_bytes, std::max<int64_t>(end - next, 0)) / 64;
+        const char* next = reinterpret_cast<const char*>(wb) + k1 * step_bytes;
+        const int64_t next_lines = std::min(chunk * step_bytes, std::max<int64_t>(end - next, 0)) / 64;
         const int64_t share = std::min((next_lines + tiles - 1) / tiles, k1 - k0);
         int64_t m = 0;
         for (int64_t t = 0; t < tiles; ++t) {
