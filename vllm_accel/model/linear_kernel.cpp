@@ -45,6 +45,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -92,14 +93,14 @@ struct BFloat16 {
 #endif
 
 // R rows of x times steps [k0, k1) along K of one block of weights, their
-// sums started at zero (`first`) or from `parked`, and left there or (`last`)
-// stored to y with the bias. While at it, asks for `prefetch_lines` cache
+// sums started at zero (the first chunk) or from `parked`, and left there or
+// (the last chunk) stored to y with the bias. While at it, asks for `prefetch_lines` cache
 // lines from `prefetch`, one a step.
 template <typename D, int R>
 void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
           typename D::T* y, int64_t n_size, int64_t columns, const typename D::T* bias,
-          int64_t k0, int64_t k1, float* parked, bool first, bool last,
-          const char* prefetch, int64_t prefetch_lines) {
+          int64_t k0, int64_t k1, float* parked, const char* prefetch, int64_t prefetch_lines) {
+  const bool first = k0 == 0, last = k1 == k_size / D::kPair;
   __m512 sum[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j)
@@ -132,15 +133,13 @@ void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
 template <typename D, int R = D::kMaxRows>
 void tile_of(int rows, const typename D::T* x, int64_t k_size, const typename D::T* w,
              typename D::T* y, int64_t n_size, int64_t columns, const typename D::T* bias,
-             int64_t k0, int64_t k1, float* parked, bool first, bool last,
-             const char* prefetch, int64_t prefetch_lines) {
+             int64_t k0, int64_t k1, float* parked, const char* prefetch, int64_t prefetch_lines) {
   if constexpr (R > 1) {
     if (rows < R)
       return tile_of<D, R - 1>(rows, x, k_size, w, y, n_size, columns, bias, k0, k1, parked,
-                               first, last, prefetch, prefetch_lines);
+                               prefetch, prefetch_lines);
   }
-  tile<D, R>(x, k_size, w, y, n_size, columns, bias, k0, k1, parked, first, last, prefetch,
-             prefetch_lines);
+  tile<D, R>(x, k_size, w, y, n_size, columns, bias, k0, k1, parked, prefetch, prefetch_lines);
 }
 
 constexpr int64_t kChunkRows = 128;   // up to here, K in chunks (measured at 1-128, 256-512)
@@ -163,7 +162,7 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
   {
     // Sums between chunks: kBlock floats a row, in whole aligned vectors.
     struct alignas(64) Vector { float lanes[16]; };
-    std::vector<Vector> parked(chunked ? m_size * kBlock / 16 : 0);
+    std::unique_ptr<Vector[]> parked(chunked ? new Vector[m_size * kBlock / 16] : nullptr);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const typename D::T* wb = w + b * block_elements;
@@ -181,8 +180,8 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
           const int64_t lines = std::clamp<int64_t>(next_lines - t * share, 0, share);
           tile_of<D>(tile_rows, x + m * k_size, k_size, wb, y + m * n_size + b * kBlock, n_size,
                      columns, bias ? bias + b * kBlock : nullptr, k0, k1,
-                     reinterpret_cast<float*>(parked.data()) + m * kBlock, k0 == 0, k1 == steps,
-                     next + t * share * 64, lines);
+                     chunked ? parked[m * kBlock / 16].lanes : nullptr, next + t * share * 64,
+                     lines);
           m += tile_rows;
         }
       }
