@@ -12,7 +12,7 @@ from torch import nn
 from helpers import hf_greedy, model_runner, running_llm
 from test_generation import random_prompts
 from vllm_accel.model import cpu_kernels, linear_kernel
-from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
+from vllm_accel.model.packed_linear import GatedUnit, PackedLinear, pack_linear_layers
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -159,14 +159,17 @@ def test_served_model_runs_packed_linears(tiny_models, dtype):
         runner = model_runner(llm)
         modules = list(runner.model.modules())
         assert not [m for m in modules if isinstance(m, nn.Linear)]
-        # 4 per decoder layer (fused q/k/v, output, fused gate/up, down) and the head
+        # 4 per decoder layer (fused q/k/v, output, fused gate/up, down) and the head;
+        # where our kernel runs the dtype, gate/up with its SiLU * up as one GatedUnit
         packed = [m for m in modules if isinstance(m, PackedLinear)]
-        assert len(packed) == 4 * runner.model.num_layers + 1
-        if "avx512f" in (cpu_kernels.cpu_flags() or ()):
-            # loaded by the runner; Llama fuses no activation, so every layer
-            # runs by it where it runs the dtype (bfloat16: AVX-512 BF16, no AMX)
-            by_kernel = getattr(torch, dtype) in linear_kernel._kernel.dtypes
-            assert [m.by_kernel for m in packed] == [by_kernel] * len(packed)
+        gated = [m for m in modules if isinstance(m, GatedUnit)]
+        by_kernel = ("avx512f" in (cpu_kernels.cpu_flags() or ())
+                     and getattr(torch, dtype) in linear_kernel._kernel.dtypes)
+        assert len(gated) == (runner.model.num_layers if by_kernel else 0)
+        assert len(packed) + len(gated) == 4 * runner.model.num_layers + 1
+        # Llama fuses no activation into oneDNN, so every layer runs by our kernel
+        # where it runs the dtype (bfloat16: AVX-512 BF16, no AMX)
+        assert [m.by_kernel for m in packed] == [by_kernel] * len(packed)
         if dtype == "float32":
             from vllm import SamplingParams
             from vllm.inputs import TokensPrompt

@@ -36,6 +36,10 @@
 // 2,048 in a scratch loop (oneDNN blocks for caches, this does not), so
 // encoders stay oneDNN's (packed_linear.py).
 //
+// Gated (a decoder's fused gate/up projection, packed with each block half
+// gate and half up columns): the sums are stored as silu(gate) * up, so the
+// [rows, 2 x hidden] projection is never written (packed_linear.GatedUnit).
+//
 // Plain C ABI, no torch headers (builds in about a second); returns 2 where it
 // was built without the instructions a dtype needs, 3 where the OS refuses
 // this process AMX. Called by linear_kernel.py.
@@ -67,6 +71,7 @@ struct Float32 {
   }
   static inline __m512 load(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
   static inline void store(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+  static inline __m512 round(__m512 v) { return v; }
 };
 
 #ifdef __AVX512BF16__
@@ -89,17 +94,43 @@ struct BFloat16 {
   static inline void store(uint16_t* p, __mmask16 m, __m512 v) {
     _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
   }
+  // To the nearest bfloat16, as float32.
+  static inline __m512 round(__m512 v) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  }
 };
+
 #endif
+
+// silu(gate) * up of a gated block's sums (+ bias): each first rounded to the
+// dtype, as the layer's output was before the graph's SiLU and product
+// (float32, rounded once); so a bfloat16 model computes what it did unfused.
+template <typename D>
+inline __m512 silu_times(__m512 gate, __m512 up) {
+  return _mm512_mul_ps(silu(D::round(gate)), D::round(up));
+}
+
+// Where a block's sums go: `columns` columns of y (row stride n_size) from
+// `y`, plus the bias (in the packed columns' order). Gated: the block's first
+// half of columns are a gate's, its second half the matching up
+// projection's, and y gets silu(gate) * up (half the columns).
+template <typename T>
+struct Output {
+  T* y;
+  int64_t n_size, columns;
+  const T* bias;
+  bool gated;
+};
 
 // R rows of x times steps [k0, k1) along K of one block of weights, their
 // sums started at zero (the first chunk) or from `parked`, and left there or
-// (the last chunk) stored to y with the bias. While at it, asks for `prefetch_lines` cache
+// (the last chunk) stored to `out`. While at it, asks for `prefetch_lines` cache
 // lines from `prefetch`, one a step.
 template <typename D, int R>
 void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
-          typename D::T* y, int64_t n_size, int64_t columns, const typename D::T* bias,
-          int64_t k0, int64_t k1, float* parked, const char* prefetch, int64_t prefetch_lines) {
+          const Output<typename D::T>& out, int64_t k0, int64_t k1, float* parked,
+          const char* prefetch, int64_t prefetch_lines) {
   const bool first = k0 == 0, last = k1 == k_size / D::kPair;
   __m512 sum[R][4];
   for (int r = 0; r < R; ++r)
@@ -123,23 +154,35 @@ void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
       for (int j = 0; j < 4; ++j) _mm512_store_ps(parked + r * kBlock + j * 16, sum[r][j]);
     return;
   }
-  for (int j = 0; j < 4 && j * 16 < columns; ++j) {
-    const __mmask16 m = first_lanes(columns - j * 16);
-    const __m512 b = bias ? D::load(m, bias + j * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) D::store(y + r * n_size + j * 16, m, _mm512_add_ps(sum[r][j], b));
+  const auto bias = [&](int j) {  // the bias of sums' vector j
+    return out.bias ? D::load(0xffff, out.bias + j * 16) : _mm512_setzero_ps();
+  };
+  if (out.gated) {  // vectors 0-1 gate, 2-3 up
+    for (int j = 0; j < 2 && j * 16 < out.columns; ++j) {
+      const __mmask16 m = first_lanes(out.columns - j * 16);
+      const __m512 bg = bias(j), bu = bias(j + 2);
+      for (int r = 0; r < R; ++r)
+        D::store(out.y + r * out.n_size + j * 16, m,
+                 silu_times<D>(_mm512_add_ps(sum[r][j], bg), _mm512_add_ps(sum[r][j + 2], bu)));
+    }
+    return;
+  }
+  for (int j = 0; j < 4 && j * 16 < out.columns; ++j) {
+    const __mmask16 m = first_lanes(out.columns - j * 16);
+    const __m512 b = out.bias ? D::load(m, out.bias + j * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) D::store(out.y + r * out.n_size + j * 16, m, _mm512_add_ps(sum[r][j], b));
   }
 }
 
 template <typename D, int R = D::kMaxRows>
 void tile_of(int rows, const typename D::T* x, int64_t k_size, const typename D::T* w,
-             typename D::T* y, int64_t n_size, int64_t columns, const typename D::T* bias,
-             int64_t k0, int64_t k1, float* parked, const char* prefetch, int64_t prefetch_lines) {
+             const Output<typename D::T>& out, int64_t k0, int64_t k1, float* parked,
+             const char* prefetch, int64_t prefetch_lines) {
   if constexpr (R > 1) {
     if (rows < R)
-      return tile_of<D, R - 1>(rows, x, k_size, w, y, n_size, columns, bias, k0, k1, parked,
-                               prefetch, prefetch_lines);
+      return tile_of<D, R - 1>(rows, x, k_size, w, out, k0, k1, parked, prefetch, prefetch_lines);
   }
-  tile<D, R>(x, k_size, w, y, n_size, columns, bias, k0, k1, parked, prefetch, prefetch_lines);
+  tile<D, R>(x, k_size, w, out, k0, k1, parked, prefetch, prefetch_lines);
 }
 
 constexpr int64_t kChunkRows = 128;   // up to here, K in chunks (measured at 1-128, 256-512)
@@ -147,10 +190,12 @@ constexpr int64_t kChunkSteps = 128;  // 32 KB of weights in either dtype (32-12
 
 template <typename D>
 int linear(const typename D::T* x, const typename D::T* w, const typename D::T* bias,
-           typename D::T* y, int64_t m_size, int64_t n_size, int64_t k_size, int num_threads) {
+           typename D::T* y, int64_t m_size, int64_t n_size, int64_t k_size, bool gated,
+           int num_threads) {
   if (k_size % D::kPair) return 1;
   if (m_size == 0) return 0;
-  const int64_t blocks = (n_size + kBlock - 1) / kBlock;
+  const int64_t block_columns = gated ? kBlock / 2 : kBlock;  // of y
+  const int64_t blocks = (n_size + block_columns - 1) / block_columns;
   const int64_t steps = k_size / D::kPair, step_bytes = kBlock * D::kPair * sizeof(typename D::T);
   const int64_t block_elements = k_size * kBlock;
   const int64_t tiles = (m_size + D::kMaxRows - 1) / D::kMaxRows;
@@ -166,7 +211,7 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const typename D::T* wb = w + b * block_elements;
-      const int64_t columns = std::min(kBlock, n_size - b * kBlock);
+      const int64_t columns = std::min(block_columns, n_size - b * block_columns);
       for (int64_t k0 = 0; k0 < steps; k0 += chunk) {
         const int64_t k1 = std::min(steps, k0 + chunk);
         // The weights' next chunk (the next block's first, after the last):
@@ -178,8 +223,9 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
         for (int64_t t = 0; t < tiles; ++t) {
           const int tile_rows = static_cast<int>(rows + (t < extra));
           const int64_t lines = std::clamp<int64_t>(next_lines - t * share, 0, share);
-          tile_of<D>(tile_rows, x + m * k_size, k_size, wb, y + m * n_size + b * kBlock, n_size,
-                     columns, bias ? bias + b * kBlock : nullptr, k0, k1,
+          const Output<typename D::T> out{y + m * n_size + b * block_columns, n_size, columns,
+                                          bias ? bias + b * kBlock : nullptr, gated};
+          tile_of<D>(tile_rows, x + m * k_size, k_size, wb, out, k0, k1,
                      chunked ? parked[m * kBlock / 16].lanes : nullptr, next + t * share * 64,
                      lines);
           m += tile_rows;
@@ -201,19 +247,35 @@ constexpr int64_t kAmxStep = 32;   // bfloat16 along K per tile multiply
 // 1.6 (scratch runs; 0.5-1.5 MB ran alike).
 constexpr int64_t kSpanBytes = 1 << 20;
 
-// One tile of float32 sums [16][16] -> `rows` rows of y (+ bias), bfloat16.
-void store_sums(const float* sums, uint16_t* y, int64_t n_size, int rows, int64_t columns,
-                const uint16_t* bias) {
-  const __mmask16 m = first_lanes(columns);
-  const __m512 b = bias ? BFloat16::load(m, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < rows; ++r)
-    BFloat16::store(y + r * n_size, m, _mm512_add_ps(_mm512_load_ps(sums + r * 16), b));
+// A block's two tiles of float32 sums [16][16] (its two 16-column halves)
+// -> `rows` rows of `out` (+ bias), bfloat16: two halves of columns, or
+// gated, silu(first) * second.
+void store_sums(const float (&sums)[2][256], const Output<uint16_t>& out, int rows) {
+  const auto bias = [&](int half, __mmask16 m) {
+    return out.bias ? BFloat16::load(m, out.bias + half * 16) : _mm512_setzero_ps();
+  };
+  if (out.gated) {
+    const __mmask16 m = first_lanes(out.columns);
+    const __m512 bg = bias(0, 0xffff), bu = bias(1, 0xffff);
+    for (int r = 0; r < rows; ++r)
+      BFloat16::store(out.y + r * out.n_size, m,
+                      silu_times<BFloat16>(_mm512_add_ps(_mm512_load_ps(sums[0] + r * 16), bg),
+                                           _mm512_add_ps(_mm512_load_ps(sums[1] + r * 16), bu)));
+    return;
+  }
+  for (int half = 0; half < 2 && half * 16 < out.columns; ++half) {
+    const __mmask16 m = first_lanes(out.columns - half * 16);
+    const __m512 b = bias(half, m);
+    for (int r = 0; r < rows; ++r)
+      BFloat16::store(out.y + r * out.n_size + half * 16, m,
+                      _mm512_add_ps(_mm512_load_ps(sums[half] + r * 16), b));
+  }
 }
 
 // Tiles 0-3 sums (rows of two groups of 16 x two 16-column halves), 4-5 x
 // (a group's 16 rows x 32 along K), 6-7 weights (16 pairs along K x 16 columns).
 int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-               int64_t m_size, int64_t n_size, int64_t k_size, int num_threads) {
+               int64_t m_size, int64_t n_size, int64_t k_size, bool gated, int num_threads) {
   if (k_size % 2) return 1;
   if (!amx_permitted()) return 3;
   if (m_size == 0) return 0;
@@ -230,7 +292,8 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
     a = padded.data();
     a_row = kp;
   }
-  const int64_t blocks = (n_size + kAmxBlock - 1) / kAmxBlock;
+  const int64_t block_columns = gated ? kAmxBlock / 2 : kAmxBlock;  // of y
+  const int64_t blocks = (n_size + block_columns - 1) / block_columns;
   const int64_t block_elements = kp * kAmxBlock, step_elements = kAmxStep * kAmxBlock;
   // Rows in spans of whole pairs of groups whose x fits in L2 (every block's
   // passes read their rows' whole K): all the weights are read once a span.
@@ -244,7 +307,7 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
 #pragma omp parallel num_threads(num_threads)
   {
     configure_tiles();
-    alignas(64) float sums[4][256];
+    alignas(64) float sums[2][2][256];  // [group of the pass][half]
     for (int64_t span = 0; span < groups; span += span_groups) {
       const int64_t span_end = std::min(groups, span + span_groups);
 #pragma omp for schedule(static)
@@ -279,20 +342,18 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
               _tile_dpbf16ps(3, 5, 7);
             }
           }
-          _tile_stored(0, sums[0], 64);
-          _tile_stored(1, sums[1], 64);
+          _tile_stored(0, sums[0][0], 64);
+          _tile_stored(1, sums[0][1], 64);
           if (two) {
-            _tile_stored(2, sums[2], 64);
-            _tile_stored(3, sums[3], 64);
+            _tile_stored(2, sums[1][0], 64);
+            _tile_stored(3, sums[1][1], 64);
           }
           for (int64_t gg = g; gg < g + (two ? 2 : 1); ++gg) {
-            const int rows = static_cast<int>(std::min<int64_t>(16, m_size - gg * 16));
-            for (int half = 0; half < 2; ++half) {
-              const int64_t column = b * kAmxBlock + half * 16;
-              if (column >= n_size) break;
-              store_sums(sums[(gg - g) * 2 + half], y + gg * 16 * n_size + column, n_size, rows,
-                         n_size - column, bias ? bias + column : nullptr);
-            }
+            const int64_t column = b * block_columns;
+            const Output<uint16_t> out{y + gg * 16 * n_size + column, n_size,
+                                       std::min(block_columns, n_size - column),
+                                       bias ? bias + b * kAmxBlock : nullptr, gated};
+            store_sums(sums[gg - g], out, static_cast<int>(std::min<int64_t>(16, m_size - gg * 16)));
           }
         }
       }
@@ -308,14 +369,17 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
 }  // namespace
 
 // x [m, k] and y [m, n] contiguous; w packed as above; bias [n] or null.
+// Gated (a gate and its up projection packed into each block, half and
+// half): y [m, n] = silu(gate) * up, bias in the packed columns' order.
 // Returns 0, 1 (k odd in bfloat16), 2 (built without the instructions) or 3
 // (the OS refused AMX).
-#define LINEAR_ARGS(E) \
-  const E *x, const E *w, const E *bias, E *y, int64_t m, int64_t n, int64_t k, int num_threads
+#define LINEAR_ARGS(E)                                                                 \
+  const E *x, const E *w, const E *bias, E *y, int64_t m, int64_t n, int64_t k, int gated, \
+      int num_threads
 
 extern "C" int linear_f32(LINEAR_ARGS(float)) {
 #ifdef __AVX512F__
-  return linear<Float32>(x, w, bias, y, m, n, k, num_threads);
+  return linear<Float32>(x, w, bias, y, m, n, k, gated, num_threads);
 #else
   return 2;
 #endif
@@ -323,9 +387,9 @@ extern "C" int linear_f32(LINEAR_ARGS(float)) {
 
 extern "C" int linear_bf16(LINEAR_ARGS(uint16_t)) {
 #if defined(VLLM_ACCEL_AMX)
-  return linear_amx(x, w, bias, y, m, n, k, num_threads);
+  return linear_amx(x, w, bias, y, m, n, k, gated, num_threads);
 #elif defined(__AVX512F__) && defined(__AVX512BF16__)
-  return linear<BFloat16>(x, w, bias, y, m, n, k, num_threads);
+  return linear<BFloat16>(x, w, bias, y, m, n, k, gated, num_threads);
 #else
   return 2;
 #endif

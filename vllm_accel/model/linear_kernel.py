@@ -11,7 +11,8 @@ float32 on a Xeon runs 1.17-1.40x oneDNN's at 8-64 rows, 0.97-0.99x at 512;
 on a Xeon with AMX, bfloat16 on tiles,
 1.06-1.32x at 1-64 rows, 0.81-0.93x at 512, slower at thousands (linear_kernel.cpp).
 A layer runs by it where ``packs`` says yes, it has no activation to fuse (those
-keep oneDNN's post-ops) and it is not an encoder's: see packed_linear.py. Loaded
+keep oneDNN's post-ops) and it is not an encoder's: see packed_linear.py; a
+decoder's gated MLP runs its SiLU * up in the kernel (``pack_gated``). Loaded
 once per process by ``enable`` (the cpu device).
 """
 
@@ -41,7 +42,7 @@ class LinearKernel:
         self._functions = {torch.float32: loaded.linear_f32, torch.bfloat16: loaded.linear_bf16}
         for function in self._functions.values():
             function.restype = ctypes.c_int
-            function.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
+            function.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int] * 2
         self.multiplies_on_amx = bool(loaded.bf16_on_amx())
         # Status 2: built without the instructions that dtype needs; 3: the OS
         # refused AMX.
@@ -70,18 +71,40 @@ class LinearKernel:
         blocks = padded.view(-1, block, padded.shape[1] // paired, paired)
         return blocks.permute(0, 2, 1, 3).contiguous()
 
+    def pack_gated(self, weight: torch.Tensor, bias: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A gate and its up projection, weight [2 * out, in] (gate rows
+        first, FMS's fused layout), packed so that each block holds half a
+        block of gate columns and the same columns of up: the kernel then
+        stores silu(gate) * up ([rows, out]). The bias (if any) in the
+        packed columns' order, as the kernel reads it."""
+        half = self.layout(weight.dtype)[0] // 2
+        out_features = weight.shape[0] // 2
+
+        def interleaved(t: torch.Tensor) -> torch.Tensor:
+            """[2 * out, ...] -> [blocks * 2 * half, ...]: per block, half
+            rows of gate then the same rows of up (zeros past out)."""
+            blocks, rest = -(-out_features // half), t.shape[1:]
+            gate, up = (t.new_zeros(blocks * half, *rest) for _ in range(2))
+            gate[:out_features], up[:out_features] = t[:out_features], t[out_features:]
+            pieces = torch.stack([gate.view(blocks, half, *rest), up.view(blocks, half, *rest)], 1)
+            return pieces.reshape(blocks * 2 * half, *rest)
+
+        return (self.pack(interleaved(weight.detach())),
+                None if bias is None else interleaved(bias.detach()))
+
     def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             out_features: int) -> tuple[torch.Tensor, int]:
+             out_features: int, gated: bool = False) -> tuple[torch.Tensor, int]:
         """x [rows, in] contiguous -> ([rows, out_features], the kernel's status)."""
         rows, in_features = x.shape
         y = x.new_empty(rows, out_features)
         status = self._functions[x.dtype](
             x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-            y.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
+            y.data_ptr(), rows, out_features, in_features, int(gated), torch.get_num_threads())
         return y, status
 
-    def __call__(self, x, weight, bias, out_features):
-        y, status = self._run(x, weight, bias, out_features)
+    def __call__(self, x, weight, bias, out_features, gated=False):
+        y, status = self._run(x, weight, bias, out_features, gated)
         if status:
             raise RuntimeError(f"linear kernel refused x {list(x.shape)} {x.dtype} "
                                f"(status {status})")
@@ -114,18 +137,27 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _kernel.pack(weight)
 
 
+def pack_gated(weight: torch.Tensor, bias: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A fused gate/up weight [2 * out, in] (and bias) -> the loaded
+    kernel's gated layout (``LinearKernel.pack_gated``)."""
+    assert _kernel is not None, "linear_kernel.enable() first"
+    return _kernel.pack_gated(weight, bias)
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            out_features: int) -> torch.Tensor:
+            out_features: int, gated: bool = False) -> torch.Tensor:
     assert _kernel is not None, "linear_kernel.enable() first"
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     bias = None if bias is None else bias.contiguous()
-    return _kernel(rows, weight, bias, out_features).view(*x.shape[:-1], out_features)
+    return _kernel(rows, weight, bias, out_features, gated).view(*x.shape[:-1], out_features)
 
 
-def _linear_shape(x, weight, bias, out_features):
+def _linear_shape(x, weight, bias, out_features, gated=False):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-# linear(x [..., in], the packed weight, bias or None, out_features) -> [..., out_features]
-linear = ops.define("blocked_linear(Tensor x, Tensor weight, Tensor? bias, int out_features)"
-                    " -> Tensor", _linear, _linear_shape)
+# linear(x [..., in], the packed weight, bias or None, out_features, gated) -> [..., out_features];
+# gated: silu(gate) * up of a weight packed by ``pack_gated``.
+linear = ops.define("blocked_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, "
+                    "bool gated=False) -> Tensor", _linear, _linear_shape)

@@ -29,6 +29,15 @@ inline __m512 exp2_nonpositive(__m512 t) {
 
 constexpr float kLog2E = 1.44269504089f;
 
+// x * sigmoid(x) = x / (1 + e^-x), as x e / (1 + e) with e = e^x for x < 0
+// (e^-|x| never overflows).
+inline __m512 silu(__m512 x) {
+  const __m512 e = exp2_nonpositive(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-kLog2E)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_div_ps(_mm512_mask_mul_ps(x, negative, x, e),
+                       _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
 // The first n lanes of 16 (all for n >= 16; callers pass n > 0): a row's
 // tail of columns, tokens or head dimensions.
 inline __mmask16 first_lanes(int64_t n) {
