@@ -32,9 +32,11 @@
 // step along K of a block (16 pairs) is 2 KB in a row: two B tiles side by
 // side. Same reason to be ours: the ~90M and ~128M Llamas' decoder linears
 // (8-9 layers) at 1-64 rows ran 1.06-1.32x oneDNN's on AMX, the next block
-// prefetched while the tiles multiply; 0.81-0.93x at 512 rows and ~0.65x at
-// 2,048 in a scratch loop (oneDNN blocks for caches, this does not), so
-// encoders stay oneDNN's (packed_linear.py).
+// prefetched while the tiles multiply; 0.89-1.16x at 512 rows (two runs; rows
+// in sweeps whose x fits in L2: kSpanBytes) and 0.59-1.00x at a tower's
+// 1,024-3,645 in a scratch loop (oneDNN blocks for caches, this does not
+// beyond the sweeps), so encoders stay oneDNN's (packed_linear.py), but for
+// their gated MLPs.
 //
 // Gated (a decoder's fused gate/up projection, packed with each block half
 // gate and half up columns): the sums are stored as silu(gate) * up, so the
