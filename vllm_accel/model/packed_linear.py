@@ -104,6 +104,8 @@ class GatedUnit(nn.Module):
     computes in one matmul of gate and up together (``linear_kernel.pack_gated``);
     then ``w2``, packed as any layer."""
 
+    by_kernel = True  # always our kernel's (as PackedLinear.by_kernel says of a layer)
+
     def __init__(self, glu: GatedLinearUnit):
         super().__init__()
         self.hidden_dim = glu.hidden_dim
