@@ -38,9 +38,9 @@
 // beyond the sweeps), so encoders stay oneDNN's (packed_linear.py), but for
 // their gated MLPs.
 //
-// Gated (a decoder's fused gate/up projection, packed with each block half
-// gate and half up columns): the sums are stored as silu(gate) * up, so the
-// [rows, 2 x hidden] projection is never written (packed_linear.GatedUnit).
+// Gated (a gated MLP's gate and up projections as one weight, each block
+// half gate and half up columns): the sums are stored as silu(gate) * up, so
+// the [rows, 2 x hidden] projection is never written (packed_linear.GatedUnit).
 //
 // Plain C ABI, no torch headers (builds in about a second); returns 2 where it
 // was built without the instructions a dtype needs, 3 where the OS refuses
@@ -102,7 +102,6 @@ struct BFloat16 {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
   }
 };
-
 #endif
 
 // silu(gate) * up of a gated block's sums (+ bias): each first rounded to the
