@@ -78,8 +78,10 @@ def test_gated_is_silu_of_gate_times_up(kernel, rows, out_features, dtype):
     weight = (torch.randn(2 * out_features, in_features, generator=g)
               / in_features ** 0.5).to(dtype)
     for bias in (None, torch.randn(2 * out_features, generator=g).to(dtype)):
-        ours = linear_kernel.linear(x, *linear_kernel.pack_gated(weight, bias), out_features,
-                                    True)
+        gate_up_biases = (None, None) if bias is None else bias.split(out_features)
+        ours = linear_kernel.linear(
+            x, *linear_kernel.pack_gated(*weight.split(out_features), *gate_up_biases),
+            out_features, True)
         halves = linear_kernel.linear(x, linear_kernel.pack(weight), bias,
                                       2 * out_features).float()
         expected = (torch.nn.functional.silu(halves[:, :out_features])

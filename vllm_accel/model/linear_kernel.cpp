@@ -124,6 +124,30 @@ struct Output {
   bool gated;
 };
 
+// A block's sums -> `rows` rows of `out`: sum(r, j) is row r's vector j of
+// 16 columns, `vectors` of them (plain: one after another; gated: the first
+// half gate, the second up, for the same columns).
+template <typename D, typename Sum>
+inline void store_block(const Output<typename D::T>& out, int rows, int vectors, Sum sum) {
+  const auto bias = [&](int j, __mmask16 m) {
+    return out.bias ? D::load(m, out.bias + j * 16) : _mm512_setzero_ps();
+  };
+  const int outputs = out.gated ? vectors / 2 : vectors;
+  for (int j = 0; j < outputs && j * 16 < out.columns; ++j) {
+    const __mmask16 m = first_lanes(out.columns - j * 16);
+    const __m512 b = bias(j, m);
+    if (out.gated) {
+      const __m512 b_up = bias(j + outputs, m);
+      for (int r = 0; r < rows; ++r)
+        D::store(out.y + r * out.n_size + j * 16, m,
+                 silu_times<D>(_mm512_add_ps(sum(r, j), b), _mm512_add_ps(sum(r, j + outputs), b_up)));
+    } else {
+      for (int r = 0; r < rows; ++r)
+        D::store(out.y + r * out.n_size + j * 16, m, _mm512_add_ps(sum(r, j), b));
+    }
+  }
+}
+
 // R rows of x times steps [k0, k1) along K of one block of weights, their
 // sums started at zero (the first chunk) or from `parked`, and left there or
 // (the last chunk) stored to `out`. While at it, asks for `prefetch_lines` cache
@@ -155,24 +179,7 @@ void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
       for (int j = 0; j < 4; ++j) _mm512_store_ps(parked + r * kBlock + j * 16, sum[r][j]);
     return;
   }
-  const auto bias = [&](int j) {  // the bias of sums' vector j
-    return out.bias ? D::load(0xffff, out.bias + j * 16) : _mm512_setzero_ps();
-  };
-  if (out.gated) {  // vectors 0-1 gate, 2-3 up
-    for (int j = 0; j < 2 && j * 16 < out.columns; ++j) {
-      const __mmask16 m = first_lanes(out.columns - j * 16);
-      const __m512 bg = bias(j), bu = bias(j + 2);
-      for (int r = 0; r < R; ++r)
-        D::store(out.y + r * out.n_size + j * 16, m,
-                 silu_times<D>(_mm512_add_ps(sum[r][j], bg), _mm512_add_ps(sum[r][j + 2], bu)));
-    }
-    return;
-  }
-  for (int j = 0; j < 4 && j * 16 < out.columns; ++j) {
-    const __mmask16 m = first_lanes(out.columns - j * 16);
-    const __m512 b = out.bias ? D::load(m, out.bias + j * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) D::store(out.y + r * out.n_size + j * 16, m, _mm512_add_ps(sum[r][j], b));
-  }
+  store_block<D>(out, R, 4, [&](int r, int j) { return sum[r][j]; });
 }
 
 template <typename D, int R = D::kMaxRows>
@@ -245,33 +252,9 @@ constexpr int64_t kAmxStep = 32;   // bfloat16 along K per tile multiply
 // a K of 3,072: 3 MB, past L2) go in several sweeps, each over the weights
 // again (from L3), instead of every pass reading its rows from L3. The ~128M
 // Llama's down projection (K 3,072) at 512 rows: 2.2-2.9 -> 1.5 ms, oneDNN
-// 1.6 (scratch runs; 0.5-1.5 MB ran alike).
+// 1.6 (scratch runs; 0.5-1.5 MB ran alike for that layer; 0.5 MB ran its
+// q/k/v 6 % slower than 1 MB).
 constexpr int64_t kSpanBytes = 1 << 20;
-
-// A block's two tiles of float32 sums [16][16] (its two 16-column halves)
-// -> `rows` rows of `out` (+ bias), bfloat16: two halves of columns, or
-// gated, silu(first) * second.
-void store_sums(const float (&sums)[2][256], const Output<uint16_t>& out, int rows) {
-  const auto bias = [&](int half, __mmask16 m) {
-    return out.bias ? BFloat16::load(m, out.bias + half * 16) : _mm512_setzero_ps();
-  };
-  if (out.gated) {
-    const __mmask16 m = first_lanes(out.columns);
-    const __m512 bg = bias(0, 0xffff), bu = bias(1, 0xffff);
-    for (int r = 0; r < rows; ++r)
-      BFloat16::store(out.y + r * out.n_size, m,
-                      silu_times<BFloat16>(_mm512_add_ps(_mm512_load_ps(sums[0] + r * 16), bg),
-                                           _mm512_add_ps(_mm512_load_ps(sums[1] + r * 16), bu)));
-    return;
-  }
-  for (int half = 0; half < 2 && half * 16 < out.columns; ++half) {
-    const __mmask16 m = first_lanes(out.columns - half * 16);
-    const __m512 b = bias(half, m);
-    for (int r = 0; r < rows; ++r)
-      BFloat16::store(out.y + r * out.n_size + half * 16, m,
-                      _mm512_add_ps(_mm512_load_ps(sums[half] + r * 16), b));
-  }
-}
 
 // Tiles 0-3 sums (rows of two groups of 16 x two 16-column halves), 4-5 x
 // (a group's 16 rows x 32 along K), 6-7 weights (16 pairs along K x 16 columns).
@@ -354,7 +337,9 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
             const Output<uint16_t> out{y + gg * 16 * n_size + column, n_size,
                                        std::min(block_columns, n_size - column),
                                        bias ? bias + b * kAmxBlock : nullptr, gated};
-            store_sums(sums[gg - g], out, static_cast<int>(std::min<int64_t>(16, m_size - gg * 16)));
+            const float(&tiles)[2][256] = sums[gg - g];  // the block's two 16-column halves
+            store_block<BFloat16>(out, static_cast<int>(std::min<int64_t>(16, m_size - gg * 16)), 2,
+                                  [&](int r, int half) { return _mm512_load_ps(tiles[half] + r * 16); });
           }
         }
       }

@@ -72,27 +72,25 @@ class LinearKernel:
         blocks = padded.view(-1, block, padded.shape[1] // paired, paired)
         return blocks.permute(0, 2, 1, 3).contiguous()
 
-    def pack_gated(self, weight: torch.Tensor, bias: torch.Tensor | None
+    def pack_gated(self, gate: torch.Tensor, up: torch.Tensor,
+                   gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A gate and its up projection, weight [2 * out, in] (gate rows
-        first, FMS's fused layout), packed so that each block holds half a
-        block of gate columns and the same columns of up: the kernel then
-        stores silu(gate) * up ([rows, out]). The bias (if any) in the
-        packed columns' order, as the kernel reads it."""
-        half = self.layout(weight.dtype)[0] // 2
-        out_features = weight.shape[0] // 2
+        """A gate and its up projection, each weight [out, in], packed as one
+        whose blocks hold half a block of gate columns and the same columns of
+        up: the kernel then stores silu(gate) * up ([rows, out]). The bias
+        (if any) in the packed columns' order, as the kernel reads it."""
+        half = self.layout(gate.dtype)[0] // 2
+        blocks = -(-gate.shape[0] // half)
 
-        def interleaved(t: torch.Tensor) -> torch.Tensor:
-            """[2 * out, ...] -> [blocks * 2 * half, ...]: per block, half
-            rows of gate then the same rows of up (zeros past out)."""
-            blocks, rest = -(-out_features // half), t.shape[1:]
-            gate, up = (t.new_zeros(blocks * half, *rest) for _ in range(2))
-            gate[:out_features], up[:out_features] = t[:out_features], t[out_features:]
-            pieces = torch.stack([gate.view(blocks, half, *rest), up.view(blocks, half, *rest)], 1)
-            return pieces.reshape(blocks * 2 * half, *rest)
+        def interleaved(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+            """Per block, half rows of g then the same rows of u (zeros past out)."""
+            rest = g.shape[1:]
+            padded = g.new_zeros(2, blocks * half, *rest)  # [gate / up, padded rows, ...]
+            padded[0, :g.shape[0]], padded[1, :u.shape[0]] = g.detach(), u.detach()
+            return padded.view(2, blocks, half, *rest).transpose(0, 1).reshape(-1, *rest)
 
-        return (self.pack(interleaved(weight.detach())),
-                None if bias is None else interleaved(bias.detach()))
+        bias = None if gate_bias is None else interleaved(gate_bias, up_bias)
+        return self.pack(interleaved(gate, up)), bias
 
     def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              out_features: int, gated: bool = False) -> tuple[torch.Tensor, int]:
@@ -138,12 +136,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _kernel.pack(weight)
 
 
-def pack_gated(weight: torch.Tensor, bias: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A fused gate/up weight [2 * out, in] (and bias) -> the loaded
-    kernel's gated layout (``LinearKernel.pack_gated``)."""
+def pack_gated(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None = None,
+               up_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gate and up weights [out, in] (and biases) -> the loaded kernel's
+    gated layout (``LinearKernel.pack_gated``)."""
     assert _kernel is not None, "linear_kernel.enable() first"
-    return _kernel.pack_gated(weight, bias)
+    return _kernel.pack_gated(gate, up, gate_bias, up_bias)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -39,7 +39,6 @@ from __future__ import annotations
 import torch
 from fms.modules.feedforward import FeedForwardBlock, GatedLinearUnit
 from fms.modules.head import LinearClassificationHead
-from fms.modules.tp import TPModule
 from torch import nn
 
 from vllm_accel import compat
@@ -109,10 +108,7 @@ class GatedUnit(nn.Module):
     def __init__(self, glu: GatedLinearUnit):
         super().__init__()
         self.hidden_dim = glu.hidden_dim
-        gate_up = self.gate_and_up(glu)
-        weight = torch.cat([layer.weight for layer in gate_up])
-        bias = None if gate_up[0].bias is None else torch.cat([layer.bias for layer in gate_up])
-        weight, bias = linear_kernel.pack_gated(weight, bias)
+        weight, bias = linear_kernel.pack_gated(*self.gate_and_up_weights(glu))
         self.register_buffer("packed_weight", weight, persistent=False)
         self.register_buffer("packed_bias", bias, persistent=False)
         self.w2 = glu.w2
@@ -123,11 +119,22 @@ class GatedUnit(nn.Module):
         return [glu.wg1_fused] if glu.fused else [glu.wg, glu.w1]
 
     @staticmethod
+    def gate_and_up_weights(glu: GatedLinearUnit) -> tuple:
+        """(gate weight, up weight, gate bias, up bias): FMS's fused layer
+        holds gate's rows first."""
+        if not glu.fused:
+            return glu.wg.weight, glu.w1.weight, glu.wg.bias, glu.w1.bias
+        layer, h = glu.wg1_fused, glu.hidden_dim
+        biases = (None, None) if layer.bias is None else (layer.bias[:h], layer.bias[h:])
+        return layer.weight[:h], layer.weight[h:], *biases
+
+    @staticmethod
     def fits(module: nn.Module) -> bool:
         """An FMS gated MLP this replaces: SiLU, no dropout, gate and up by
-        plain nn.Linears our kernel runs (both with a bias or neither); not a
-        tensor-parallel one (its forward is FMS's, with the all-reduce)."""
-        if not (isinstance(module, GatedLinearUnit) and not isinstance(module, TPModule)
+        plain nn.Linears our kernel runs (both with a bias or neither), and
+        GatedLinearUnit's own forward (not the tensor-parallel one's, which
+        all-reduces)."""
+        if not (isinstance(module, GatedLinearUnit)
                 and type(module).forward is GatedLinearUnit.forward
                 and type(module.a) is nn.SiLU and not module.p_dropout):
             return False
