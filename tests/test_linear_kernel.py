@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from vllm_accel.model import cpu_kernels, linear_kernel, span_attention
+from vllm_accel.model.live_rows import live_rows
 from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
 
 CPU_FLAGS = cpu_kernels.cpu_flags() or set()
@@ -106,6 +107,29 @@ def test_op_takes_any_leading_shape_and_strides(kernel, dtype):
     assert out.shape == (3, 5, 48)
     expected = torch.nn.functional.linear(x.double(), weight.double())
     assert (out.double() - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padding_rows_are_not_multiplied(kernel, dtype, gated):
+    """Under live_rows(48, 37) a tensor of 48 rows gets its first 37 as ever
+    (bit for bit) and zeros after (not computed); other row counts run
+    whole, and so does everything once it is left."""
+    torch.manual_seed(0)
+    gate, up = torch.randn(40, 64).to(dtype), torch.randn(40, 64).to(dtype)
+    packed = (linear_kernel.pack_gated(gate, up)[0] if gated
+              else linear_kernel.pack(torch.cat([gate, up])))
+    out_features = 40 if gated else 80
+    x = torch.randn(1, 48, 64).to(dtype)
+    whole = linear_kernel.linear(x, packed, None, out_features, gated)
+    assert whole[:, 37:].abs().amin() > 0  # rows a computation would fill
+    with live_rows(48, 37):
+        padded = linear_kernel.linear(x, packed, None, out_features, gated)
+        other = linear_kernel.linear(x[:, :40], packed, None, out_features, gated)
+    assert torch.equal(padded[:, :37], whole[:, :37])
+    assert not padded[:, 37:].any()
+    assert torch.equal(other, whole[:, :40])
+    assert torch.equal(linear_kernel.linear(x, packed, None, out_features, gated), whole)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

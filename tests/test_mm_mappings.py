@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vllm_accel.architectures import Architecture, by_model_type, load_object
+from vllm_accel.model import live_rows
 from vllm_accel.multimodal.mm_mappings import vision_adapter_class
 from vllm_accel.multimodal.encoder import (VisionEncoder, merge_embeddings, pack_first_fit,
                                            pack_least_padding)
@@ -330,6 +331,45 @@ def test_pack_least_padding(rows, groups, padded):
 ])
 def test_pack_first_fit(rows, budget, groups):
     assert pack_first_fit(rows, budget) == groups
+
+
+class _RowsSeen(torch.nn.Module):
+    """A vision module that records how many rows ops would compute."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Identity()  # the compiled unit
+        self.seen, self.fail = [], False
+
+    def forward(self, x):
+        self.seen.append(live_rows.count(x.shape[0]))
+        if self.fail:
+            raise RuntimeError("a failing call")
+        return self.layer(x) + 1
+
+
+@pytest.mark.parametrize("rows_last", [False, True], ids=["rows_unknown", "rows_last"])
+def test_ops_skip_the_padding_rows_during_the_call_only(rows_last):
+    """An adapter whose padding rows stay last (vision_padding_rows_last) has
+    ops compute only the real rows of its module's padded inputs, during the
+    call, and not after it, even one that raised; any other, every row."""
+    tower = _RowsSeen()
+    adapter = SimpleNamespace(
+        vision_buckets=lambda: [4, 8], vision_bucket_multiple=1,
+        vision_batch_rows=lambda buckets: 8, vision_compile_units=lambda: [tower.layer],
+        vision_graphs_per_bucket=1, vision_module=tower, vision_padded_args=1,
+        vision_padding_rows_last=rows_last, vision_rows=lambda item: item.shape[0],
+        encode_items=lambda items: list(tower(torch.cat(items)).split(
+            [item.shape[0] for item in items])))
+    encoder = VisionEncoder(adapter, "eager")
+    (out,) = encoder.encode([torch.zeros(5, 2)])
+    assert torch.equal(out, torch.ones(5, 2))
+    assert tower.seen == [5 if rows_last else 8]
+    assert live_rows.count(8) == 8
+    tower.fail = True
+    with pytest.raises(RuntimeError, match="a failing call"):
+        encoder.encode([torch.zeros(3, 2)])
+    assert tower.seen[-1] == (3 if rows_last else 4) and live_rows.count(4) == 4
 
 
 def test_bfloat16_tower_attends_by_the_kernel(ckpt, hf_config, utils, tmp_path, monkeypatch,

@@ -150,10 +150,10 @@ def test_pack_linear_layers_leaves_float16():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_served_model_runs_packed_linears(tiny_models, dtype):
+def test_served_model_runs_packed_linears(tiny_models, dtype, monkeypatch):
     """The cpu device packs every linear layer of the model it serves (for our
     kernel where this CPU runs it); greedy output stays HF's in float32 (bfloat16: packed and HF differ in rounding,
-    so only the counts are checked)."""
+    so only the counts are checked), our kernel multiplying no padding rows."""
     prompts = random_prompts([5, 17, 40], seed=7)
     with running_llm(tiny_models["llama"], dtype=dtype) as llm:
         runner = model_runner(llm)
@@ -174,7 +174,18 @@ def test_served_model_runs_packed_linears(tiny_models, dtype):
             from vllm import SamplingParams
             from vllm.inputs import TokensPrompt
 
+            kernel, rows = linear_kernel._kernel, set()
+
+            class RowsSeen:
+                def __call__(self, x, *args, **kwargs):
+                    rows.add(x.shape[0])
+                    return kernel(x, *args, **kwargs)
+
+            if by_kernel:
+                monkeypatch.setattr(linear_kernel, "_kernel", RowsSeen())
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                 SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
             assert [list(o.outputs[0].token_ids) for o in outs] == \
                 hf_greedy(tiny_models["llama"], prompts, 12)
+            # 3 decodes a step, in the token bucket of 8: 3 rows multiplied
+            assert not by_kernel or (3 in rows and 8 not in rows)

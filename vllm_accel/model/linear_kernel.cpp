@@ -266,16 +266,16 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
   const int64_t kp = (k_size + kAmxStep - 1) / kAmxStep * kAmxStep;
   const int64_t groups = (m_size + 15) / 16, steps = kp / kAmxStep;
   // x as tiles read it: whole groups of 16 rows, K a multiple of 32 (zeros).
-  const uint16_t* a = x;
-  int64_t a_row = k_size;
-  std::vector<uint16_t> padded;
-  if (kp != k_size || groups * 16 != m_size) {
-    padded.assign(groups * 16 * kp, 0);
-    for (int64_t r = 0; r < m_size; ++r)
-      std::memcpy(padded.data() + r * kp, x + r * k_size, k_size * sizeof(uint16_t));
-    a = padded.data();
-    a_row = kp;
-  }
+  // Where K is one, x's whole groups are read in place, and only the rows
+  // of a last, partial group copied.
+  const int64_t in_place = kp == k_size ? m_size / 16 : 0;
+  std::vector<uint16_t> padded((groups - in_place) * 16 * kp, 0);
+  for (int64_t r = in_place * 16; r < m_size; ++r)
+    std::memcpy(padded.data() + (r - in_place * 16) * kp, x + r * k_size,
+                k_size * sizeof(uint16_t));
+  auto group_rows = [&](int64_t g) {  // rows kp apart
+    return g < in_place ? x + g * 16 * kp : padded.data() + (g - in_place) * 16 * kp;
+  };
   const int64_t block_columns = gated ? kAmxBlock / 2 : kAmxBlock;  // of y
   const int64_t blocks = (n_size + block_columns - 1) / block_columns;
   const int64_t block_elements = kp * kAmxBlock, step_elements = kAmxStep * kAmxBlock;
@@ -301,8 +301,8 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
                                           : nullptr;
         for (int64_t g = span; g < span_end; g += 2) {
           const bool two = g + 1 < span_end;
-          const uint16_t* a0 = a + g * 16 * a_row;
-          const uint16_t* a1 = a0 + 16 * a_row;
+          const uint16_t* a0 = group_rows(g);
+          const uint16_t* a1 = two ? group_rows(g + 1) : nullptr;
           _tile_zero(0);
           _tile_zero(1);
           _tile_zero(2);
@@ -317,11 +317,11 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
             const uint16_t* ws = wb + s * step_elements;
             _tile_loadd(6, ws, kAmxBlock * 4);
             _tile_loadd(7, ws + 32, kAmxBlock * 4);
-            _tile_loadd(4, a0 + s * kAmxStep, a_row * 2);
+            _tile_loadd(4, a0 + s * kAmxStep, kp * 2);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             if (two) {
-              _tile_loadd(5, a1 + s * kAmxStep, a_row * 2);
+              _tile_loadd(5, a1 + s * kAmxStep, kp * 2);
               _tile_dpbf16ps(2, 5, 6);
               _tile_dpbf16ps(3, 5, 7);
             }

@@ -13,8 +13,10 @@ on a Xeon with AMX, bfloat16 on tiles,
 A layer runs by it where ``packs`` says yes, it has no activation to fuse (those
 keep oneDNN's post-ops) and it is not an encoder's: see packed_linear.py; a
 gated MLP's (SiLU), an encoder's too, runs gate and up in one call that
-stores silu(gate) * up (``pack_gated``). Loaded
-once per process by ``enable`` (the cpu device).
+stores silu(gate) * up (``pack_gated``). Rows that only pad a bucket are
+not multiplied (``live_rows``: a forward's tokens past the step's, a Qwen2.5-VL
+encoder call's patches past its images'). Loaded once per process by
+``enable`` (the cpu device).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_accel.model import cpu_kernels, ops
+from vllm_accel.model import cpu_kernels, live_rows, ops
 
 SOURCE = Path(__file__).with_name("linear_kernel.cpp")
 _PAIRED = {torch.float32: 1, torch.bfloat16: 2}  # elements along K per multiply
@@ -93,17 +95,19 @@ class LinearKernel:
         return self.pack(interleaved(gate, up)), bias
 
     def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             out_features: int, gated: bool = False) -> tuple[torch.Tensor, int]:
-        """x [rows, in] contiguous -> ([rows, out_features], the kernel's status)."""
+             out_features: int, gated: bool = False, out: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, int]:
+        """x [rows, in] contiguous -> ([rows, out_features], into ``out`` where
+        given: contiguous; the kernel's status)."""
         rows, in_features = x.shape
-        y = x.new_empty(rows, out_features)
+        y = x.new_empty(rows, out_features) if out is None else out
         status = self._functions[x.dtype](
             x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
             y.data_ptr(), rows, out_features, in_features, int(gated), torch.get_num_threads())
         return y, status
 
-    def __call__(self, x, weight, bias, out_features, gated=False):
-        y, status = self._run(x, weight, bias, out_features, gated)
+    def __call__(self, x, weight, bias, out_features, gated=False, out=None):
+        y, status = self._run(x, weight, bias, out_features, gated, out)
         if status:
             raise RuntimeError(f"linear kernel refused x {list(x.shape)} {x.dtype} "
                                f"(status {status})")
@@ -149,7 +153,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     assert _kernel is not None, "linear_kernel.enable() first"
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     bias = None if bias is None else bias.contiguous()
-    return _kernel(rows, weight, bias, out_features, gated).view(*x.shape[:-1], out_features)
+    # Padding rows (live_rows: a bucket's) are not multiplied, left zero.
+    live = live_rows.count(rows.shape[0])
+    y = rows.new_empty(rows.shape[0], out_features)
+    _kernel(rows[:live], weight, bias, out_features, gated, out=y[:live])
+    y[live:].zero_()
+    return y.view(*x.shape[:-1], out_features)
 
 
 def _linear_shape(x, weight, bias, out_features, gated=False):

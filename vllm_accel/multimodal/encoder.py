@@ -5,11 +5,14 @@ into the text embeddings. What differs per architecture comes from its
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from vllm_accel.buckets import find_bucket, fit_bucket, make_buckets
 from vllm_accel.compat import map_tensors
 from vllm_accel.model.compile import compile_shared_forward
+from vllm_accel.model.live_rows import live_rows
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.settings import env_var_name
 
@@ -83,12 +86,13 @@ class VisionEncoder:
         self.images_encoded = 0
         self.calls = 0  # vision module calls: images_encoded / calls per call
         self._real_rows: int | None = None
+        self._live_rows = contextlib.nullcontext()  # entered by the padding hook
         if compile_backend is not None:
             compile_shared_forward(adapter.vision_compile_units(), compile_backend,
                                    len(self.buckets) * adapter.vision_graphs_per_bucket)
             module = adapter.vision_module
             module.register_forward_pre_hook(self._pad_to_bucket, with_kwargs=True)
-            module.register_forward_hook(self._slice_to_real_rows)
+            module.register_forward_hook(self._slice_to_real_rows, always_call=True)
 
     @torch.inference_mode()
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -125,9 +129,15 @@ class VisionEncoder:
         self._real_rows = rows
         if bucket > rows:
             padded = [torch.cat([t, t.new_zeros(bucket - rows, *t.shape[1:])]) for t in padded]
+        if self.adapter.vision_padding_rows_last:
+            # Until the call returns (or raises), linears skip the padding rows.
+            self._live_rows = live_rows(bucket, rows)
+            self._live_rows.__enter__()
         return (*padded, *rest), kwargs
 
     def _slice_to_real_rows(self, module, args, output):
+        self._live_rows.__exit__(None, None, None)
+        self._live_rows = contextlib.nullcontext()
         rows, self._real_rows = self._real_rows, None
         return map_tensors(lambda t: t[:rows], output)
 

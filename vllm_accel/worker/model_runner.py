@@ -42,6 +42,7 @@ from vllm_accel.compat import compile_sampler_logprob_ranks
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.log import get_logger
 from vllm_accel.model import decode_kernel, half_split_rope, linear_kernel, span_attention
+from vllm_accel.model.live_rows import live_rows
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
 from vllm_accel.model.packed_linear import pack_linear_layers
 from vllm_accel.model.paged_attention import (
@@ -361,7 +362,9 @@ class AccelModelRunner:
         """One forward under a layout: hidden states [1, tokens, hidden] and
         the logits of the tokens ``logit_rows`` (driver only). What the CUDA
         graphs capture: on a GPU the LM head runs inside the graph too."""
-        with attention_context(metadata, self.decode_kernel):
+        # The bucket's rows past the step's tokens are padding: linears skip them.
+        with attention_context(metadata, self.decode_kernel), \
+                live_rows(inputs.shape[1], metadata.tokens):
             hidden = self.model(inputs, positions, self.kv_caches)
         logits = self.model.compute_logits(hidden[0, logit_rows]) if self.is_driver else None
         return hidden, logits

@@ -45,6 +45,10 @@ class VisionAdapter(ABC):
     # padded leading axis (e.g. Molmo's crops and their masks): all are padded
     # with zero rows alike.
     vision_padded_args: int = 1
+    # Whether every tensor inside ``vision_module`` with as many rows as its
+    # padded input keeps the padding rows last (row-wise work may then skip
+    # them: model/live_rows.py). Not where rows are tiles or crops of patches.
+    vision_padding_rows_last: bool = False
     # Graphs each vision bucket compiles: one, or one per kind of block whose
     # inputs differ in shape (Qwen2.5-VL's window and full-attention blocks).
     vision_graphs_per_bucket: int = 1

@@ -33,6 +33,7 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
     # Window and full-attention blocks (their masks differ in shape); one
     # graph serves both where our kernel attends by spans.
     vision_graphs_per_bucket = 2
+    vision_padding_rows_last = True  # patches in window order, then the padding
     unsupported_modalities = ("video",)
 
     def __init__(self, model_config, fms_model: nn.Module):
