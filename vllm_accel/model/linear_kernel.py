@@ -153,11 +153,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     assert _kernel is not None, "linear_kernel.enable() first"
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     bias = None if bias is None else bias.contiguous()
-    # Padding rows (live_rows: a bucket's) are not multiplied, left zero.
     live = live_rows.count(rows.shape[0])
-    y = rows.new_empty(rows.shape[0], out_features)
-    _kernel(rows[:live], weight, bias, out_features, gated, out=y[:live])
-    y[live:].zero_()
+    if live == rows.shape[0]:
+        y = _kernel(rows, weight, bias, out_features, gated)
+    else:  # padding rows (live_rows: a bucket's) are not multiplied, left zero
+        y = rows.new_empty(rows.shape[0], out_features)
+        _kernel(rows[:live], weight, bias, out_features, gated, out=y[:live])
+        y[live:].zero_()
     return y.view(*x.shape[:-1], out_features)
 
 
