@@ -338,7 +338,7 @@ class AccelModelRunner:
             hidden, logits = graphs.replay(forward.bucket, model_inputs)
         else:
             hidden, logits = self.model_call(model_inputs, inputs.positions, inputs.metadata,
-                                             inputs.logit_rows)
+                                             inputs.logit_rows, tokens=count)
             self.compile_stats.after_step(f"a forward of {forward.bucket} tokens")
         hidden = hidden[:, :count] if keep_hidden else None
         logits = None if logits is None else logits[: inputs.num_logits]
@@ -357,14 +357,16 @@ class AccelModelRunner:
         return outputs
 
     def model_call(self, inputs: torch.Tensor, positions: torch.Tensor,
-                   metadata: PagedAttentionMetadata, logit_rows: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   metadata: PagedAttentionMetadata, logit_rows: torch.Tensor,
+                   tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward under a layout: hidden states [1, tokens, hidden] and
         the logits of the tokens ``logit_rows`` (driver only). What the CUDA
-        graphs capture: on a GPU the LM head runs inside the graph too."""
-        # The bucket's rows past the step's tokens are padding: linears skip them.
+        graphs capture: on a GPU the LM head runs inside the graph too.
+        ``tokens``: the bucket's rows that hold the forward's tokens (linears
+        skip the rest, padding); None: every row (a capture)."""
+        bucket = inputs.shape[1]
         with attention_context(metadata, self.decode_kernel), \
-                live_rows(inputs.shape[1], metadata.tokens):
+                live_rows(bucket, bucket if tokens is None else tokens):
             hidden = self.model(inputs, positions, self.kv_caches)
         logits = self.model.compute_logits(hidden[0, logit_rows]) if self.is_driver else None
         return hidden, logits
