@@ -317,3 +317,36 @@ def test_a_layer_takes_its_hidden_states_row_by_row():
         assert out.is_contiguous() and torch.equal(out, transposed * 4)
         layers[0](transposed.contiguous())
     assert [layer.forward.guarded_calls for layer in layers] == [1, 1]
+
+
+def test_warming_up_runs_each_kind_of_call_in_one_layer_of_a_stack():
+    """compile.warming_up: the first layer to make a kind of call runs it;
+    the others of its stack get their graph from dynamo's guards and pass
+    their input on, so after warmup every layer runs its graph unguarded.
+    A layer whose output is not shaped as its input always runs."""
+    from vllm_accel.model.compile import compile_shared_forward, warming_up
+
+    class Residual(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Shrinking(torch.nn.Module):
+        def forward(self, x):
+            return x[1:] * 2
+
+    residual, shrinking = [Residual() for _ in range(3)], [Shrinking() for _ in range(3)]
+    compile_shared_forward(residual, "eager", num_shapes=2)
+    compile_shared_forward(shrinking, "eager", num_shapes=8)
+    x, y = torch.randn(5, 4), torch.randn(6, 4)
+    with torch.no_grad():
+        with warming_up(residual + shrinking):
+            assert torch.equal(residual[2](residual[1](residual[0](x))), x * 2)
+            assert [torch.equal(layer(y), y * (2 if i == 0 else 1))
+                    for i, layer in enumerate(residual)] == [True] * 3
+            assert torch.equal(residual[0](x), x)  # its kind ran: passes through too
+            assert torch.equal(shrinking[2](shrinking[1](shrinking[0](x))), x[3:] * 8)
+        assert [layer.forward.guarded_calls for layer in residual] == [2, 0, 0]
+        for layer in residual:
+            assert torch.equal(layer(x), x * 2) and torch.equal(layer(y), y * 2)
+        assert torch.equal(residual[2](residual[1](residual[0](x))), x * 8)
+    assert [layer.forward.guarded_calls for layer in residual] == [2, 0, 0]

@@ -232,8 +232,14 @@ def test_compiled_serving_pads_crops_and_never_recompiles(ckpt, cases, expected,
         assert runner.vision_encoder.buckets == [4, 7]
         stats = runner.compile_stats
         assert stats.warmup_graphs == 2 + 2  # token buckets + crop buckets
+        # Warmup ran the ViT's graphs in its first block only; the others
+        # passed through, and serving finds every block's graph unguarded.
+        blocks = runner.vision_encoder.adapter.vision_compile_units()
+        guarded = [block.forward.guarded_calls for block in blocks]
+        assert guarded == [2] + [0] * (len(blocks) - 1)
         got = generate(llm, cases)
         assert stats.runtime_compiles == 0
+        assert [block.forward.guarded_calls for block in blocks] == guarded
     for g, want in zip(got, expected):
         assert_matches(g, want)
 

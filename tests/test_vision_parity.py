@@ -105,8 +105,13 @@ def test_compiled_serving_never_recompiles_across_image_sizes(arch, model_dir, c
             assert runner.vision_encoder.buckets == arch.vision_buckets
         stats = runner.compile_stats
         assert stats.warmup_graphs == arch.warmup_graphs
-        layers = [*runner.model.fms_model.base_model.layers,
-                  *runner.vision_encoder.adapter.vision_compile_units()]
+        adapter = runner.vision_encoder.adapter
+        units = adapter.vision_compile_units()
+        # Warmup ran each vision bucket's graphs in the first layer of each
+        # kind only (model.compile.warming_up); the rest passed through.
+        ran = [unit.forward.guarded_calls > 0 for unit in units]
+        assert sum(ran) == adapter.vision_graphs_per_bucket and ran[0]
+        layers = [*runner.model.fms_model.base_model.layers, *units]
         guarded = [layer.forward.guarded_calls for layer in layers]
         got = vision_greedy(compiled, cases, MAX_TOKENS)
         assert stats.runtime_compiles == 0

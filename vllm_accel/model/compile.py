@@ -10,10 +10,16 @@ tree of a few hundred checks over its submodules: with dynamo's entry, 60-110
 us a layer call, ~3 % of a ~90M bfloat16 batch. So each layer runs the
 graph dynamo chose for a kind of call (its arguments' shapes, strides and
 dtypes; other arguments' values) directly from the second such call on.
+
+Warmup only needs each kind of call to reach a graph once: while
+``warming_up``, the other layers of the stack find their graph by dynamo's
+guards without running it and pass their input on (a full-size vision tower
+ran every layer of every bucket at each start, most of a warm start).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 from collections.abc import Callable
@@ -44,10 +50,38 @@ def compile_shared_forward(layers: list[nn.Module], backend: str, num_shapes: in
     """Make every layer run one shared compiled copy of its class's forward."""
     function = _own_copy(type(layers[0]).forward)
     compiled = torch.compile(function, backend=backend, dynamic=False, fullgraph=True)
+    stack = LayerStack()
     # An instance attribute wins over the class's forward in nn.Module.__call__.
     for layer in layers:
-        layer.forward = LayerForward(layer, function, compiled)
+        layer.forward = LayerForward(layer, function, compiled, stack)
     raise_recompile_limit(num_shapes)
+
+
+class LayerStack:
+    """What the layers sharing one compiled function share: for each kind of
+    call one of them ran, whether its output had its first input's shape and
+    dtype (a residual layer's), and whether warmup is on."""
+
+    def __init__(self):
+        self.passes_input_shape: dict[tuple, bool] = {}
+        self.warming_up = False
+
+
+@contextlib.contextmanager
+def warming_up(layers: list[nn.Module]):
+    """Within: a layer whose kind of call another layer of its stack has run,
+    with an output shaped as its input, takes the graph dynamo picks for it
+    (as its first call would) and returns its input without computing.
+    Outputs are meaningless, every graph a serving call needs is ready."""
+    forwards = [layer.forward for layer in layers if isinstance(layer.forward, LayerForward)]
+    stacks = {id(f.stack): f.stack for f in forwards}.values()
+    for stack in stacks:
+        stack.warming_up = True
+    try:
+        yield
+    finally:
+        for stack in stacks:
+            stack.warming_up = False
 
 
 class LayerForward:
@@ -59,10 +93,12 @@ class LayerForward:
     not change while an engine serves: the layer's own attributes and weights'
     shapes, and global state other than grad and inference mode."""
 
-    def __init__(self, layer: nn.Module, function: Callable, compiled: Callable):
+    def __init__(self, layer: nn.Module, function: Callable, compiled: Callable,
+                 stack: LayerStack):
         self._layer = layer
         self._function = function
         self._compiled = compiled
+        self.stack = stack
         self._direct: dict[tuple, Callable] = {}
         self.guarded_calls = 0  # calls that went through dynamo (tests count them)
 
@@ -75,11 +111,18 @@ class LayerForward:
             args = (args[0].contiguous(), *args[1:])
         kind = _call_kind(args, kwargs)
         direct = self._direct.get(kind)
+        if self.stack.warming_up and self.stack.passes_input_shape.get(kind):
+            if direct is None:
+                direct = self._code_dynamo_ran(args, kwargs)
+            if direct is not None:
+                self._direct[kind] = direct
+                return args[0]
         if direct is not None:
             return direct(self._layer, *args, **kwargs)
         self.guarded_calls += 1
         outputs = self._compiled(self._layer, *args, **kwargs)
         if kind is not None:
+            self.stack.passes_input_shape[kind] = bool(args) and _same_shape(outputs, args[0])
             direct = self._code_dynamo_ran(args, kwargs)
             if direct is not None:
                 self._direct[kind] = direct
@@ -90,6 +133,12 @@ class LayerForward:
         bound.apply_defaults()
         code = dynamo_code_for(self._function, dict(bound.arguments))
         return None if code is None else _with_code(self._function, code)
+
+
+def _same_shape(output, first_input) -> bool:
+    return (isinstance(output, torch.Tensor) and isinstance(first_input, torch.Tensor)
+            and output.shape == first_input.shape
+            and output.dtype == first_input.dtype and output.device == first_input.device)
 
 
 class _Unknown(Exception):

@@ -21,6 +21,7 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 
 from vllm_accel.buckets import ForwardCosts
 from vllm_accel.log import get_logger
+from vllm_accel.model.compile import warming_up
 from vllm_accel.patches import inductor_cache_dir
 
 if TYPE_CHECKING:
@@ -115,7 +116,9 @@ def warm_up(runner: AccelModelRunner) -> None:
         encoder = runner.vision_encoder
         encoder_start = time.perf_counter()
         sizes = vision.warmup_image_sizes(encoder.image_buckets)
-        with inductor_cache_dir(stats.cache_dir):
+        # Each bucket's layer graphs load (or compile) in the tower's first
+        # layers; the rest pass their input on (model.compile.warming_up).
+        with inductor_cache_dir(stats.cache_dir), warming_up(vision.vision_compile_units()):
             for group in encoder.warmup_groups(vision.warmup_items(sizes)):
                 encoder.encode(group)
         logger.info(
