@@ -82,7 +82,7 @@ def test_gated_is_silu_of_gate_times_up(kernel, rows, out_features, dtype):
         gate_up_biases = (None, None) if bias is None else bias.split(out_features)
         ours = linear_kernel.linear(
             x, *linear_kernel.pack_gated(*weight.split(out_features), *gate_up_biases),
-            out_features, True)
+            out_features, linear_kernel.GATED_SILU)
         halves = linear_kernel.linear(x, linear_kernel.pack(weight), bias,
                                       2 * out_features).float()
         expected = (torch.nn.functional.silu(halves[:, :out_features])
@@ -98,6 +98,33 @@ def test_gated_is_silu_of_gate_times_up(kernel, rows, out_features, dtype):
             assert (ours == expected).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("rows", [1, 7, 48, 300])
+@pytest.mark.parametrize("out_features", [16, 37, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_is_the_layers_output_through_gelu(kernel, rows, out_features, dtype):
+    """The GELU (tanh) epilogue stores GELU of the sums as the layer outputs
+    them (rounded to the dtype), in float32, rounded once: against torch's
+    GELU in float64 (in float32 it loses the far negative tail to
+    cancellation in 0.5 x (1 + tanh(u)), -0.0 where the value is -3e-8; in
+    float64 below ~1e-15); outputs not a multiple of a block, a bias or none."""
+    g = torch.Generator().manual_seed(rows * 3 + out_features)
+    in_features = 96
+    x = (2 * torch.randn(rows, in_features, generator=g)).to(dtype)  # GELU's both sides
+    weight = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(dtype)
+    packed = linear_kernel.pack(weight)
+    for bias in (None, torch.randn(out_features, generator=g).to(dtype)):
+        ours = linear_kernel.linear(x, packed, bias, out_features, linear_kernel.GELU_TANH)
+        plain = linear_kernel.linear(x, packed, bias, out_features)
+        expected = torch.nn.functional.gelu(plain.double(), approximate="tanh")
+        assert ours.shape == (rows, out_features) and ours.dtype == dtype
+        # float32: e^-2|u| in float32 errs by ~|2u| ulps (measured up to
+        # 2.7e-6 relative, at x ~ -5: a value ~1e-7); bfloat16: one rounding more.
+        tolerance = 5e-6 if dtype == torch.float32 else torch.finfo(dtype).eps / 2 + 5e-6
+        assert ((ours.double() - expected).abs() <= tolerance * expected.abs() + 1e-14).all()
+        if dtype == torch.bfloat16:  # rounding the same value but next to a boundary
+            assert (ours == expected.to(dtype)).double().mean() > 0.99
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_op_takes_any_leading_shape_and_strides(kernel, dtype):
     weight = torch.randn(48, 32).to(dtype)
@@ -109,7 +136,8 @@ def test_op_takes_any_leading_shape_and_strides(kernel, dtype):
     assert (out.double() - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("gated", [linear_kernel.PLAIN, linear_kernel.GATED_SILU],
+                         ids=["plain", "gated"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_padding_rows_are_not_multiplied(kernel, dtype, gated):
     """Under live_rows(48, 37) a tensor of 48 rows gets its first 37 as ever
@@ -156,22 +184,28 @@ def test_compiled_graph_shared_by_two_layers(kernel, dtype):
             assert (got - expected).abs().max() <= tolerance * expected.abs().max()
 
 
-def test_layers_with_a_fused_activation_stay_onednn(kernel):
-    """A feed-forward block's first layer keeps oneDNN (its post-op runs the
-    activation); every other layer runs by the kernel, and the block computes
-    what it did."""
+@pytest.mark.parametrize("approximate, w1_by_kernel", [("none", False), ("tanh", True)])
+def test_a_fused_activation_runs_by_the_kernel_only_where_it_has_it(kernel, approximate,
+                                                                    w1_by_kernel):
+    """A feed-forward block's first layer with exact GELU keeps oneDNN (its
+    post-op runs the activation); with GELU's tanh approximation it runs by
+    the kernel (its epilogue), an encoder's too; every other layer runs by
+    the kernel, and the block computes what it did."""
     from fms.modules.feedforward import FeedForwardBlock
 
-    torch.manual_seed(0)
-    block = FeedForwardBlock(48, hidden_grow_factor=2.0, activation_fn=nn.GELU(),
-                             use_bias=True).eval()
     x = torch.randn(2, 13, 48)
-    with torch.inference_mode():
-        expected = block(x)
-        assert pack_linear_layers(block) == 2
-        assert not block.w1.by_kernel and block.w1.post_op[0] == "gelu"
-        assert block.w2.by_kernel and block.w2.post_op[0] == "none"
-        assert (block(x) - expected).abs().max() <= 1e-5 * expected.abs().max()
+    for decoder, w2_by_kernel in ((nn.Module(), False), (None, True)):  # an encoder's, a decoder's
+        torch.manual_seed(0)
+        block = FeedForwardBlock(48, hidden_grow_factor=2.0,
+                                 activation_fn=nn.GELU(approximate=approximate),
+                                 use_bias=True).eval()
+        with torch.inference_mode():
+            expected = block(x)
+            assert pack_linear_layers(block, decoder=decoder) == 2
+            assert block.w1.by_kernel == w1_by_kernel
+            assert block.w1.post_op == ("gelu", approximate)
+            assert block.w2.by_kernel == w2_by_kernel and block.w2.post_op[0] == "none"
+            assert (block(x) - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_odd_bfloat16_inputs_stay_onednn(kernel):

@@ -41,6 +41,8 @@
 // Gated (a gated MLP's gate and up projections as one weight, each block
 // half gate and half up columns): the sums are stored as silu(gate) * up, so
 // the [rows, 2 x hidden] projection is never written (packed_linear.GatedUnit).
+// GELU (tanh): the sums are stored as gelu(sum), a feed-forward block's first
+// layer with its activation (packed_linear.PackedLinear).
 //
 // Plain C ABI, no torch headers (builds in about a second); returns 2 where it
 // was built without the instructions a dtype needs, 3 where the OS refuses
@@ -112,6 +114,26 @@ inline __m512 silu_times(__m512 gate, __m512 up) {
   return _mm512_mul_ps(silu(D::round(gate)), D::round(up));
 }
 
+// What is stored of a block's sums (+ bias): see the top of the file.
+enum Epilogue { kPlain = 0, kGatedSilu = 1, kGeluTanh = 2 };
+
+// gelu(x) with tanh's approximation, 0.5 x (1 + tanh(u)) = x sigmoid(2u),
+// u = sqrt(2 / pi) (x + 0.044715 x^3); as silu, x / (1 + e^-2u) with e^-2|u|.
+inline __m512 gelu_tanh(__m512 x) {
+  const __m512 c = _mm512_set1_ps(0.7978845608f);
+  const __m512 u = _mm512_mul_ps(_mm512_mul_ps(c, x),
+                                 _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(x, x),
+                                                 _mm512_set1_ps(1.0f)));
+  const __m512 e = exp2_nonpositive(_mm512_mul_ps(_mm512_abs_ps(u), _mm512_set1_ps(-2 * kLog2E)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_LT_OQ);
+  // 1 / (1 + e) by the reciprocal estimate and a Newton step (a division
+  // took most of the epilogue's time).
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+  return _mm512_mul_ps(_mm512_mask_mul_ps(x, negative, x, e), r);
+}
+
 // Where a block's sums go: `columns` columns of y (row stride n_size) from
 // `y`, plus the bias (in the packed columns' order). Gated: the block's first
 // half of columns are a gate's, its second half the matching up
@@ -121,7 +143,7 @@ struct Output {
   T* y;
   int64_t n_size, columns;
   const T* bias;
-  bool gated;
+  Epilogue epilogue;
 };
 
 // A block's sums -> `rows` rows of `out`: sum(r, j) is row r's vector j of
@@ -132,15 +154,21 @@ inline void store_block(const Output<typename D::T>& out, int rows, int vectors,
   const auto bias = [&](int j, __mmask16 m) {
     return out.bias ? D::load(m, out.bias + j * 16) : _mm512_setzero_ps();
   };
-  const int outputs = out.gated ? vectors / 2 : vectors;
+  const bool gated = out.epilogue == kGatedSilu;
+  const int outputs = gated ? vectors / 2 : vectors;
   for (int j = 0; j < outputs && j * 16 < out.columns; ++j) {
     const __mmask16 m = first_lanes(out.columns - j * 16);
     const __m512 b = bias(j, m);
-    if (out.gated) {
+    if (gated) {
       const __m512 b_up = bias(j + outputs, m);
       for (int r = 0; r < rows; ++r)
         D::store(out.y + r * out.n_size + j * 16, m,
                  silu_times<D>(_mm512_add_ps(sum(r, j), b), _mm512_add_ps(sum(r, j + outputs), b_up)));
+    } else if (out.epilogue == kGeluTanh) {
+      // Rounded to the dtype first, as the layer's output was before the GELU.
+      for (int r = 0; r < rows; ++r)
+        D::store(out.y + r * out.n_size + j * 16, m,
+                 gelu_tanh(D::round(_mm512_add_ps(sum(r, j), b))));
     } else {
       for (int r = 0; r < rows; ++r)
         D::store(out.y + r * out.n_size + j * 16, m, _mm512_add_ps(sum(r, j), b));
@@ -198,11 +226,11 @@ constexpr int64_t kChunkSteps = 128;  // 32 KB of weights in either dtype (32-12
 
 template <typename D>
 int linear(const typename D::T* x, const typename D::T* w, const typename D::T* bias,
-           typename D::T* y, int64_t m_size, int64_t n_size, int64_t k_size, bool gated,
+           typename D::T* y, int64_t m_size, int64_t n_size, int64_t k_size, Epilogue epilogue,
            int num_threads) {
   if (k_size % D::kPair) return 1;
   if (m_size == 0) return 0;
-  const int64_t block_columns = gated ? kBlock / 2 : kBlock;  // of y
+  const int64_t block_columns = epilogue == kGatedSilu ? kBlock / 2 : kBlock;  // of y
   const int64_t blocks = (n_size + block_columns - 1) / block_columns;
   const int64_t steps = k_size / D::kPair, step_bytes = kBlock * D::kPair * sizeof(typename D::T);
   const int64_t block_elements = k_size * kBlock;
@@ -232,7 +260,7 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
           const int tile_rows = static_cast<int>(rows + (t < extra));
           const int64_t lines = std::clamp<int64_t>(next_lines - t * share, 0, share);
           const Output<typename D::T> out{y + m * n_size + b * block_columns, n_size, columns,
-                                          bias ? bias + b * kBlock : nullptr, gated};
+                                          bias ? bias + b * kBlock : nullptr, epilogue};
           tile_of<D>(tile_rows, x + m * k_size, k_size, wb, out, k0, k1,
                      chunked ? parked[m * kBlock / 16].lanes : nullptr, next + t * share * 64,
                      lines);
@@ -259,7 +287,8 @@ constexpr int64_t kSpanBytes = 1 << 20;
 // Tiles 0-3 sums (rows of two groups of 16 x two 16-column halves), 4-5 x
 // (a group's 16 rows x 32 along K), 6-7 weights (16 pairs along K x 16 columns).
 int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-               int64_t m_size, int64_t n_size, int64_t k_size, bool gated, int num_threads) {
+               int64_t m_size, int64_t n_size, int64_t k_size, Epilogue epilogue,
+               int num_threads) {
   if (k_size % 2) return 1;
   if (!amx_permitted()) return 3;
   if (m_size == 0) return 0;
@@ -276,7 +305,7 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
   auto group_rows = [&](int64_t g) {  // rows kp apart
     return g < in_place ? x + g * 16 * kp : padded.data() + (g - in_place) * 16 * kp;
   };
-  const int64_t block_columns = gated ? kAmxBlock / 2 : kAmxBlock;  // of y
+  const int64_t block_columns = epilogue == kGatedSilu ? kAmxBlock / 2 : kAmxBlock;  // of y
   const int64_t blocks = (n_size + block_columns - 1) / block_columns;
   const int64_t block_elements = kp * kAmxBlock, step_elements = kAmxStep * kAmxBlock;
   // Rows in spans of whole pairs of groups whose x fits in L2 (every block's
@@ -336,7 +365,7 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
             const int64_t column = b * block_columns;
             const Output<uint16_t> out{y + gg * 16 * n_size + column, n_size,
                                        std::min(block_columns, n_size - column),
-                                       bias ? bias + b * kAmxBlock : nullptr, gated};
+                                       bias ? bias + b * kAmxBlock : nullptr, epilogue};
             const float(&tiles)[2][256] = sums[gg - g];  // the block's two 16-column halves
             store_block<BFloat16>(out, static_cast<int>(std::min<int64_t>(16, m_size - gg * 16)), 2,
                                   [&](int r, int half) { return _mm512_load_ps(tiles[half] + r * 16); });
@@ -355,27 +384,30 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
 }  // namespace
 
 // x [m, k] and y [m, n] contiguous; w packed as above; bias [n] or null.
-// Gated (a gate and its up projection packed into each block, half and
-// half): y [m, n] = silu(gate) * up, bias in the packed columns' order.
-// Returns 0, 1 (k odd in bfloat16), 2 (built without the instructions) or 3
-// (the OS refused AMX).
-#define LINEAR_ARGS(E)                                                                 \
-  const E *x, const E *w, const E *bias, E *y, int64_t m, int64_t n, int64_t k, int gated, \
+// epilogue: 0 plain; 1 gated (a gate and its up projection packed into each
+// block, half and half): y [m, n] = silu(gate) * up, bias in the packed
+// columns' order; 2 y = gelu(x @ w.T + bias), tanh's approximation.
+// Returns 0, 1 (k odd in bfloat16), 2 (built without the instructions), 3
+// (the OS refused AMX) or 4 (an epilogue not listed).
+#define LINEAR_ARGS(E)                                                                    \
+  const E *x, const E *w, const E *bias, E *y, int64_t m, int64_t n, int64_t k, int epilogue, \
       int num_threads
 
 extern "C" int linear_f32(LINEAR_ARGS(float)) {
+  if (epilogue < 0 || epilogue > 2) return 4;
 #ifdef __AVX512F__
-  return linear<Float32>(x, w, bias, y, m, n, k, gated, num_threads);
+  return linear<Float32>(x, w, bias, y, m, n, k, Epilogue(epilogue), num_threads);
 #else
   return 2;
 #endif
 }
 
 extern "C" int linear_bf16(LINEAR_ARGS(uint16_t)) {
+  if (epilogue < 0 || epilogue > 2) return 4;
 #if defined(VLLM_ACCEL_AMX)
-  return linear_amx(x, w, bias, y, m, n, k, gated, num_threads);
+  return linear_amx(x, w, bias, y, m, n, k, Epilogue(epilogue), num_threads);
 #elif defined(__AVX512F__) && defined(__AVX512BF16__)
-  return linear<BFloat16>(x, w, bias, y, m, n, k, gated, num_threads);
+  return linear<BFloat16>(x, w, bias, y, m, n, k, Epilogue(epilogue), num_threads);
 #else
   return 2;
 #endif

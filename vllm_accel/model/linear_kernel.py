@@ -33,6 +33,11 @@ _PAIRED = {torch.float32: 1, torch.bfloat16: 2}  # elements along K per multiply
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
+# What the kernel stores of x @ w.T + bias (linear_kernel.cpp's Epilogue):
+# the sums; silu(gate) * up of a weight packed by ``pack_gated``; gelu(sums)
+# with tanh's approximation.
+PLAIN, GATED_SILU, GELU_TANH = 0, 1, 2
+
 
 class LinearKernel:
     """The kernel's entry points, loaded from a built shared library;
@@ -95,7 +100,7 @@ class LinearKernel:
         return self.pack(interleaved(gate, up)), bias
 
     def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             out_features: int, gated: bool = False, out: torch.Tensor | None = None
+             out_features: int, epilogue: int = PLAIN, out: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, int]:
         """x [rows, in] contiguous -> ([rows, out_features], into ``out`` where
         given: contiguous; the kernel's status)."""
@@ -103,11 +108,11 @@ class LinearKernel:
         y = x.new_empty(rows, out_features) if out is None else out
         status = self._functions[x.dtype](
             x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-            y.data_ptr(), rows, out_features, in_features, int(gated), torch.get_num_threads())
+            y.data_ptr(), rows, out_features, in_features, epilogue, torch.get_num_threads())
         return y, status
 
-    def __call__(self, x, weight, bias, out_features, gated=False, out=None):
-        y, status = self._run(x, weight, bias, out_features, gated, out)
+    def __call__(self, x, weight, bias, out_features, epilogue=PLAIN, out=None):
+        y, status = self._run(x, weight, bias, out_features, epilogue, out)
         if status:
             raise RuntimeError(f"linear kernel refused x {list(x.shape)} {x.dtype} "
                                f"(status {status})")
@@ -149,25 +154,25 @@ def pack_gated(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | N
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            out_features: int, gated: bool = False) -> torch.Tensor:
+            out_features: int, epilogue: int = PLAIN) -> torch.Tensor:
     assert _kernel is not None, "linear_kernel.enable() first"
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     bias = None if bias is None else bias.contiguous()
     live = live_rows.count(rows.shape[0])
     if live == rows.shape[0]:
-        y = _kernel(rows, weight, bias, out_features, gated)
+        y = _kernel(rows, weight, bias, out_features, epilogue)
     else:  # padding rows (live_rows: a bucket's) are not multiplied, left zero
         y = rows.new_empty(rows.shape[0], out_features)
-        _kernel(rows[:live], weight, bias, out_features, gated, out=y[:live])
+        _kernel(rows[:live], weight, bias, out_features, epilogue, out=y[:live])
         y[live:].zero_()
     return y.view(*x.shape[:-1], out_features)
 
 
-def _linear_shape(x, weight, bias, out_features, gated=False):
+def _linear_shape(x, weight, bias, out_features, epilogue=PLAIN):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-# linear(x [..., in], the packed weight, bias or None, out_features, gated) -> [..., out_features];
-# gated: silu(gate) * up of a weight packed by ``pack_gated``.
+# linear(x [..., in], the packed weight, bias or None, out_features, epilogue)
+# -> [..., out_features]; epilogue: PLAIN, GATED_SILU or GELU_TANH (above).
 linear = ops.define("blocked_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, "
-                    "bool gated=False) -> Tensor", _linear, _linear_shape)
+                    "int epilogue=0) -> Tensor", _linear, _linear_shape)
