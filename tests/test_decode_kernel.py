@@ -4,6 +4,7 @@ and how it is built: cached, harmless to the process, optional."""
 from __future__ import annotations
 
 import ctypes
+import subprocess
 
 import pytest
 import torch
@@ -116,6 +117,44 @@ def test_header_change_rebuilds(tmp_path):
     header.write_text("#define VALUE 2\n")
     second = cpu_kernels.build(source, tmp_path / "cache")
     assert first != second and ctypes.CDLL(str(second)).value() == 2
+
+
+def test_builds_started_in_the_background_are_waited_for_not_repeated(tmp_path, monkeypatch):
+    """cpu_kernels.build_in_background: the builds run on their own threads,
+    side by side; a later build of the same source waits for that one (one
+    compile) and gets its library, or its error."""
+    import threading
+
+    from vllm_accel.model import cpu_kernels
+
+    sources = []
+    for value in (1, 2):
+        source = tmp_path / f"k{value}.cpp"
+        source.write_text(f'extern "C" int value() {{ return {value}; }}\n')
+        sources.append(source)
+    compiled, running, release = [], threading.Semaphore(0), threading.Event()
+    real_compile = cpu_kernels._compile
+
+    def slow_compile(cxx, source, library):
+        compiled.append(source.name)
+        running.release()
+        release.wait(10)  # until both builds have started
+        return real_compile(cxx, source, library)
+
+    monkeypatch.setattr(cpu_kernels, "_compile", slow_compile)
+    cpu_kernels.build_in_background(sources, tmp_path / "cache")
+    assert running.acquire(timeout=10) and running.acquire(timeout=10)  # both at once
+    release.set()
+    libraries = [cpu_kernels.build(source, tmp_path / "cache") for source in sources]
+    assert sorted(compiled) == ["k1.cpp", "k2.cpp"]
+    assert [ctypes.CDLL(str(library)).value() for library in libraries] == [1, 2]
+
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("not C++\n")
+    cpu_kernels.build_in_background([broken], tmp_path / "cache")
+    with pytest.raises(subprocess.CalledProcessError):
+        cpu_kernels.build(broken, tmp_path / "cache")
+    assert compiled.count("broken.cpp") == 1
 
 
 def test_no_compiler_falls_back_to_pytorch(tmp_path, monkeypatch):

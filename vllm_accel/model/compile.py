@@ -71,8 +71,9 @@ class LayerStack:
 def warming_up(layers: list[nn.Module]):
     """Within: a layer whose kind of call another layer of its stack has run,
     with an output shaped as its input, takes the graph dynamo picks for it
-    (as its first call would) and returns its input without computing.
-    Outputs are meaningless, every graph a serving call needs is ready."""
+    (as its first call would) and returns its input without computing. For
+    warmup only: outputs are meaningless, but each kind of call it made has
+    its graph in every layer afterwards."""
     forwards = [layer.forward for layer in layers if isinstance(layer.forward, LayerForward)]
     stacks = {id(f.stack): f.stack for f in forwards}.values()
     for stack in stacks:

@@ -12,8 +12,10 @@ work to torch.
 built by ``build`` alone and runs bfloat16 on every AVX-512 BF16 CPU.)
 
 Each kernel is plain C++ with OpenMP and a C ABI: the same compiler inductor
-already needs builds it in a second or two, into the compile cache, once per
-source, compiler flags and CPU. It links the OpenMP runtime torch has already
+already needs builds it in one to four seconds, into the compile cache, once
+per source, compiler flags and CPU; ``build_in_background`` starts the
+builds while the model loads (a cold start of the tiny Llama built its three
+one after another in 6.0 s). It links the OpenMP runtime torch has already
 loaded (same soname), so it shares torch's threads instead of adding a pool.
 """
 
@@ -27,7 +29,9 @@ import re
 import shlex
 import subprocess
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -43,9 +47,15 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-s
 LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
+# Builds this process started, by library: a second caller waits for the first's.
+_builds: dict[Path, Future] = {}
+_builds_lock = threading.Lock()
+
+
 def build(source: Path, cache_dir: Path) -> Path:
-    """The shared library of ``source`` under ``cache_dir``, built if missing.
-    Raises OSError or CalledProcessError when it cannot be built."""
+    """The shared library of ``source`` under ``cache_dir``, built if missing
+    (or waited for, if this process is building it). Raises OSError or
+    CalledProcessError when it cannot be built."""
     compiler = os.environ.get("CXX", "g++")
     text = source.read_bytes()
     key = hashlib.sha256()
@@ -55,13 +65,44 @@ def build(source: Path, cache_dir: Path) -> Path:
     library = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
+    with _builds_lock:
+        future = _builds.get(library)
+        ours = future is None
+        if ours:
+            future = _builds[library] = Future()
+    if ours:
+        try:
+            future.set_result(_compile(shlex.split(compiler), source, library))
+        except BaseException as error:
+            future.set_exception(error)
+    return future.result()
+
+
+def build_in_background(sources: list[Path], cache_dir: Path) -> None:
+    """Start building each of ``sources`` on a thread of its own: the
+    compiler runs as processes, so the builds overlap each other and what
+    the caller does meanwhile (loading weights). ``build`` (and ``load``)
+    then wait for them; a failed build raises there."""
+    for source in sources:
+        threading.Thread(target=_build_quietly, args=(source, cache_dir), daemon=True,
+                         name=f"build {source.stem}").start()
+
+
+def _build_quietly(source: Path, cache_dir: Path) -> None:
+    try:
+        build(source, cache_dir)
+    except (OSError, subprocess.CalledProcessError):
+        pass  # kept in _builds: whoever loads the kernel logs it
+
+
+def _compile(cxx: list[str], source: Path, library: Path) -> Path:
+    cache_dir = library.parent
     cache_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     # Build beside the target, then rename: workers starting together never
     # load a half-written library.
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         obj, partial = Path(tmp) / "kernel.o", Path(tmp) / library.name
-        cxx = shlex.split(compiler)
         for command in ([*cxx, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
                         [*cxx, *LINK_FLAGS, str(obj), "-o", str(partial)]):
             subprocess.run(command, check=True, capture_output=True, text=True)

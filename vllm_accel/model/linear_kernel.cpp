@@ -36,7 +36,7 @@
 // in sweeps whose x fits in L2: kSpanBytes) and 0.59-1.00x at a tower's
 // 1,024-3,645 in a scratch loop (oneDNN blocks for caches, this does not
 // beyond the sweeps), so encoders stay oneDNN's (packed_linear.py), but for
-// their gated MLPs.
+// their gated MLPs and GELU (tanh) layers (the epilogues below).
 //
 // Gated (a gated MLP's gate and up projections as one weight, each block
 // half gate and half up columns): the sums are stored as silu(gate) * up, so

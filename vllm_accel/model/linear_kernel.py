@@ -13,7 +13,9 @@ on a Xeon with AMX, bfloat16 on tiles,
 A layer runs by it where ``packs`` says yes, it has no activation to fuse (those
 keep oneDNN's post-ops) and it is not an encoder's: see packed_linear.py; a
 gated MLP's (SiLU), an encoder's too, runs gate and up in one call that
-stores silu(gate) * up (``pack_gated``). Rows that only pad a bucket are
+stores silu(gate) * up (``pack_gated``), and a layer followed by GELU's tanh
+approximation (SigLIP's fc1), an encoder's too, stores its GELU
+(``GELU_TANH``). Rows that only pad a bucket are
 not multiplied (``live_rows``: a forward's tokens past the step's, a Qwen2.5-VL
 encoder call's patches past its images'). Loaded once per process by
 ``enable`` (the cpu device).

@@ -41,7 +41,13 @@ from vllm_accel.buckets import (
 from vllm_accel.compat import compile_sampler_logprob_ranks
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.log import get_logger
-from vllm_accel.model import decode_kernel, half_split_rope, linear_kernel, span_attention
+from vllm_accel.model import (
+    cpu_kernels,
+    decode_kernel,
+    half_split_rope,
+    linear_kernel,
+    span_attention,
+)
 from vllm_accel.model.live_rows import live_rows
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
 from vllm_accel.model.packed_linear import pack_linear_layers
@@ -176,6 +182,10 @@ class AccelModelRunner:
             from vllm.distributed import get_tp_group
 
             tp_group = get_tp_group().device_group
+        if self.backend.device == "cpu":  # our kernels build while the weights load
+            cpu_kernels.build_in_background(
+                [linear_kernel.SOURCE, decode_kernel.SOURCE, span_attention.SOURCE],
+                self.settings.cache_dir / "kernels")
         fms_model = load_fms_model(self.model_config.model, hf_config, self.dtype,
                                    self.backend.device,
                                    trust_remote_code=self.model_config.trust_remote_code,
