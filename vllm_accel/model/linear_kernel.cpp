@@ -41,8 +41,9 @@
 // Gated (a gated MLP's gate and up projections as one weight, each block
 // half gate and half up columns): the sums are stored as silu(gate) * up, so
 // the [rows, 2 x hidden] projection is never written (packed_linear.GatedUnit).
-// GELU (tanh): the sums are stored as gelu(sum), a feed-forward block's first
-// layer with its activation (packed_linear.PackedLinear).
+// GELU (tanh): the sums (+ bias), rounded to the dtype as the layer's output
+// was, are stored through GELU's tanh approximation: a feed-forward block's
+// first layer with its activation (packed_linear.PackedLinear).
 //
 // Plain C ABI, no torch headers (builds in about a second); returns 2 where it
 // was built without the instructions a dtype needs, 3 where the OS refuses
@@ -116,23 +117,6 @@ inline __m512 silu_times(__m512 gate, __m512 up) {
 
 // What is stored of a block's sums (+ bias): see the top of the file.
 enum Epilogue { kPlain = 0, kGatedSilu = 1, kGeluTanh = 2 };
-
-// gelu(x) with tanh's approximation, 0.5 x (1 + tanh(u)) = x sigmoid(2u),
-// u = sqrt(2 / pi) (x + 0.044715 x^3); as silu, x / (1 + e^-2u) with e^-2|u|.
-inline __m512 gelu_tanh(__m512 x) {
-  const __m512 c = _mm512_set1_ps(0.7978845608f);
-  const __m512 u = _mm512_mul_ps(_mm512_mul_ps(c, x),
-                                 _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(x, x),
-                                                 _mm512_set1_ps(1.0f)));
-  const __m512 e = exp2_nonpositive(_mm512_mul_ps(_mm512_abs_ps(u), _mm512_set1_ps(-2 * kLog2E)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_LT_OQ);
-  // 1 / (1 + e) by the reciprocal estimate and a Newton step (a division
-  // took most of the epilogue's time).
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
-  __m512 r = _mm512_rcp14_ps(d);
-  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
-  return _mm512_mul_ps(_mm512_mask_mul_ps(x, negative, x, e), r);
-}
 
 // Where a block's sums go: `columns` columns of y (row stride n_size) from
 // `y`, plus the bias (in the packed columns' order). Gated: the block's first

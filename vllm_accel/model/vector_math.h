@@ -29,13 +29,29 @@ inline __m512 exp2_nonpositive(__m512 t) {
 
 constexpr float kLog2E = 1.44269504089f;
 
-// x * sigmoid(x) = x / (1 + e^-x), as x e / (1 + e) with e = e^x for x < 0
-// (e^-|x| never overflows).
-inline __m512 silu(__m512 x) {
-  const __m512 e = exp2_nonpositive(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-kLog2E)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+// x * sigmoid(z) = x / (1 + e^-z), as x e / (1 + e) with e = e^z for z < 0
+// (e^-|z| never overflows). (A reciprocal estimate and a Newton step instead
+// of the division: SigLIP's fc1 with its GELU, 5 tiles, bfloat16, 20.1 ms
+// against 20.9, a gated MLP's 32.8 against 32.1, ranges overlapping: kept
+// the division.)
+inline __m512 times_sigmoid(__m512 x, __m512 z) {
+  const __m512 e = exp2_nonpositive(_mm512_mul_ps(_mm512_abs_ps(z), _mm512_set1_ps(-kLog2E)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
   return _mm512_div_ps(_mm512_mask_mul_ps(x, negative, x, e),
                        _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// x * sigmoid(x).
+inline __m512 silu(__m512 x) { return times_sigmoid(x, x); }
+
+// GELU with tanh's approximation: 0.5 x (1 + tanh(u)) = x sigmoid(2u),
+// u = sqrt(2 / pi) (x + 0.044715 x^3). (torch's float32 form loses the far
+// negative tail to cancellation in 1 + tanh(u); this one does not.)
+inline __m512 gelu_tanh(__m512 x) {
+  const __m512 two_u = _mm512_mul_ps(
+      _mm512_mul_ps(_mm512_set1_ps(2 * 0.7978845608f), x),
+      _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(x, x), _mm512_set1_ps(1.0f)));
+  return times_sigmoid(x, two_u);
 }
 
 // The first n lanes of 16 (all for n >= 16; callers pass n > 0): a row's
