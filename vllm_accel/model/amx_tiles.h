@@ -38,6 +38,10 @@ inline void configure_tiles() {
     config.rows[t] = 16;
     config.bytes_per_row[t] = 64;
   }
+  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the
+  // config: without this barrier the stores above may be dropped as dead
+  // (a scratch program built so faulted in ldtilecfg).
+  __asm__ __volatile__("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
