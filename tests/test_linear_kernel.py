@@ -51,7 +51,7 @@ def test_kernel_is_as_accurate_as_onednn(kernel, rows, in_features, out_features
     """Row counts around the kernel's tiles (up to 7 rows each; AMX: groups of
     16, two at a time) and none (seen while serving), columns not a
     multiple of its 64-column blocks (and fewer than one vector), one block or
-    many (the next one prefetched), a bias or none; AMX: x past 1 MB (300
+    many (the next one prefetched), a bias or none; AMX: x past 1.25 MB (300
     rows of 2,816) in two sweeps over the blocks, the second of an odd number
     of groups."""
     g = torch.Generator().manual_seed(rows * 7 + in_features)
