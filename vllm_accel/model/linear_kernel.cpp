@@ -32,11 +32,12 @@
 // step along K of a block (16 pairs) is 2 KB in a row: two B tiles side by
 // side. Same reason to be ours: the ~90M and ~128M Llamas' decoder linears
 // (8-9 layers) at 1-64 rows ran 1.06-1.32x oneDNN's on AMX, the next block
-// prefetched while the tiles multiply; 0.89-1.16x at 512 rows (two runs; rows
-// in sweeps whose x fits in L2: kSpanBytes) and 0.59-1.00x at a tower's
-// 1,024-3,645 in a scratch loop (oneDNN blocks for caches, this does not
-// beyond the sweeps), so encoders stay oneDNN's (packed_linear.py), but for
-// their gated MLPs and GELU (tanh) layers (the epilogues below).
+// prefetched while the tiles multiply; 1.01-1.14x at 512 rows (rows in
+// sweeps whose x fits in L2: kSpanBytes; a pass's stores behind the next
+// pass's multiplies) and 0.68-1.02x at a tower's 3,645-4,096 in a scratch
+// loop (oneDNN blocks K for caches, this does not: at a K of 3,420-4,304 a
+// sweep holds ~150 rows), so encoders stay oneDNN's (packed_linear.py), but
+// for their gated MLPs and GELU (tanh) layers (the epilogues below).
 //
 // Gated (a gated MLP's gate and up projections as one weight, each block
 // half gate and half up columns): the sums are stored as silu(gate) * up, so
@@ -267,7 +268,7 @@ constexpr int64_t kAmxStep = 32;   // bfloat16 along K per tile multiply
 // 1.6 (scratch runs). 1.25 MB rather than 1: a prompt's 512 rows at a K of
 // 1,152 (1.2 MB) stay one sweep (the ~128M's 9 layers at 512 rows, with the
 // stores below: 62.7 -> 57.8 ms); 2 MB ran the towers' thousands of rows
-// 8-28 % slower.
+// 10-27 % slower.
 constexpr int64_t kSpanBytes = 1280 << 10;
 
 // Tiles 0-3 sums (rows of two groups of 16 x two 16-column halves), 4-5 x
@@ -311,7 +312,8 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
     // epilogue's arithmetic) run in the shadow of the tile multiplies, not
     // between them. The ~128M Llama's 9 layers at 512 rows: 66.1 -> 57.8 ms
     // with the 1.25 MB spans above; the towers' gated MLP (Qwen2.5-VL, 4,096
-    // rows) 37.6 -> 28.6 and GELU fc1 (SigLIP, 3,645) 24.6 -> 16.8 (scratch).
+    // rows) 37.6 -> 28.6 and GELU fc1 (SigLIP, 3,645) 24.6 -> 16.8 (scratch
+    // runs; benchmarks/README.md, twenty-second session).
     alignas(64) float sums[2][2][2][256];  // [buffer][group of the pass][half]
     struct Pass {  // whose sums wait: block, first group, real rows, rows stored
       int64_t block = 0, group = 0;

@@ -9,7 +9,7 @@ float32, 9.3 -> 7.4 ms in bfloat16; 1.03-1.33x at 1-64 rows, 1.03-1.06x at 512
 walked along K in chunks that stay in L1 (up to 128 rows: linear_kernel.cpp),
 float32 on a Xeon runs 1.17-1.40x oneDNN's at 8-64 rows, 0.97-0.99x at 512;
 on a Xeon with AMX, bfloat16 on tiles,
-1.06-1.32x at 1-64 rows, 0.89-1.16x at 512, slower at thousands (linear_kernel.cpp).
+1.06-1.32x at 1-64 rows, 1.01-1.14x at 512, slower at thousands (linear_kernel.cpp).
 A layer runs by it where ``packs`` says yes, it has no activation to fuse (those
 keep oneDNN's post-ops) and it is not an encoder's: see packed_linear.py; a
 gated MLP's (SiLU), an encoder's too, runs gate and up in one call that
