@@ -320,6 +320,7 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
       int rows = 0, stored = 0, buffer = 0;
     };
     Pass pending;
+    // steps x rows_per_step >= 32: a pass's rows are all stored by the end of the next.
     const int rows_per_step = static_cast<int>((32 + steps - 1) / steps);
     auto store_rows = [&](int upto) {  // the pending pass's rows [stored, upto)
       for (; pending.stored < upto; ++pending.stored) {
@@ -336,7 +337,8 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
     };
     for (int64_t span = 0; span < groups; span += span_groups) {
       const int64_t span_end = std::min(groups, span + span_groups);
-      // No barrier between sweeps: a thread's blocks are the same in each.
+      // No barrier between sweeps: a thread's blocks are the same in each,
+      // and its last pass of a sweep is stored during its first of the next.
 #pragma omp for schedule(static) nowait
       for (int64_t b = 0; b < blocks; ++b) {
         const uint16_t* wb = w + b * block_elements;
@@ -371,7 +373,6 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
             if (pending.stored < pending.rows)
               store_rows(std::min(pending.rows, pending.stored + rows_per_step));
           }
-          store_rows(pending.rows);
           const int buffer = pending.buffer ^ 1;
           _tile_stored(0, sums[buffer][0][0], 64);
           _tile_stored(1, sums[buffer][0][1], 64);
@@ -383,8 +384,8 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
                          0, buffer};
         }
       }
-      store_rows(pending.rows);
     }
+    store_rows(pending.rows);  // the thread's last pass
     _tile_release();
   }
   return 0;

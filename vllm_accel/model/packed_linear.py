@@ -76,7 +76,9 @@ def _activation_post_op(module: nn.Module) -> tuple[str, str] | None:
 # in bfloat16 on AMX: 21.0 ms against oneDNN's 27.1 with its post-op; 1,458
 # rows 8.4 against 10.8; float32 at 1,458 rows 53.6 against 55.0 (a scratch
 # loop, medians of 3 rounds, with a reciprocal where the kernel now divides:
-# 20.9 against 20.1 ms at 5 tiles, benchmarks/README.md).
+# 20.9 against 20.1 ms at 5 tiles, benchmarks/README.md). Since the AMX
+# kernel stores behind its multiplies: 17.6-19.4 against 26.5-37.6 at 5
+# tiles, 7.3 against 11.2 at 2 (two runs, one machine moving).
 _KERNEL_EPILOGUES = {("gelu", "tanh"): linear_kernel.GELU_TANH}
 
 _PACKABLE = (nn.Linear, LinearClassificationHead)
