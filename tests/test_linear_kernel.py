@@ -12,9 +12,13 @@ from vllm_accel.model.live_rows import live_rows
 from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
 
 CPU_FLAGS = cpu_kernels.cpu_flags() or set()
-pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS, reason="the kernel needs AVX-512")
+AVX2_ONLY = "avx512f" not in CPU_FLAGS and {"avx2", "fma"} <= CPU_FLAGS
+pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS and not AVX2_ONLY,
+                                reason="the kernel needs AVX-512 or AVX2")
+# bfloat16: by AVX-512 BF16 dot products (or AMX), or widened to float32 with AVX2 alone.
+BF16_RUNS = "avx512_bf16" in CPU_FLAGS or AVX2_ONLY
 DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    "avx512_bf16" not in CPU_FLAGS, reason="bfloat16 needs AVX-512 BF16")), torch.float32]
+    not BF16_RUNS, reason="bfloat16 needs AVX-512 BF16 (or AVX2 alone)")), torch.float32]
 
 
 @pytest.fixture
@@ -29,7 +33,8 @@ def kernel(tmp_path_factory, monkeypatch):
 
 
 def _errors(x, weight, bias, dtype):
-    """Max error against float64 of the kernel and of oneDNN's packed matmul."""
+    """Max error against float64 of the kernel and of oneDNN's packed matmul
+    (torch's linear where oneDNN does not pack the dtype: bfloat16 with AVX2)."""
     from vllm_accel import compat
 
     reference = torch.nn.functional.linear(x.double(), weight.double(),
@@ -37,7 +42,10 @@ def _errors(x, weight, bias, dtype):
     x, weight = x.to(dtype), weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
     ours = linear_kernel.linear(x, linear_kernel.pack(weight), bias, weight.shape[0])
-    onednn = compat.onednn_linear(x, compat.onednn_pack_linear_weight(weight), bias)
+    if compat.onednn_packs_dtype(dtype):
+        onednn = compat.onednn_linear(x, compat.onednn_pack_linear_weight(weight), bias)
+    else:
+        onednn = torch.nn.functional.linear(x, weight, bias)
     assert ours.shape == onednn.shape and ours.dtype == dtype
     return [(out.double() - reference).abs().max().item() if out.numel() else 0.0
             for out in (ours, onednn)]
@@ -209,11 +217,56 @@ def test_a_fused_activation_runs_by_the_kernel_only_where_it_has_it(kernel, appr
 
 
 def test_odd_bfloat16_inputs_stay_onednn(kernel):
-    """bfloat16 multiplies pairs along the input: an odd input size keeps oneDNN."""
+    """bfloat16 multiplies pairs along the input: an odd input size keeps
+    oneDNN (or, where oneDNN packs no bfloat16, torch's own linear)."""
+    from vllm_accel import compat
+
     if torch.bfloat16 not in kernel.dtypes:
         pytest.skip("bfloat16 needs AVX-512 BF16")
-    assert not PackedLinear(nn.Linear(33, 8).to(torch.bfloat16)).by_kernel
+    model = nn.Sequential(nn.Linear(33, 8), nn.Linear(8, 4)).to(torch.bfloat16)
+    assert pack_linear_layers(model) == (2 if compat.onednn_packs_dtype(torch.bfloat16) else 1)
+    assert not getattr(model[0], "by_kernel", False) and model[1].by_kernel
     assert PackedLinear(nn.Linear(33, 8)).by_kernel  # float32 takes any size
+
+
+def test_bfloat16_where_onednn_packs_none_runs_by_the_kernel_alone(kernel, monkeypatch):
+    """A CPU with AVX2 alone: oneDNN packs no bfloat16, so the layers our
+    kernel runs are packed for it, an encoder's too and with SigLIP's GELU
+    fused (exact GELU's layer runs plain, its GELU after); a layer of an odd
+    input size stays torch's nn.Linear; the model computes what it did."""
+    from fms.modules.feedforward import FeedForwardBlock
+
+    from vllm_accel import compat
+
+    if torch.bfloat16 not in kernel.dtypes:
+        pytest.skip("bfloat16 needs AVX-512 BF16 or AVX2")
+    monkeypatch.setattr(compat, "onednn_packs_dtype", lambda dtype: dtype == torch.float32)
+    torch.manual_seed(0)
+
+    def block(approximate):
+        return FeedForwardBlock(32, hidden_grow_factor=2, multiple_of=1,
+                                activation_fn=nn.GELU(approximate=approximate), use_bias=True)
+
+    model = nn.ModuleDict({"encoder": nn.Sequential(block("tanh"), nn.Linear(32, 33)),
+                           "decoder": nn.Sequential(nn.Linear(33, 32), block("none"))})
+    model = model.to(torch.bfloat16).eval()
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+
+    def run():
+        return model["decoder"](model["encoder"](x))
+
+    with torch.inference_mode():
+        expected = run()
+        # all but Linear(33, 32)
+        assert pack_linear_layers(model, decoder=model["decoder"]) == 5
+        tanh_block, exact_block = model["encoder"][0], model["decoder"][1]
+        assert tanh_block.w1.by_kernel and tanh_block.w1.post_op == ("gelu", "tanh")
+        assert isinstance(tanh_block.a, nn.Identity) and tanh_block.w2.by_kernel
+        assert model["encoder"][1].by_kernel  # an encoder's plain layer: ours
+        assert type(model["decoder"][0]) is nn.Linear  # odd input size
+        assert exact_block.w1.by_kernel and exact_block.w1.post_op == ("none", "")
+        assert isinstance(exact_block.a, nn.GELU) and exact_block.w2.by_kernel
+        assert (run().float() - expected.float()).abs().max() <= 0.02 * expected.float().abs().max()
 
 
 @pytest.mark.parametrize("amx", [False, True], ids=["avx512_bf16", "amx"])
@@ -228,7 +281,7 @@ def test_bfloat16_on_amx_only_by_kernels_that_multiply_on_its_tiles(tmp_path, mo
     for module in (linear_kernel, span_attention):
         monkeypatch.setattr(module, "_kernel", None)
         kernels.append(module.enable(tmp_path))
-        if torch.bfloat16 not in kernels[-1].runs:
+        if kernels[-1] is None or torch.bfloat16 not in kernels[-1].runs:
             pytest.skip("the kernels' bfloat16 needs AVX-512 BF16")
     linear, span = kernels
     both, f32 = {torch.float32, torch.bfloat16}, {torch.float32}
@@ -266,3 +319,21 @@ def test_an_encoders_layers_stay_onednn(kernel):
         assert [layer.by_kernel for layer in model["encoder"]] == [False, False]
         assert [layer.by_kernel for layer in model["decoder"]] == [True, True]
         assert (run() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_with_avx2_alone_float32_stays_onednn(tmp_path, monkeypatch):
+    """A build for AVX2 alone (8 lanes a vector) runs bfloat16 only, which
+    oneDNN cannot pack there; float32 stays oneDNN's, faster than ours there."""
+    real_load = cpu_kernels.load
+
+    def load_as_avx2(*args):
+        kernel = real_load(*args)
+        kernel.vector_lanes = 8
+        return kernel
+
+    monkeypatch.setattr(linear_kernel, "_kernel", None)
+    monkeypatch.setattr(cpu_kernels, "load", load_as_avx2)
+    kernel = linear_kernel.enable(tmp_path)
+    assert torch.float32 in kernel.runs and torch.float32 not in kernel.dtypes
+    assert not PackedLinear(nn.Linear(64, 8)).by_kernel
+    assert linear_kernel.runs(torch.bfloat16) == (torch.bfloat16 in kernel.runs)

@@ -63,12 +63,20 @@ def test_bfloat16_on_a_cpu_without_its_instructions_warns(monkeypatch, caplog):
     assert devices.cpu_multiplies_bfloat16("Features\t: fp asimd sve bf16\n")  # Arm
     assert not devices.cpu_multiplies_bfloat16("Features\t: fp asimd\n")
 
+    assert devices.cpu_widens_bfloat16(avx2)  # our linear kernel widens it
+    assert not devices.cpu_widens_bfloat16("processor\t: 0\nflags\t\t: fpu sse2 avx\n")
+
     monkeypatch.setattr(devices, "cpu_multiplies_bfloat16", lambda: False)
+    monkeypatch.setattr(devices, "cpu_widens_bfloat16", lambda: True)
+    with caplog.at_level(logging.WARNING):
+        devices.check_dtype("cpu", torch.bfloat16)  # AVX2: said at info, no warning
+        assert "bfloat16" not in caplog.text
+    monkeypatch.setattr(devices, "cpu_widens_bfloat16", lambda: False)
     with caplog.at_level(logging.WARNING):
         devices.check_dtype("cpu", torch.float32)
         assert "bfloat16" not in caplog.text
         devices.check_dtype("cpu", torch.bfloat16)
-    assert "slower than --dtype float32" in caplog.text
+    assert "slower than --dtype" in caplog.text
 
 
 @pytest.mark.parametrize("method", sorted(UNSUPPORTED))

@@ -148,11 +148,24 @@ def check_dtype(device: str, dtype: torch.dtype) -> None:
         raise ValueError(f"{torch.cuda.get_device_name()} does not support bfloat16: "
                          "use --dtype float16 or float32.")
     if device == "cpu" and dtype == torch.bfloat16 and not cpu_multiplies_bfloat16():
+        if cpu_widens_bfloat16():
+            logger.info(
+                "bfloat16 on a CPU with AVX2 alone: vllm-accel's linear kernel widens it to "
+                "float32 in registers, about --dtype float32's speed (torch's own bfloat16 "
+                "matmul here is 5-7x slower; benchmarks/README.md).")
+            return
         # It works, but a user who picked bfloat16 for speed should know.
         logger.warning(
             "bfloat16 on a CPU without bfloat16 instructions (no AVX-512 BF16, AMX or "
-            "Arm BF16): its matmuls are emulated and run slower than --dtype float32 "
-            "(about 3x on an AVX2-only CPU, benchmarks/README.md).")
+            "Arm BF16) nor AVX2: its matmuls are emulated and run slower than --dtype "
+            "float32 (torch's ran 3-7x slower on an AVX2 CPU, benchmarks/README.md).")
+
+
+def cpu_widens_bfloat16(cpuinfo: str | None = None) -> bool:
+    """Whether our linear kernel runs bfloat16 here by widening it to float32
+    (an x86 CPU with AVX2 and FMA; linear_kernel.cpp)."""
+    flags = cpu_flags(cpuinfo)
+    return flags is not None and {"avx2", "fma"} <= flags
 
 
 def cpu_multiplies_bfloat16(cpuinfo: str | None = None) -> bool:

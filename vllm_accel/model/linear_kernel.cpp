@@ -1,5 +1,7 @@
 // A linear layer, y = x @ w.T (+ bias), over a weight packed once in blocks of
-// 64 output columns, for the CPU with AVX-512 (float32) or AVX-512 BF16.
+// 64 output columns, for the CPU with AVX-512 (float32) or AVX-512 BF16; or
+// of 32 columns for a CPU with AVX2 alone, where it runs bfloat16 widened to
+// float32 in registers (see the AVX2 types below).
 //
 // Why ours: at the row counts decodes run (8-64), oneDNN's packed matmul reads
 // each block of weights from DRAM while it computes the first rows, and the
@@ -24,7 +26,8 @@
 // each [K / P][64][P] with P = 1 (float32) or 2 (bfloat16: the pairs along K
 // that one vdpbf16ps multiplies). A tile of R rows keeps R x 64 sums in 4R
 // registers over the whole K (or a chunk), so each weight load feeds R multiply-adds per
-// lane; rows split into as few tiles as fit, of near-equal sizes.
+// lane; rows split into as few tiles as fit, of near-equal sizes. With AVX2
+// the same with 8 lanes a vector: blocks of 32 columns, [K / P][32][P].
 //
 // Where the CPU has AMX (built with its instructions), bfloat16 multiplies on
 // AMX tiles instead, over another layout: blocks of 32 columns, each
@@ -63,57 +66,162 @@
 
 namespace {
 
-constexpr int64_t kBlock = 64;  // output columns per block: 4 vectors of 16 sums
-
 #ifdef __AVX512F__
+#define VECTOR_KERNEL 1
 
+// A dtype's arithmetic on 16 lanes: 4 vectors a row make a block of 64 columns.
 struct Float32 {
   using T = float;
-  static constexpr int kPair = 1;
+  using V = __m512;
+  using W = __m512;  // weights as loaded
+  static constexpr int kPair = 1, kLanes = 16;
   static constexpr int kMaxRows = 7;  // 28 sums + 4 weights: every register
-  static inline __m512 load_weights(const float* w) { return _mm512_loadu_ps(w); }
-  static inline __m512 madd(__m512 sum, const float* x, __m512 w) {
+  static constexpr bool kBroadcastFirst = false;  // a step's 4 weights, then row by row
+  static inline W load_weights(const float* w) { return _mm512_loadu_ps(w); }
+  static inline V madd(V sum, const float* x, W w) {
     return _mm512_fmadd_ps(_mm512_set1_ps(*x), w, sum);
   }
-  static inline __m512 load(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
-  static inline void store(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
-  static inline __m512 round(__m512 v) { return v; }
+  static inline V load(int64_t n, const float* p) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
+  static inline void store(float* p, int64_t n, V v) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
+  static inline V round(V v) { return v; }
 };
 
 #ifdef __AVX512BF16__
+#define VECTOR_BF16 1
 struct BFloat16 {
   using T = uint16_t;
-  static constexpr int kPair = 2;
+  using V = __m512;
+  using W = __m512bh;
+  static constexpr int kPair = 2, kLanes = 16;
   static constexpr int kMaxRows = 6;  // measured: 7 rows ran slower in bfloat16
-  static inline __m512bh load_weights(const uint16_t* w) {
-    return (__m512bh)_mm512_loadu_si512(w);
-  }
-  static inline __m512 madd(__m512 sum, const uint16_t* x, __m512bh w) {
+  static constexpr bool kBroadcastFirst = false;
+  static inline W load_weights(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
+  static inline V madd(V sum, const uint16_t* x, W w) {
     uint32_t pair;
     std::memcpy(&pair, x, sizeof pair);
     return _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), w);
   }
-  static inline __m512 load(__mmask16 m, const uint16_t* p) {
+  static inline V load(int64_t n, const uint16_t* p) {
     return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first_lanes(n), p)), 16));
   }
-  static inline void store(uint16_t* p, __mmask16 m, __m512 v) {
-    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+  static inline void store(uint16_t* p, int64_t n, V v) {
+    _mm256_mask_storeu_epi16(p, first_lanes(n), (__m256i)_mm512_cvtneps_pbh(v));
   }
   // To the nearest bfloat16, as float32.
-  static inline __m512 round(__m512 v) {
+  static inline V round(V v) {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
   }
 };
 #endif
 
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VECTOR_KERNEL 1
+#define VECTOR_BF16 1
+
+// CPUs with AVX2 alone (AMD's Zen 2 and 3, older Xeons): 8 lanes, so a block
+// of 4 vectors is 32 columns; 16 registers hold 3 rows' sums. bfloat16 is
+// widened to float32 in registers (a pair's low half: the even k, shifted
+// up; its high half: the odd k, masked): oneDNN has no bfloat16 matmul for
+// such a CPU, and torch's ran the ~128M Llama's 9 layers at 14-18 GFLOP/s
+// (684 ms at 48 rows, 9.6 s at 512; ours 122-128 ms and 1.27-1.31 s, about
+// oneDNN's float32: 149 ms and 1.04 s; an AMD EPYC, Zen 3, scratch loops).
+// float32 stays oneDNN's there (linear_kernel.py: ours ran 0.9-1.0x at 48
+// rows, 0.6-0.8x at 512).
+inline __m256i first_lanes(int64_t n) {  // as a maskload's mask
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+struct Float32 {
+  using T = float;
+  using V = __m256;
+  using W = __m256;
+  static constexpr int kPair = 1, kLanes = 8;
+  static constexpr int kMaxRows = 3;  // 12 sums, 3 rows' x, a vector of weights
+  // Rows' x broadcast once a step, then a vector of weights at a time
+  // (tile()): with R x 4 sums in registers, the weights of a step no longer fit.
+  static constexpr bool kBroadcastFirst = true;
+  using X = __m256;
+  static inline X broadcast(const float* x) { return _mm256_broadcast_ss(x); }
+  static inline W load_weights(const float* w) { return _mm256_loadu_ps(w); }
+  static inline V madd(V sum, X x, W w) { return _mm256_fmadd_ps(x, w, sum); }
+  static inline V load(int64_t n, const float* p) {
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes(n));
+  }
+  static inline void store(float* p, int64_t n, V v) {
+    if (n >= 8)
+      _mm256_storeu_ps(p, v);
+    else
+      _mm256_maskstore_ps(p, first_lanes(n), v);
+  }
+  static inline V round(V v) { return v; }
+};
+
+struct BFloat16 {
+  using T = uint16_t;
+  using V = __m256;
+  using W = __m256i;  // 8 columns' pairs
+  static constexpr int kPair = 2, kLanes = 8;
+  static constexpr int kMaxRows = 3;  // some sums spill, yet 2 rows ran slower at 512
+  static constexpr bool kBroadcastFirst = true;
+  static inline __m256 low_halves(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static inline __m256 high_halves(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  struct X { __m256 even, odd; };  // a row's pair along K, each broadcast
+  static inline X broadcast(const uint16_t* x) {
+    uint32_t pair;
+    std::memcpy(&pair, x, sizeof pair);
+    const __m256i both = _mm256_set1_epi32(static_cast<int>(pair));
+    return {low_halves(both), high_halves(both)};
+  }
+  static inline W load_weights(const uint16_t* w) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  }
+  static inline V madd(V sum, X x, W w) {
+    return _mm256_fmadd_ps(x.odd, high_halves(w), _mm256_fmadd_ps(x.even, low_halves(w), sum));
+  }
+  static inline V load(int64_t n, const uint16_t* p) {
+    alignas(16) uint16_t lanes[8] = {};
+    std::memcpy(lanes, p, std::min<int64_t>(n, 8) * sizeof(uint16_t));
+    return low_halves(_mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(lanes))));
+  }
+  // float32 -> bfloat16 bits in each lane's low half, to nearest even (NaN stays NaN).
+  static inline __m256i nearest(V v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  }
+  static inline void store(uint16_t* p, int64_t n, V v) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(nearest(v), nearest(v)), 0x08);
+    alignas(16) uint16_t lanes[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(lanes), _mm256_castsi256_si128(packed));
+    std::memcpy(p, lanes, std::min<int64_t>(n, 8) * sizeof(uint16_t));
+  }
+  static inline V round(V v) { return low_halves(nearest(v)); }
+};
+
+#endif
+
+#ifdef VECTOR_KERNEL
+
+// Output columns per block: 4 vectors (64 with AVX-512, 32 with AVX2).
+template <typename D>
+constexpr int64_t kBlock = 4 * D::kLanes;
+
 // silu(gate) * up of a gated block's sums (+ bias): each first rounded to the
 // dtype, as the layer's output was before the graph's SiLU and product
 // (float32, rounded once); so a bfloat16 model computes what it did unfused.
+// (Sums are GCC vectors of float: + and * are the lanes'.)
 template <typename D>
-inline __m512 silu_times(__m512 gate, __m512 up) {
-  return _mm512_mul_ps(silu(D::round(gate)), D::round(up));
+inline typename D::V silu_times(typename D::V gate, typename D::V up) {
+  return silu(D::round(gate)) * D::round(up);
 }
 
 // What is stored of a block's sums (+ bias): see the top of the file.
@@ -132,31 +240,28 @@ struct Output {
 };
 
 // A block's sums -> `rows` rows of `out`: sum(r, j) is row r's vector j of
-// 16 columns, `vectors` of them (plain: one after another; gated: the first
-// half gate, the second up, for the same columns).
+// D::kLanes columns, `vectors` of them (plain: one after another; gated: the
+// first half gate, the second up, for the same columns).
 template <typename D, typename Sum>
 inline void store_block(const Output<typename D::T>& out, int rows, int vectors, Sum sum) {
-  const auto bias = [&](int j, __mmask16 m) {
-    return out.bias ? D::load(m, out.bias + j * 16) : _mm512_setzero_ps();
-  };
+  using V = typename D::V;
+  constexpr int lanes = D::kLanes;
+  const auto bias = [&](int j, int64_t n) { return out.bias ? D::load(n, out.bias + j * lanes) : V{}; };
   const bool gated = out.epilogue == kGatedSilu;
   const int outputs = gated ? vectors / 2 : vectors;
-  for (int j = 0; j < outputs && j * 16 < out.columns; ++j) {
-    const __mmask16 m = first_lanes(out.columns - j * 16);
-    const __m512 b = bias(j, m);
+  for (int j = 0; j < outputs && j * lanes < out.columns; ++j) {
+    const int64_t n = out.columns - j * lanes;  // columns left (all lanes where >= lanes)
+    const V b = bias(j, n);
     if (gated) {
-      const __m512 b_up = bias(j + outputs, m);
+      const V b_up = bias(j + outputs, n);
       for (int r = 0; r < rows; ++r)
-        D::store(out.y + r * out.n_size + j * 16, m,
-                 silu_times<D>(_mm512_add_ps(sum(r, j), b), _mm512_add_ps(sum(r, j + outputs), b_up)));
+        D::store(out.y + r * out.n_size + j * lanes, n, silu_times<D>(sum(r, j) + b, sum(r, j + outputs) + b_up));
     } else if (out.epilogue == kGeluTanh) {
       // Rounded to the dtype first, as the layer's output was before the GELU.
       for (int r = 0; r < rows; ++r)
-        D::store(out.y + r * out.n_size + j * 16, m,
-                 gelu_tanh(D::round(_mm512_add_ps(sum(r, j), b))));
+        D::store(out.y + r * out.n_size + j * lanes, n, gelu_tanh(D::round(sum(r, j) + b)));
     } else {
-      for (int r = 0; r < rows; ++r)
-        D::store(out.y + r * out.n_size + j * 16, m, _mm512_add_ps(sum(r, j), b));
+      for (int r = 0; r < rows; ++r) D::store(out.y + r * out.n_size + j * lanes, n, sum(r, j) + b);
     }
   }
 }
@@ -169,30 +274,47 @@ template <typename D, int R>
 void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
           const Output<typename D::T>& out, int64_t k0, int64_t k1, float* parked,
           const char* prefetch, int64_t prefetch_lines) {
+  using V = typename D::V;
+  constexpr int lanes = D::kLanes;
   const bool first = k0 == 0, last = k1 == k_size / D::kPair;
-  __m512 sum[R][4];
+  V sum[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j)
-      sum[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(parked + r * kBlock + j * 16);
+      sum[r][j] = first ? V{} : *reinterpret_cast<const V*>(parked + r * kBlock<D> + j * lanes);
   for (int64_t k = k0; k < k1; ++k) {
     if (k - k0 < prefetch_lines) _mm_prefetch(prefetch + (k - k0) * 64, _MM_HINT_T1);
-    const typename D::T* wk = w + k * kBlock * D::kPair;
-    const auto w0 = D::load_weights(wk), w1 = D::load_weights(wk + 16 * D::kPair),
-               w2 = D::load_weights(wk + 32 * D::kPair), w3 = D::load_weights(wk + 48 * D::kPair);
-    for (int r = 0; r < R; ++r) {
-      const typename D::T* xk = x + r * k_size + k * D::kPair;
-      sum[r][0] = D::madd(sum[r][0], xk, w0);
-      sum[r][1] = D::madd(sum[r][1], xk, w1);
-      sum[r][2] = D::madd(sum[r][2], xk, w2);
-      sum[r][3] = D::madd(sum[r][3], xk, w3);
+    const typename D::T* wk = w + k * kBlock<D> * D::kPair;
+    if constexpr (D::kBroadcastFirst) {
+      typename D::X xk[R];
+      for (int r = 0; r < R; ++r) xk[r] = D::broadcast(x + r * k_size + k * D::kPair);
+      for (int j = 0; j < 4; ++j) {
+        const auto wj = D::load_weights(wk + j * lanes * D::kPair);
+        for (int r = 0; r < R; ++r) sum[r][j] = D::madd(sum[r][j], xk[r], wj);
+      }
+    } else {
+      const auto w0 = D::load_weights(wk), w1 = D::load_weights(wk + lanes * D::kPair),
+                 w2 = D::load_weights(wk + 2 * lanes * D::kPair),
+                 w3 = D::load_weights(wk + 3 * lanes * D::kPair);
+      for (int r = 0; r < R; ++r) {
+        const typename D::T* xk = x + r * k_size + k * D::kPair;
+        sum[r][0] = D::madd(sum[r][0], xk, w0);
+        sum[r][1] = D::madd(sum[r][1], xk, w1);
+        sum[r][2] = D::madd(sum[r][2], xk, w2);
+        sum[r][3] = D::madd(sum[r][3], xk, w3);
+      }
     }
   }
-  if (!last) {
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) _mm512_store_ps(parked + r * kBlock + j * 16, sum[r][j]);
-    return;
-  }
-  store_block<D>(out, R, 4, [&](int r, int j) { return sum[r][j]; });
+  // Through memory, where store_block picks them by row and vector: handed
+  // the registers themselves, GCC kept them in memory in the loop above too
+  // (AVX2, float32, the ~128M Llama's 9 layers at 48 rows: 265 -> 162 ms).
+  alignas(64) float done[R * kBlock<D>];
+  float* to = last ? done : parked;
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) *reinterpret_cast<V*>(to + r * kBlock<D> + j * lanes) = sum[r][j];
+  if (last)
+    store_block<D>(out, R, 4, [&](int r, int j) {
+      return *reinterpret_cast<const V*>(done + r * kBlock<D> + j * lanes);
+    });
 }
 
 template <typename D, int R = D::kMaxRows>
@@ -207,7 +329,8 @@ void tile_of(int rows, const typename D::T* x, int64_t k_size, const typename D:
 }
 
 constexpr int64_t kChunkRows = 128;   // up to here, K in chunks (measured at 1-128, 256-512)
-constexpr int64_t kChunkSteps = 128;  // 32 KB of weights in either dtype (32-128 tried)
+constexpr int64_t kChunkSteps = 128;  // 32 KB of weights in either dtype with AVX-512 (32-128
+                                      // tried), 16 KB with AVX2 (L1 of 32 KB)
 
 template <typename D>
 int linear(const typename D::T* x, const typename D::T* w, const typename D::T* bias,
@@ -215,10 +338,10 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
            int num_threads) {
   if (k_size % D::kPair) return 1;
   if (m_size == 0) return 0;
-  const int64_t block_columns = epilogue == kGatedSilu ? kBlock / 2 : kBlock;  // of y
+  const int64_t block_columns = epilogue == kGatedSilu ? kBlock<D> / 2 : kBlock<D>;  // of y
   const int64_t blocks = (n_size + block_columns - 1) / block_columns;
-  const int64_t steps = k_size / D::kPair, step_bytes = kBlock * D::kPair * sizeof(typename D::T);
-  const int64_t block_elements = k_size * kBlock;
+  const int64_t steps = k_size / D::kPair, step_bytes = kBlock<D> * D::kPair * sizeof(typename D::T);
+  const int64_t block_elements = k_size * kBlock<D>;
   const int64_t tiles = (m_size + D::kMaxRows - 1) / D::kMaxRows;
   const int64_t rows = m_size / tiles, extra = m_size % tiles;
   const bool chunked = m_size <= kChunkRows;
@@ -226,9 +349,9 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
   const char* end = reinterpret_cast<const char*>(w + blocks * block_elements);
 #pragma omp parallel num_threads(num_threads)
   {
-    // Sums between chunks: kBlock floats a row, in whole aligned vectors.
-    struct alignas(64) Vector { float lanes[16]; };
-    std::unique_ptr<Vector[]> parked(chunked ? new Vector[m_size * kBlock / 16] : nullptr);
+    // Sums between chunks: a block's floats a row, in whole aligned vectors.
+    struct alignas(64) Line { float lanes[16]; };
+    std::unique_ptr<Line[]> parked(chunked ? new Line[m_size * kBlock<D> / 16] : nullptr);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const typename D::T* wb = w + b * block_elements;
@@ -245,9 +368,9 @@ int linear(const typename D::T* x, const typename D::T* w, const typename D::T* 
           const int tile_rows = static_cast<int>(rows + (t < extra));
           const int64_t lines = std::clamp<int64_t>(next_lines - t * share, 0, share);
           const Output<typename D::T> out{y + m * n_size + b * block_columns, n_size, columns,
-                                          bias ? bias + b * kBlock : nullptr, epilogue};
+                                          bias ? bias + b * kBlock<D> : nullptr, epilogue};
           tile_of<D>(tile_rows, x + m * k_size, k_size, wb, out, k0, k1,
-                     chunked ? parked[m * kBlock / 16].lanes : nullptr, next + t * share * 64,
+                     chunked ? parked[m * kBlock<D> / 16].lanes : nullptr, next + t * share * 64,
                      lines);
           m += tile_rows;
         }
@@ -392,7 +515,7 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
 }
 #endif  // AMX
 
-#endif  // __AVX512F__
+#endif  // VECTOR_KERNEL
 
 }  // namespace
 
@@ -406,9 +529,41 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
   const E *x, const E *w, const E *bias, E *y, int64_t m, int64_t n, int64_t k, int epilogue, \
       int num_threads
 
+// The layout this build multiplies (linear_kernel.py packs weights to it):
+// output columns per block, and the multiple K is padded to; 0 where it
+// runs no such dtype.
+extern "C" int packed_block_columns(int bfloat16) {
+#if defined(VLLM_ACCEL_AMX)
+  if (bfloat16) return static_cast<int>(kAmxBlock);
+#endif
+#ifdef VECTOR_BF16
+  if (bfloat16) return static_cast<int>(kBlock<BFloat16>);
+#endif
+#ifdef VECTOR_KERNEL
+  if (!bfloat16) return static_cast<int>(kBlock<Float32>);
+#endif
+  return 0;
+}
+
+// Float32 lanes of a vector in this build's kernel: 16 (AVX-512), 8 (AVX2), 0.
+extern "C" int vector_lanes() {
+#ifdef VECTOR_KERNEL
+  return Float32::kLanes;
+#else
+  return 0;
+#endif
+}
+
+extern "C" int packed_k_multiple(int bfloat16) {
+#if defined(VLLM_ACCEL_AMX)
+  if (bfloat16) return static_cast<int>(kAmxStep);
+#endif
+  return bfloat16 ? 2 : 1;
+}
+
 extern "C" int linear_f32(LINEAR_ARGS(float)) {
   if (epilogue < 0 || epilogue > 2) return 4;
-#ifdef __AVX512F__
+#ifdef VECTOR_KERNEL
   return linear<Float32>(x, w, bias, y, m, n, k, Epilogue(epilogue), num_threads);
 #else
   return 2;
@@ -419,7 +574,7 @@ extern "C" int linear_bf16(LINEAR_ARGS(uint16_t)) {
   if (epilogue < 0 || epilogue > 2) return 4;
 #if defined(VLLM_ACCEL_AMX)
   return linear_amx(x, w, bias, y, m, n, k, Epilogue(epilogue), num_threads);
-#elif defined(__AVX512F__) && defined(__AVX512BF16__)
+#elif defined(VECTOR_BF16)
   return linear<BFloat16>(x, w, bias, y, m, n, k, Epilogue(epilogue), num_threads);
 #else
   return 2;

@@ -1,5 +1,6 @@
 """Linear layers by our kernel (linear_kernel.cpp) on a CPU with AVX-512
-(bfloat16 by AVX-512 BF16 dot products, or on AMX tiles where the CPU has them).
+(bfloat16 by AVX-512 BF16 dot products, or on AMX tiles where the CPU has them)
+or with AVX2 alone (bfloat16 widened to float32 in registers).
 
 oneDNN's packed matmul leaves DRAM idle while it computes a block's rows
 after the first; ours streams the weights in meanwhile. The ~90M Llama's
@@ -28,7 +29,10 @@ from pathlib import Path
 
 import torch
 
+from vllm_accel.log import get_logger
 from vllm_accel.model import cpu_kernels, live_rows, ops
+
+logger = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("linear_kernel.cpp")
 _PAIRED = {torch.float32: 1, torch.bfloat16: 2}  # elements along K per multiply
@@ -54,6 +58,10 @@ class LinearKernel:
             function.restype = ctypes.c_int
             function.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int] * 2
         self.multiplies_on_amx = bool(loaded.bf16_on_amx())
+        self.vector_lanes = loaded.vector_lanes()  # 16: AVX-512, 8: AVX2 alone
+        self._layouts = {dtype: (loaded.packed_block_columns(int(dtype == torch.bfloat16)),
+                                 loaded.packed_k_multiple(int(dtype == torch.bfloat16)))
+                         for dtype in self._functions}
         # Status 2: built without the instructions that dtype needs; 3: the OS
         # refused AMX.
         self.runs = {dtype for dtype in self._functions
@@ -62,10 +70,10 @@ class LinearKernel:
         self.dtypes: set[torch.dtype] = set()
 
     def layout(self, dtype: torch.dtype) -> tuple[int, int]:
-        """(output columns per packed block, multiple K is padded to)."""
-        if dtype == torch.bfloat16 and self.multiplies_on_amx:
-            return 32, 32  # AMX tiles: 16 columns, 32 along K
-        return 64, _PAIRED[dtype]
+        """(output columns per packed block, multiple K is padded to), as the
+        build multiplies: 64 and 1 or 2 (float32, bfloat16) with AVX-512, 32
+        and 1 or 2 with AVX2, 32 and 32 on AMX tiles (bfloat16)."""
+        return self._layouts[dtype]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] -> blocks [out / B, in / P, B, P] (B columns per
@@ -126,18 +134,28 @@ _kernel: LinearKernel | None = None
 
 def enable(cache_dir: Path) -> LinearKernel | None:
     """Load the kernel for this process (built into ``cache_dir`` if missing).
-    None where it cannot be built or this CPU lacks AVX-512 (logged);
+    None where it cannot be built or this CPU has neither AVX-512 nor AVX2 (logged);
     linear layers then stay oneDNN's."""
     global _kernel
     if _kernel is None:
         _kernel = cpu_kernels.load(LinearKernel, SOURCE, cache_dir,
                                    "linear layers stay oneDNN's")
+        if _kernel is not None and _kernel.vector_lanes == 8:
+            # AVX2 alone: ours runs bfloat16 (which oneDNN cannot pack there);
+            # float32 stays oneDNN's, 1.0-1.6x ours (linear_kernel.cpp).
+            _kernel.dtypes.discard(torch.float32)
+            logger.info("vllm_accel: linear kernel in bfloat16 only (AVX2), float32 stays oneDNN's")
     return _kernel
+
+
+def runs(dtype: torch.dtype) -> bool:
+    """Whether the loaded kernel runs layers of ``dtype``."""
+    return _kernel is not None and dtype in _kernel.dtypes
 
 
 def packs(weight: torch.Tensor) -> bool:
     """Whether the loaded kernel runs a layer of this weight [out, in]."""
-    return (_kernel is not None and weight.device.type == "cpu" and weight.dtype in _kernel.dtypes
+    return (runs(weight.dtype) and weight.device.type == "cpu"
             and weight.shape[1] % _PAIRED[weight.dtype] == 0)
 
 

@@ -1,6 +1,6 @@
 """Linear layers over weights packed once (cpu device): by our kernel where
-it runs (linear_kernel.py: AVX-512; a decoder's layer without an activation to
-fuse), else by oneDNN.
+it runs (linear_kernel.py: AVX-512, or bfloat16 with AVX2 alone; a decoder's
+layer without an activation to fuse), else by oneDNN.
 
 torch runs a float32 ``nn.Linear`` on the CPU with MKL's sgemm, a bfloat16
 one with oneDNN over the plain weight. Packing each weight once into oneDNN's
@@ -84,6 +84,13 @@ _KERNEL_EPILOGUES = {("gelu", "tanh"): linear_kernel.GELU_TANH}
 _PACKABLE = (nn.Linear, LinearClassificationHead)
 
 
+def _by_kernel(linear: nn.Module, post_op: tuple[str, str], kernel_allowed: bool) -> bool:
+    """Whether our kernel runs ``linear`` (with ``post_op`` fused)."""
+    fused_by_kernel = post_op in _KERNEL_EPILOGUES
+    wanted = fused_by_kernel or (kernel_allowed and post_op[0] == "none")
+    return wanted and linear_kernel.packs(linear.weight)
+
+
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose weight lives packed: for our kernel
     (``by_kernel``) or for oneDNN, either also running ``post_op`` (an
@@ -97,8 +104,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.post_op = post_op
         self.epilogue = _KERNEL_EPILOGUES.get(post_op, linear_kernel.PLAIN)
-        wanted = self.epilogue != linear_kernel.PLAIN or (kernel_allowed and post_op[0] == "none")
-        self.by_kernel = wanted and linear_kernel.packs(linear.weight)
+        self.by_kernel = _by_kernel(linear, post_op, kernel_allowed)
         weight = (linear_kernel.pack(linear.weight) if self.by_kernel
                   else compat.onednn_pack_linear_weight(linear.weight))
         self.register_buffer("packed_weight", weight, persistent=False)
@@ -176,10 +182,13 @@ def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> in
     its first, and each gated MLP (SiLU) a ``GatedUnit`` where our kernel
     runs it; returns how many layers. Our kernel may run the layers of ``decoder``
     (a part of ``model``; None: all of it), the others stay oneDNN's (see the
-    module's docstring). A model of a dtype oneDNN does not pack here is left
-    as it is (0)."""
+    module's docstring). Where oneDNN does not pack the model's dtype
+    (bfloat16 on a CPU with AVX2 alone), only the layers our kernel runs are
+    replaced, an encoder's too (torch's own matmul, the alternative, is
+    several times slower: linear_kernel.cpp), and the rest left as they are."""
     dtype = next(model.parameters()).dtype
-    if not compat.onednn_packs_dtype(dtype):
+    onednn = compat.onednn_packs_dtype(dtype)
+    if not onednn and not linear_kernel.runs(dtype):
         return 0
     # Gated MLPs, an encoder's too: silu(gate) * up by our kernel (GatedUnit).
     gated = 0
@@ -193,7 +202,7 @@ def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> in
     for block in model.modules():
         if isinstance(block, FeedForwardBlock) and type(block.w1) in _PACKABLE:
             post_op = _activation_post_op(block.a)
-            if post_op is not None:
+            if post_op is not None and (onednn or post_op in _KERNEL_EPILOGUES):
                 post_ops[id(block.w1)] = post_op
                 fused.append(block)
     # Only layers that are called, never read: plain nn.Linear and FMS's LM
@@ -205,8 +214,11 @@ def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> in
         for name, child in list(parent.named_children()):
             if type(child) in _PACKABLE and child.weight.dtype == dtype:
                 if id(child) not in packed:
-                    packed[id(child)] = PackedLinear(child, post_ops.get(id(child), ("none", "")),
-                                                     kernel_allowed=id(child) in decoder_layers)
+                    post_op = post_ops.get(id(child), ("none", ""))
+                    allowed = id(child) in decoder_layers or not onednn
+                    if not onednn and not _by_kernel(child, post_op, allowed):
+                        continue  # neither packs it: torch's own
+                    packed[id(child)] = PackedLinear(child, post_op, kernel_allowed=allowed)
                 setattr(parent, name, packed[id(child)])
     for block in fused:
         if isinstance(block.w1, PackedLinear):  # not a layer of another dtype, left dense

@@ -8,8 +8,11 @@
 #include <cstdint>
 #include <initializer_list>
 
-#ifdef __AVX512F__
 namespace {
+
+constexpr float kLog2E = 1.44269504089f;
+
+#ifdef __AVX512F__
 
 // 2^t for t <= 0 (callers fold log2(e) into their scale: exp(x) = 2^(x log2 e)):
 // 2^(t - n) for the nearest integer n by a degree-5 polynomial on [-1/2, 1/2]
@@ -26,8 +29,6 @@ inline __m512 exp2_nonpositive(__m512 t) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
-
-constexpr float kLog2E = 1.44269504089f;
 
 // x * sigmoid(z) = x / (1 + e^-z), as x e / (1 + e) with e = e^z for z < 0
 // (e^-|z| never overflows). (A reciprocal estimate and a Newton step instead
@@ -60,5 +61,39 @@ inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
 }
 
+#endif  // __AVX512F__
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same on 8 lanes, for CPUs with AVX2 alone (linear_kernel.cpp): 2^n
+// from its exponent bits, as AVX2 has no scalef.
+inline __m256 exp2_nonpositive(__m256 t) {
+  t = _mm256_max_ps(t, _mm256_set1_ps(-126.0f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.3266980e-3f);
+  for (float c : {9.6754692e-3f, 5.5507425e-2f, 2.4022122e-1f, 6.9314694e-1f, 1.0000001f})
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  const __m256i two_to_n =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
+}
+
+inline __m256 times_sigmoid(__m256 x, __m256 z) {
+  const __m256 minus_abs_z = _mm256_or_ps(z, _mm256_set1_ps(-0.0f));
+  const __m256 e = exp2_nonpositive(_mm256_mul_ps(minus_abs_z, _mm256_set1_ps(kLog2E)));
+  const __m256 negative = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return _mm256_div_ps(_mm256_blendv_ps(x, _mm256_mul_ps(x, e), negative),
+                       _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+inline __m256 silu(__m256 x) { return times_sigmoid(x, x); }
+
+inline __m256 gelu_tanh(__m256 x) {
+  const __m256 two_u = _mm256_mul_ps(
+      _mm256_mul_ps(_mm256_set1_ps(2 * 0.7978845608f), x),
+      _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), _mm256_mul_ps(x, x), _mm256_set1_ps(1.0f)));
+  return times_sigmoid(x, two_u);
+}
+#endif  // AVX2
+
 }  // namespace
-#endif
