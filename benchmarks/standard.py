@@ -190,15 +190,24 @@ def vision_panels(name, res):
     ]
 
 
+def machine_key(panel):
+    machine = panel.get("machine") or {}
+    return machine.get("cpu"), machine.get("isa")
+
+
 def merge(figures, panels, order):
-    """Replace the panels of the entries just run, keep the others this script wrote."""
-    done = {p["entry"] for p in panels}
-    kept = [p for p in figures.get("panels", []) if p.get("entry") and p["entry"] not in done]
+    """Replace the panels of the entries just run on this kind of CPU (its
+    name and vector extensions), keep the others this script wrote: figures
+    of two CPUs sit side by side, never one in place of the other."""
+    done = {(p["entry"], machine_key(p)) for p in panels}
+    kept = [p for p in figures.get("panels", [])
+            if p.get("entry") and (p["entry"], machine_key(p)) not in done]
     dropped = [p for p in figures.get("panels", []) if not p.get("entry")]
     if dropped:
         log(f"dropping {len(dropped)} panel(s) not written by standard.py (hand-copied figures)")
     rank = {n: i for i, n in enumerate(order)}
-    all_panels = sorted(kept + panels, key=lambda p: rank.get(p["entry"], len(rank)))
+    all_panels = sorted(kept + panels, key=lambda p: (rank.get(p["entry"], len(rank)),
+                                                      str(machine_key(p))))
     dates = sorted(p["date"] for p in all_panels)
     span = dates[0][:10] + (f" to {dates[-1][:10]}" if dates[-1][:10] != dates[0][:10] else "")
     return dict(
@@ -238,6 +247,13 @@ VISION_HEADER = ["vision batch evaluation", "backend", "images/s (min-max)",
 NATIVES = ("native", "native-default-binding", "native-compile")
 
 
+def cpu_tag(panel):
+    """ ', <its widest vector extension>' (AMX BF16, AVX-512 BF16, AVX2, ...): entries
+    measured on two CPUs are two rows."""
+    isa = (panel.get("machine") or {}).get("isa")
+    return f", {isa.split(', ')[-1]}" if isa else ""
+
+
 def summary(figures):
     """Markdown tables of the standard panels in `figures`."""
     lines = []
@@ -252,7 +268,8 @@ def summary(figures):
             accel_gf = roof["gflops"].get("accel")
             lines.append(table_row([
                 (f"{LABELS.get(shape['name'], shape['name'])} ({shape['params'] / 1e6:.1f}M), "
-                 f"{p['workload']}, {p['concurrency']} concurrent"), p["dtype"],
+                 f"{p['workload']}, {p['concurrency']} concurrent"
+                 f"{cpu_tag(p)}"), p["dtype"],
                 *(mmm(e[n]) if n in e else "failed" if n in p["errors"] else ""
                   for n in ("accel", *NATIVES)),
                 *((f"**{x:.2f}**" if k == "native" else f"{x:.2f}") if x else ""
