@@ -128,8 +128,8 @@ struct BFloat16 {
 // such a CPU, and torch's ran the ~128M Llama's 9 layers at 14-18 GFLOP/s
 // (684 ms at 48 rows, 9.6 s at 512; ours 122-128 ms and 1.27-1.31 s, about
 // oneDNN's float32: 149 ms and 1.04 s; an AMD EPYC, Zen 3, scratch loops).
-// float32 stays oneDNN's there (linear_kernel.py: ours ran 0.9-1.0x at 48
-// rows, 0.6-0.8x at 512).
+// float32 stays oneDNN's there (linear_kernel.py: ours ran 0.8x its jit sgemm
+// at 48 rows, 0.5-0.6x at 512).
 inline __m256i first_lanes(int64_t n) {  // as a maskload's mask
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
