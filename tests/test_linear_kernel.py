@@ -21,12 +21,18 @@ DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not BF16_RUNS, reason="bfloat16 needs AVX-512 BF16 (or AVX2 alone)")), torch.float32]
 
 
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """One build of the kernel for the module's tests (a build takes seconds)."""
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.fixture
-def kernel(tmp_path_factory, monkeypatch):
+def kernel(kernel_cache, monkeypatch):
     """The kernel loaded for this test only (layers packed outside it use
     oneDNN), running every dtype its build runs (AMX or not)."""
     monkeypatch.setattr(linear_kernel, "_kernel", None)
-    kernel = linear_kernel.enable(tmp_path_factory.mktemp("kernels"))
+    kernel = linear_kernel.enable(kernel_cache)
     assert kernel is not None
     monkeypatch.setattr(kernel, "dtypes", set(kernel.runs))
     return kernel
