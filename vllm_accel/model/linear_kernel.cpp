@@ -126,7 +126,7 @@ struct BFloat16 {
 // widened to float32 in registers (a pair's low half: the even k, shifted
 // up; its high half: the odd k, masked): oneDNN has no bfloat16 matmul for
 // such a CPU, and torch's ran the ~128M Llama's 9 layers at 14-18 GFLOP/s
-// (684 ms at 48 rows, 9.6 s at 512; ours 122-175 ms and 1.27-1.59 s, about
+// (684 ms at 48 rows, 9.6 s at 512; ours 122-175 ms and 1.27-1.59 s, 0.65-1.2x
 // oneDNN's float32: 149 ms and 1.04 s; an AMD EPYC, Zen 3, scratch loops).
 // float32 stays oneDNN's there (linear_kernel.py: ours ran 0.8x its jit sgemm
 // at 48 rows, 0.5-0.6x at 512).
