@@ -152,7 +152,7 @@ def check_dtype(device: str, dtype: torch.dtype) -> None:
             logger.info(
                 "bfloat16 on a CPU with AVX2 alone: vllm-accel's linear kernel widens it to "
                 "float32 in registers, about --dtype float32's speed (torch's own bfloat16 "
-                "matmul here is 5-7x slower; benchmarks/README.md).")
+                "matmul here is 4-7x slower; benchmarks/README.md).")
             return
         # It works, but a user who picked bfloat16 for speed should know.
         logger.warning(
