@@ -130,11 +130,6 @@ struct BFloat16 {
 // oneDNN's float32: 149 ms and 1.04 s; an AMD EPYC, Zen 3, scratch loops).
 // float32 stays oneDNN's there (linear_kernel.py: ours ran 0.8x its jit sgemm
 // at 48 rows, 0.5-0.6x at 512).
-inline __m256i first_lanes(int64_t n) {  // as a maskload's mask
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 struct Float32 {
   using T = float;
   using V = __m256;
@@ -149,13 +144,13 @@ struct Float32 {
   static inline W load_weights(const float* w) { return _mm256_loadu_ps(w); }
   static inline V madd(V sum, X x, W w) { return _mm256_fmadd_ps(x, w, sum); }
   static inline V load(int64_t n, const float* p) {
-    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes(n));
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes8(n));
   }
   static inline void store(float* p, int64_t n, V v) {
     if (n >= 8)
       _mm256_storeu_ps(p, v);
     else
-      _mm256_maskstore_ps(p, first_lanes(n), v);
+      _mm256_maskstore_ps(p, first_lanes8(n), v);
   }
   static inline V round(V v) { return v; }
 };
@@ -199,7 +194,8 @@ struct BFloat16 {
     return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
   }
   static inline void store(uint16_t* p, int64_t n, V v) {
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(nearest(v), nearest(v)), 0x08);
+    const __m256i bits = nearest(v);  // packed to 16 bits, the halves' lanes brought together
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
     alignas(16) uint16_t lanes[8];
     _mm_store_si128(reinterpret_cast<__m128i*>(lanes), _mm256_castsi256_si128(packed));
     std::memcpy(p, lanes, std::min<int64_t>(n, 8) * sizeof(uint16_t));

@@ -42,18 +42,7 @@ inline __m512 times_sigmoid(__m512 x, __m512 z) {
                        _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-// x * sigmoid(x).
-inline __m512 silu(__m512 x) { return times_sigmoid(x, x); }
-
-// GELU with tanh's approximation: 0.5 x (1 + tanh(u)) = x sigmoid(2u),
-// u = sqrt(2 / pi) (x + 0.044715 x^3). (torch's float32 form loses the far
-// negative tail to cancellation in 1 + tanh(u); this one does not.)
-inline __m512 gelu_tanh(__m512 x) {
-  const __m512 two_u = _mm512_mul_ps(
-      _mm512_mul_ps(_mm512_set1_ps(2 * 0.7978845608f), x),
-      _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(x, x), _mm512_set1_ps(1.0f)));
-  return times_sigmoid(x, two_u);
-}
+inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 
 // The first n lanes of 16 (all for n >= 16; callers pass n > 0): a row's
 // tail of columns, tokens or head dimensions.
@@ -86,14 +75,29 @@ inline __m256 times_sigmoid(__m256 x, __m256 z) {
                        _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-inline __m256 silu(__m256 x) { return times_sigmoid(x, x); }
+inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 
-inline __m256 gelu_tanh(__m256 x) {
-  const __m256 two_u = _mm256_mul_ps(
-      _mm256_mul_ps(_mm256_set1_ps(2 * 0.7978845608f), x),
-      _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), _mm256_mul_ps(x, x), _mm256_set1_ps(1.0f)));
-  return times_sigmoid(x, two_u);
+// The first n lanes of 8 (all for n >= 8; callers pass n > 0), as a
+// maskload's or maskstore's mask.
+inline __m256i first_lanes8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 8 ? n : 8)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 #endif  // AVX2
+
+// Over either width (V: __m512 or __m256, GCC vectors of float, whose * is
+// the lanes' as _mm*_mul_ps is):
+// x * sigmoid(x).
+template <typename V>
+inline V silu(V x) { return times_sigmoid(x, x); }
+
+// GELU with tanh's approximation: 0.5 x (1 + tanh(u)) = x sigmoid(2u),
+// u = sqrt(2 / pi) (x + 0.044715 x^3). (torch's float32 form loses the far
+// negative tail to cancellation in 1 + tanh(u); this one does not.)
+template <typename V>
+inline V gelu_tanh(V x) {
+  const V two_u = ((2 * 0.7978845608f) + V{}) * x * fmadd(0.044715f + V{}, x * x, 1.0f + V{});
+  return times_sigmoid(x, two_u);
+}
 
 }  // namespace
