@@ -13,21 +13,33 @@ namespace {
 constexpr float kLog2E = 1.44269504089f;
 
 #ifdef __AVX512F__
+inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+#endif
+
+// 2^f for f in [-1/2, 1/2], either width (V: __m512 or __m256, GCC vectors of
+// float): a degree-5 polynomial, relative error under 1e-7, fitted to 2^f.
+template <typename V>
+inline V exp2_fraction(V f) {
+  V p = 1.3266980e-3f + V{};
+  for (float c : {9.6754692e-3f, 5.5507425e-2f, 2.4022122e-1f, 6.9314694e-1f, 1.0000001f})
+    p = fmadd(p, f, c + V{});
+  return p;
+}
+
+#ifdef __AVX512F__
 
 // 2^t for t <= 0 (callers fold log2(e) into their scale: exp(x) = 2^(x log2 e)):
-// 2^(t - n) for the nearest integer n by a degree-5 polynomial on [-1/2, 1/2]
-// (relative error under 1e-7, fitted to 2^f), then times 2^n; t below -126
-// gives about 0. Nine instructions where Cephes' expf, used before, took
+// 2^(t - n) for the nearest integer n (exp2_fraction), then times 2^n; t
+// below -126 gives about 0. Nine instructions where Cephes' expf, used before, took
 // fourteen (with masks only at a span's edges, the span kernel's softmax on
 // SigLIP's 5 tiles ran 4.5 -> 3.3 ms).
 inline __m512 exp2_nonpositive(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3266980e-3f);
-  for (float c : {9.6754692e-3f, 5.5507425e-2f, 2.4022122e-1f, 6.9314694e-1f, 1.0000001f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(exp2_fraction(_mm512_sub_ps(t, n)), n);
 }
 
 // x * sigmoid(z) = x / (1 + e^-z), as x e / (1 + e) with e = e^z for z < 0
@@ -41,8 +53,6 @@ inline __m512 times_sigmoid(__m512 x, __m512 z) {
   return _mm512_div_ps(_mm512_mask_mul_ps(x, negative, x, e),
                        _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
-
-inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 
 // The first n lanes of 16 (all for n >= 16; callers pass n > 0): a row's
 // tail of columns, tokens or head dimensions.
@@ -58,13 +68,9 @@ inline __mmask16 first_lanes(int64_t n) {
 inline __m256 exp2_nonpositive(__m256 t) {
   t = _mm256_max_ps(t, _mm256_set1_ps(-126.0f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.3266980e-3f);
-  for (float c : {9.6754692e-3f, 5.5507425e-2f, 2.4022122e-1f, 6.9314694e-1f, 1.0000001f})
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
   const __m256i two_to_n =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
+  return _mm256_mul_ps(exp2_fraction(_mm256_sub_ps(t, n)), _mm256_castsi256_ps(two_to_n));
 }
 
 inline __m256 times_sigmoid(__m256 x, __m256 z) {
@@ -75,8 +81,6 @@ inline __m256 times_sigmoid(__m256 x, __m256 z) {
                        _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
-
 // The first n lanes of 8 (all for n >= 8; callers pass n > 0), as a
 // maskload's or maskstore's mask.
 inline __m256i first_lanes8(int64_t n) {
@@ -85,8 +89,7 @@ inline __m256i first_lanes8(int64_t n) {
 }
 #endif  // AVX2
 
-// Over either width (V: __m512 or __m256, GCC vectors of float, whose * is
-// the lanes' as _mm*_mul_ps is):
+// Over either width (GCC vectors: * is the lanes', as _mm*_mul_ps is):
 // x * sigmoid(x).
 template <typename V>
 inline V silu(V x) { return times_sigmoid(x, x); }
