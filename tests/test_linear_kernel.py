@@ -7,12 +7,13 @@ import pytest
 import torch
 from torch import nn
 
+from vllm_accel import devices
 from vllm_accel.model import cpu_kernels, linear_kernel, span_attention
 from vllm_accel.model.live_rows import live_rows
 from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
 
 CPU_FLAGS = cpu_kernels.cpu_flags() or set()
-AVX2_ONLY = "avx512f" not in CPU_FLAGS and {"avx2", "fma"} <= CPU_FLAGS
+AVX2_ONLY = devices.cpu_widens_bfloat16()
 pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS and not AVX2_ONLY,
                                 reason="the kernel needs AVX-512 or AVX2")
 # bfloat16: by AVX-512 BF16 dot products (or AMX), or widened to float32 with AVX2 alone.

@@ -162,10 +162,12 @@ def check_dtype(device: str, dtype: torch.dtype) -> None:
 
 
 def cpu_widens_bfloat16(cpuinfo: str | None = None) -> bool:
-    """Whether our linear kernel runs bfloat16 here by widening it to float32
-    (an x86 CPU with AVX2 and FMA; linear_kernel.cpp)."""
+    """Whether our linear kernel runs bfloat16 here by widening it to float32:
+    an x86 CPU with AVX2 and FMA but no AVX-512 (linear_kernel.cpp builds its
+    AVX2 types only there; an AVX-512 CPU without BF16 leaves bfloat16 to
+    oneDNN, which packs it there)."""
     flags = cpu_flags(cpuinfo)
-    return flags is not None and {"avx2", "fma"} <= flags
+    return flags is not None and {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
 def cpu_multiplies_bfloat16(cpuinfo: str | None = None) -> bool:
