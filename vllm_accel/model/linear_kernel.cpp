@@ -128,8 +128,8 @@ struct BFloat16 {
 // such a CPU, and torch's ran the ~128M Llama's 9 layers at 14-18 GFLOP/s
 // (684 ms at 48 rows, 9.6 s at 512; ours 122-175 ms and 1.27-1.59 s, 0.65-1.2x
 // oneDNN's float32: 149 ms and 1.04 s; an AMD EPYC, Zen 3, scratch loops).
-// float32 stays oneDNN's there (linear_kernel.py: ours ran 0.8x its jit sgemm
-// at 48 rows, 0.5-0.6x at 512).
+// float32 stays oneDNN's there (linear_kernel.py: ours ran 0.4-0.6x its jit
+// sgemm at a prompt's 512 rows, ~0.9x at 48: 155-159 ms against 141-151).
 struct Float32 {
   using T = float;
   using V = __m256;
