@@ -130,6 +130,8 @@ struct BFloat16 {
 // oneDNN's float32: 149 ms and 1.04 s; an AMD EPYC, Zen 3, scratch loops).
 // float32 stays oneDNN's there (linear_kernel.py: ours ran 0.4-0.6x its jit
 // sgemm at a prompt's 512 rows, ~0.9x at 48: 155-159 ms against 141-151).
+// (A float32 tile of 6 rows x 16 columns, tried: ~1.3x oneDNN at 48 rows,
+// ~0.85x at 512, a wash in the engine; benchmarks/README.md, 24th session.)
 struct Float32 {
   using T = float;
   using V = __m256;
