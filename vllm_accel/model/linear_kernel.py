@@ -142,7 +142,8 @@ def enable(cache_dir: Path) -> LinearKernel | None:
                                    "linear layers stay oneDNN's")
         if _kernel is not None and _kernel.vector_lanes == 8:
             # AVX2 alone: ours runs bfloat16 (which oneDNN cannot pack there);
-            # float32 stays oneDNN's, 1.6-2.6x ours at 512 rows there (linear_kernel.cpp).
+            # float32 stays oneDNN's, ~1.1x ours at 48 rows and 1.7-2.5x at 512 there
+            # (linear_kernel.cpp).
             _kernel.dtypes.discard(torch.float32)
             logger.info("vllm_accel: linear kernel in bfloat16 only (AVX2), float32 stays oneDNN's")
     return _kernel
