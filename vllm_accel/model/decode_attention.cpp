@@ -32,6 +32,10 @@
 //   1.42-1.50 -> 1.29-1.41 ms a call, bfloat16 0.89-0.96 -> 0.85-0.92).
 // Elsewhere (no AVX-512, float16, other head sizes) a portable loop does the
 // same arithmetic one token at a time.
+// (The vector path on AVX2's 8 lanes and 16 registers was tried on an AVX2
+// EPYC: no faster than this loop, both reading the caches at 8-12 GB/s
+// where a plain sequential read ran at 15.7; benchmarks/README.md,
+// twenty-fifth session.)
 //
 // The cache may hold float32, bfloat16 or float16 values; the arithmetic is
 // float32 in every case. Plain C ABI, no torch headers, so it builds in a
