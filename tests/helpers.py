@@ -62,16 +62,22 @@ def model_runner(llm):
 _hf_models: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int,
-              dtype: torch.dtype = torch.float32) -> list[list[int]]:
-    """Greedy continuations from HF transformers' own model class, one prompt
-    at a time (no padding), stopping at EOS as vLLM does."""
+def hf_model(model_dir, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """HF transformers' own causal LM class for ``model_dir``, loaded once per
+    (model, dtype) in this process."""
     from transformers import AutoModelForCausalLM
 
     key = (str(model_dir), dtype)
     if key not in _hf_models:
         _hf_models[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    model = _hf_models[key]
+    return _hf_models[key]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """Greedy continuations from HF transformers' own model class, one prompt
+    at a time (no padding), stopping at EOS as vLLM does."""
+    model = hf_model(model_dir, dtype)
     outputs = []
     with torch.no_grad():
         for ids in prompts:

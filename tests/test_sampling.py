@@ -8,7 +8,7 @@ import torch
 from vllm import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
 
-from helpers import hf_greedy, prompt_ids, running_llm
+from helpers import hf_greedy, hf_model, prompt_ids, running_llm
 
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 
@@ -20,13 +20,11 @@ def llm(tiny_models):
 
 
 def test_logprobs_match_hf(llm, tiny_models):
-    from transformers import AutoModelForCausalLM
-
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, logprobs=3),
                        use_tqdm=False)[0].outputs[0]
     step = out.logprobs[0]
     assert len(step) >= 3
-    hf = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    hf = hf_model(tiny_models["llama"])
     ids = torch.tensor(prompt_ids(tiny_models["llama"], [PROMPT]))
     with torch.no_grad():
         reference = torch.log_softmax(hf(ids).logits[0, -1].float(), dim=-1)
@@ -79,8 +77,6 @@ def test_bfloat16_close_to_hf_bfloat16(tiny_models):
     bfloat16's rounding can decide, not a wrong model. (With AVX2 alone, our
     kernel widens bfloat16 where HF runs torch's matmul: the tiny Llama's
     greedy paths split where HF's float32 logits are 1.7 % apart.)"""
-    from transformers import AutoModelForCausalLM
-
     model_dir = tiny_models["llama"]
     prompts = prompt_ids(model_dir, [PROMPT, "Once upon a time"])
     expected = hf_greedy(model_dir, prompts, 16, dtype=torch.bfloat16)
@@ -98,9 +94,8 @@ def test_bfloat16_close_to_hf_bfloat16(tiny_models):
         # that agrees all along is no split, and fails here).
         split = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         assert split is not None, (got, want)
-        hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits = hf32(torch.tensor([prompt + want[:split]])).logits[0, -1]
+        with torch.no_grad():  # HF's float32 reference, loaded once, where a split needs it
+            logits = hf_model(model_dir)(torch.tensor([prompt + want[:split]])).logits[0, -1]
         gap = (logits[want[split]] - logits[got[split]]).abs().item()
         spread = (logits.max() - logits.min()).item()
         assert gap <= 0.03 * spread, (split, gap, spread, got, want)
