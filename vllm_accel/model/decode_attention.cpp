@@ -33,7 +33,7 @@
 // Elsewhere (no AVX-512, float16, other head sizes) a portable loop does the
 // same arithmetic one token at a time.
 // (The vector path on AVX2's 8 lanes and 16 registers was tried on an AVX2
-// EPYC: no faster than this loop, both reading the caches at 8-12 GB/s
+// EPYC: no faster than this loop, both reading the caches at 7-12 GB/s
 // where a plain sequential read ran at 15.7; benchmarks/README.md,
 // twenty-fifth session.)
 //
