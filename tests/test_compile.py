@@ -184,7 +184,13 @@ def test_second_start_uses_the_compile_cache(compiled, tiny_models, cache_dir, w
     with running_llm(tiny_models["llama"], additional_config=accel_config(cache_dir),
                      **ENGINE) as llm:
         warm_s = time.perf_counter() - started
-        assert model_runner(llm).compile_stats.cache_hits == (4, 0)
+        stats = model_runner(llm).compile_stats
+        assert stats.cache_hits == (4, 0)
+        # Every graph loaded whole (model/saved_graphs.py): dynamo traced
+        # nothing, and the loaded graphs compute what HF does.
+        assert (stats.graphs_loaded, stats.graphs_compiled) == (4, 0)
+        prompts = random_prompts([3, 17, 70], seed=18)
+        assert greedy(llm, prompts) == hf_greedy(tiny_models["llama"], prompts, 8)
     match = next(m for m in map(WARMUP_LINE.search, warmup_log) if m)
     assert int(match.group(2)) == 4
     print(f"engine start: cold {cold_s:.1f} s, with compile cache {warm_s:.1f} s "
@@ -228,13 +234,15 @@ def test_skip_warmup_compiles_lazily(tiny_models, cache_dir, warmup_log, monkeyp
     with running_llm(tiny_models["llama"], additional_config=accel_config(cache_dir),
                      **ENGINE) as llm:
         runner = model_runner(llm)
-        assert runner.compile_stats.graphs_compiled == 0
+        stats = runner.compile_stats
+        assert stats.graphs_compiled == stats.graphs_loaded == 0
         # Nothing was timed: steps are cut by the token-count estimate.
         from vllm_accel.buckets import token_count_costs
         assert runner.forward_costs == token_count_costs(runner.token_buckets)
         prompt = random_prompts([10], seed=17)
         assert greedy(llm, prompt) == hf_greedy(tiny_models["llama"], prompt, 8)
-        assert runner.compile_stats.graphs_compiled == 2  # 16 (prefill), 1 (decode)
+        # 16 (prefill), 1 (decode): saved by the engines before, so loaded.
+        assert (stats.graphs_compiled, stats.graphs_loaded) == (0, 2)
     assert not any(WARMUP_LINE.search(line) for line in warmup_log)
 
 
@@ -350,3 +358,103 @@ def test_warming_up_runs_each_kind_of_call_in_one_layer_of_a_stack():
             assert torch.equal(layer(x), x * 2) and torch.equal(layer(y), y * 2)
         assert torch.equal(residual[2](residual[1](residual[0](x))), x * 8)
     assert [layer.forward.guarded_calls for layer in residual] == [2, 0, 0]
+
+
+def test_saved_graphs_load_without_dynamo_per_layer_kind_and_source(tmp_path, monkeypatch):
+    """model/saved_graphs.py: a kind of call's graph is compiled once and
+    saved; a later start (new layers, a new store) loads it whole, dynamo
+    tracing nothing, and computes what eager does. A layer with other
+    attributes gets a graph of its own, and a graph whose traced source has
+    changed is compiled again."""
+    from torch._dynamo.utils import counters
+    from vllm_accel.model import saved_graphs
+    from vllm_accel.model.compile import compile_shared_forward
+
+    def start(*factors):
+        layers = [Scaled(f) for f in factors]
+        for layer in layers:  # one set of weights, so outputs compare across starts
+            layer.weight.data = torch.arange(16.0).reshape(4, 4) / 16
+        compile_shared_forward(layers, "inductor", 2, saved_graphs.SavedGraphs(tmp_path))
+        return layers
+
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        before = saved_graphs.counts()
+        for layer in start(2, 2):
+            assert torch.allclose(layer(x), Scaled.forward(layer, x))
+        assert saved_graphs.counts() == (before[0], before[1] + 1)
+        assert len(list(tmp_path.glob("*.graph"))) == 1
+
+        traced = counters["stats"]["unique_graphs"]
+        layers = start(2, 2, 3)
+        for layer in layers:
+            assert torch.allclose(layer(x), Scaled.forward(layer, x))
+        # The factor-2 graph loaded (dynamo traced only the factor-3 layer's).
+        assert saved_graphs.counts() == (before[0] + 1, before[1] + 2)
+        assert counters["stats"]["unique_graphs"] == traced + 1
+        assert len(list(tmp_path.glob("*.graph"))) == 2
+        assert [layer.forward.guarded_calls for layer in layers] == [1, 1, 1]
+
+        saved_graphs._module_source.cache_clear()
+        real = saved_graphs._module_source
+        monkeypatch.setattr(saved_graphs, "_module_source",
+                            lambda name: real(name) + "# edited" if name == __name__ else
+                            real(name))
+        for layer in start(2):
+            assert torch.allclose(layer(x), Scaled.forward(layer, x))
+        assert saved_graphs.counts() == (before[0] + 1, before[1] + 3)
+
+
+class IgnoresMask(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.eye(4) * 2)
+
+    def forward(self, x, mask):
+        return x @ self.weight
+
+
+def test_a_kind_of_call_differing_in_what_the_graph_does_not_read_shares_its_graph(tmp_path):
+    """A call whose only difference is an argument the graph does not read
+    (Qwen2.5-VL's window and full-attention masks, where attention goes by
+    spans) passes the first graph's guards: no second compile, and a file
+    names that graph for later starts, which load it once for both."""
+    from vllm_accel.model import saved_graphs
+    from vllm_accel.model.compile import compile_shared_forward
+
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for run in range(2):
+            before = saved_graphs.counts()
+            layer = IgnoresMask()
+            compile_shared_forward([layer], "inductor", 2, saved_graphs.SavedGraphs(tmp_path))
+            for mask in (torch.ones(3, 3), torch.ones(1, 3, 9)):
+                assert torch.equal(layer(x, mask), x * 2)
+            loaded, compiled = (a - b for a, b in zip(saved_graphs.counts(), before))
+            assert (loaded, compiled) == ((0, 1) if run == 0 else (1, 0))
+            assert len(list(tmp_path.glob("*.graph"))) == 1
+            assert len(list(tmp_path.glob("*.same"))) == 1
+
+
+def test_a_layer_whose_graphs_cannot_be_saved_compiles_through_dynamo(tmp_path):
+    """A layer dynamo cannot save with its graph (here a class defined in a
+    function) runs through dynamo's own path, as without saved graphs."""
+    from vllm_accel.model import saved_graphs
+    from vllm_accel.model.compile import compile_shared_forward
+
+    class Local(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.factor = 2  # read, so guarded: dynamo saves the module's class
+
+        def forward(self, x):
+            return x * self.factor
+
+    layers = [Local(), Local()]
+    compile_shared_forward(layers, "inductor", 2, saved_graphs.SavedGraphs(tmp_path))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(2):
+            assert all(torch.equal(layer(x), x * 2) for layer in layers)
+    assert [layer.forward.guarded_calls for layer in layers] == [1, 1]
+    assert not list(tmp_path.glob("*.graph"))

@@ -11,6 +11,10 @@ us a layer call, ~3 % of a ~90M bfloat16 batch. So each layer runs the
 graph dynamo chose for a kind of call (its arguments' shapes, strides and
 dtypes; other arguments' values) directly from the second such call on.
 
+With a ``SavedGraphs`` store (the cpu backend), a kind of call's graph and
+the code dynamo wrote to call it come from a file instead (saved_graphs.py):
+a warm start traces nothing.
+
 Warmup only needs each kind of call to reach a graph once: while
 ``warming_up``, the other layers of the stack find their graph by dynamo's
 guards without running it and pass their input on (a full-size vision tower
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from vllm_accel.compat import dynamo_code_for
+from vllm_accel.model.saved_graphs import SavedGraphs, compile_ahead_of_time
 from vllm_accel.patches import raise_recompile_limit
 
 
@@ -46,11 +51,13 @@ def _own_copy(function):
     return _with_code(function, function.__code__.replace())
 
 
-def compile_shared_forward(layers: list[nn.Module], backend: str, num_shapes: int) -> None:
-    """Make every layer run one shared compiled copy of its class's forward."""
+def compile_shared_forward(layers: list[nn.Module], backend: str, num_shapes: int,
+                           saved: SavedGraphs | None = None) -> None:
+    """Make every layer run one shared compiled copy of its class's forward;
+    with ``saved``, each graph is loaded from there, or compiled and saved."""
     function = _own_copy(type(layers[0]).forward)
     compiled = torch.compile(function, backend=backend, dynamic=False, fullgraph=True)
-    stack = LayerStack()
+    stack = LayerStack(saved, compile_ahead_of_time(function, backend) if saved else None)
     # An instance attribute wins over the class's forward in nn.Module.__call__.
     for layer in layers:
         layer.forward = LayerForward(layer, function, compiled, stack)
@@ -60,11 +67,15 @@ def compile_shared_forward(layers: list[nn.Module], backend: str, num_shapes: in
 class LayerStack:
     """What the layers sharing one compiled function share: for each kind of
     call one of them ran, whether its output had its first input's shape and
-    dtype (a residual layer's), and whether warmup is on."""
+    dtype (a residual layer's), whether warmup is on, and where graphs are
+    saved (None: in dynamo's own cache only)."""
 
-    def __init__(self):
+    def __init__(self, saved: SavedGraphs | None = None,
+                 ahead_of_time: Callable | None = None):
         self.passes_input_shape: dict[tuple, bool] = {}
         self.warming_up = False
+        self.saved = saved
+        self.ahead_of_time = ahead_of_time  # the compiled function that saved graphs use
 
 
 @contextlib.contextmanager
@@ -101,7 +112,9 @@ class LayerForward:
         self._compiled = compiled
         self.stack = stack
         self._direct: dict[tuple, Callable] = {}
-        self.guarded_calls = 0  # calls that went through dynamo (tests count them)
+        # Calls that went through dynamo (with saved graphs: the first run of
+        # each kind, which loaded or compiled its graph); tests count them.
+        self.guarded_calls = 0
 
     def __call__(self, *args, **kwargs):
         if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
@@ -112,6 +125,13 @@ class LayerForward:
             args = (args[0].contiguous(), *args[1:])
         kind = _call_kind(args, kwargs)
         direct = self._direct.get(kind)
+        if direct is None and kind is not None and self.stack.saved is not None:
+            # This layer's first call of the kind: the graph and the code that
+            # calls it come saved (or are compiled and saved), no dynamo.
+            direct = self.stack.saved.code_for(
+                self._function, self.stack.ahead_of_time, self._layer, kind, args, kwargs)
+            if direct is not None:
+                return self._first_saved_call(kind, direct, args, kwargs)
         if self.stack.warming_up and self.stack.passes_input_shape.get(kind):
             if direct is None:
                 direct = self._code_dynamo_ran(args, kwargs)
@@ -127,6 +147,16 @@ class LayerForward:
             direct = self._code_dynamo_ran(args, kwargs)
             if direct is not None:
                 self._direct[kind] = direct
+        return outputs
+
+    def _first_saved_call(self, kind, direct, args, kwargs):
+        self._direct[kind] = direct
+        if self.stack.warming_up and self.stack.passes_input_shape.get(kind):
+            return args[0]  # as below: another layer of the stack ran this kind
+        self.guarded_calls += 1  # as dynamo's first call would be
+        outputs = direct(self._layer, *args, **kwargs)
+        self.stack.passes_input_shape.setdefault(
+            kind, bool(args) and _same_shape(outputs, args[0]))
         return outputs
 
     def _code_dynamo_ran(self, args, kwargs) -> Callable | None:

@@ -12,6 +12,7 @@ import torch
 from vllm_accel.buckets import find_bucket, fit_bucket, make_buckets
 from vllm_accel.compat import map_tensors
 from vllm_accel.model.compile import compile_shared_forward
+from vllm_accel.model.saved_graphs import SavedGraphs
 from vllm_accel.model.live_rows import live_rows
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.settings import env_var_name
@@ -66,7 +67,7 @@ class VisionEncoder:
     """
 
     def __init__(self, adapter: VisionAdapter, compile_backend: str | None = None,
-                 bucket_spec: str = ""):
+                 bucket_spec: str = "", saved: SavedGraphs | None = None):
         """``bucket_spec``: the multimodal_buckets setting ("" = the util's own
         buckets, whose smallest and largest also fill in a range spec)."""
         self.adapter = adapter
@@ -89,7 +90,7 @@ class VisionEncoder:
         self._live_rows = contextlib.nullcontext()  # entered by the padding hook
         if compile_backend is not None:
             compile_shared_forward(adapter.vision_compile_units(), compile_backend,
-                                   len(self.buckets) * adapter.vision_graphs_per_bucket)
+                                   len(self.buckets) * adapter.vision_graphs_per_bucket, saved)
             module = adapter.vision_module
             module.register_forward_pre_hook(self._pad_to_bucket, with_kwargs=True)
             module.register_forward_hook(self._slice_to_real_rows, always_call=True)

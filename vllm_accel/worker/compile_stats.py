@@ -12,7 +12,7 @@ from pathlib import Path
 
 from vllm_accel.compat import dynamo_graph_count, inductor_cache_counts, last_compiled_functions
 from vllm_accel.log import get_logger
-from vllm_accel.model import ops
+from vllm_accel.model import ops, saved_graphs
 
 logger = get_logger(__name__)
 
@@ -21,29 +21,41 @@ class CompileStats:
     def __init__(self) -> None:
         self._start = self._seen = dynamo_graph_count()
         self._start_hits = inductor_cache_counts()
+        self._start_saved = saved_graphs.counts()
         self.warmup_graphs = 0
         self.runtime_compiles = 0
         self.warmed_up = False
         self.cache_dir: Path | None = None
+        self.saved_graphs_dir: Path | None = None
 
     @property
     def graphs_compiled(self) -> int:
         return dynamo_graph_count() - self._start
 
     @property
+    def graphs_loaded(self) -> int:
+        """Graphs loaded whole from the saved ones (model/saved_graphs.py)."""
+        return saved_graphs.counts()[0] - self._start_saved[0]
+
+    @property
     def cache_hits(self) -> tuple[int, int]:
+        """Graphs the compile cache gave (inductor's cache, or saved whole)
+        and graphs it did not have (compiled)."""
         hits, misses = inductor_cache_counts()
-        return hits - self._start_hits[0], misses - self._start_hits[1]
+        saved_compiles = saved_graphs.counts()[1] - self._start_saved[1]
+        return (hits - self._start_hits[0] + self.graphs_loaded,
+                misses - self._start_hits[1] + saved_compiles)
 
     def configure(self, cache_dir: Path) -> None:
         """Persist this engine's compiled graphs under cache_dir (inductor
         uses it while the engine's model runs: patches.inductor_cache_dir), in
         a folder of our ops' schemas (graphs call them: see ops.py)."""
         self.cache_dir = cache_dir / "inductor" / f"ops-{ops.fingerprint()}"
+        self.saved_graphs_dir = cache_dir / "graphs" / f"ops-{ops.fingerprint()}"
         logger.info("vllm_accel compile cache: %s", self.cache_dir)
 
     def finish_warmup(self) -> None:
-        self.warmup_graphs = self.graphs_compiled
+        self.warmup_graphs = self.graphs_compiled + self.graphs_loaded
         self._seen = dynamo_graph_count()
         self.warmed_up = True
 

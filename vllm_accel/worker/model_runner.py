@@ -51,6 +51,7 @@ from vllm_accel.model import (
 from vllm_accel.model.live_rows import live_rows
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
 from vllm_accel.model.packed_linear import pack_linear_layers
+from vllm_accel.model.saved_graphs import SavedGraphs
 from vllm_accel.model.paged_attention import (
     PagedAttentionMetadata,
     TableShape,
@@ -216,12 +217,18 @@ class AccelModelRunner:
         if self.backend.device == "cpu":  # the towers' and the prompts' attention
             span_attention.enable(self.settings.cache_dir / "kernels")
         compile_backend = self.backend.compile_backend if self.backend.compiles else None
+        saved = None
         if compile_backend is not None:
             self.compile_stats.configure(self.settings.cache_dir)
-            self.model.compile_layers(compile_backend, len(self.token_buckets))
+            # Graphs saved whole (a warm start without dynamo): inductor on the
+            # cpu, one rank (a rank's graphs name its process group).
+            if compile_backend == "inductor" and self.backend.device == "cpu" \
+                    and self.tp_size == 1:
+                saved = SavedGraphs(self.compile_stats.saved_graphs_dir)
+            self.model.compile_layers(compile_backend, len(self.token_buckets), saved)
         if self.vision is not None:
             self.vision_encoder = VisionEncoder(self.vision, compile_backend,
-                                                self.settings.multimodal_buckets)
+                                                self.settings.multimodal_buckets, saved)
         if self.table_shape is not None:
             axes = 3 if self.vision is not None and self.vision.uses_3d_positions else 1
             self.forward_inputs = {
