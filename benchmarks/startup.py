@@ -11,6 +11,10 @@ cache root (in the temp dir, kept between runs), as one installed vLLM would.
 
     .venv/bin/python benchmarks/startup.py                      # tiny Llama and LlavaNext
     .venv/bin/python benchmarks/startup.py --models llama --rounds 3
+
+With VLLM_ACCEL_BASELINE=DIR (another checkout, e.g. a git worktree of main),
+accel-baseline starts that checkout's vllm-accel the same way (cold, warm):
+the A/B of a change.
 """
 import argparse
 import json
@@ -38,12 +42,15 @@ STARTUP_LINE = re.compile(
     r"vllm_accel start-up: model load ([\d.]+) s, KV cache ([\d.]+) s, "
     r"warmup ([\d.]+) s \((\d+) graphs, (\d+) from the compile cache\)")
 BACKENDS = ("accel", "native")
+BASELINE = os.environ.get("VLLM_ACCEL_BASELINE")
+if BASELINE:
+    BACKENDS = ("accel", "accel-baseline", "native")
 VLLM_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-startup-vllm-cache"
 
 
-def start_once(python, env, model, log_path):
+def start_once(python, env, model, log_path, cwd=REPO):
     with open(log_path, "w") as f:  # vLLM logs to stdout: one file for both
-        r = subprocess.run([str(python), "-c", CHILD, model], env=env, cwd=REPO,
+        r = subprocess.run([str(python), "-c", CHILD, model], env=env, cwd=cwd,
                            stdout=f, stderr=subprocess.STDOUT, timeout=1800)
     text = Path(log_path).read_text()
     found = re.search(r"^STARTUP_RESULT (.*)$", text, re.M)
@@ -62,7 +69,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="llama,llava_next",
                    help="tiny fixtures from vllm_accel.testing.fixtures")
-    p.add_argument("--backends", default="accel,native", help="accel and/or native")
+    p.add_argument("--backends", default="accel,native",
+                   help="accel and/or native (and accel-baseline, with VLLM_ACCEL_BASELINE)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--log-dir", help="engine logs (default: a temp dir)")
     args = p.parse_args()
@@ -84,16 +92,20 @@ def main():
                 # other's inspection (~10 s) on every alternation.
                 vllm_cache = {"VLLM_CACHE_ROOT": str(VLLM_CACHE / backend)}
                 if backend == "native":
-                    runs = [("native", {**os.environ, **NATIVE[1], **vllm_cache}, NATIVE[0])]
+                    runs = [("native", {**os.environ, **NATIVE[1], **vllm_cache}, NATIVE[0], REPO)]
                 else:
-                    cache = work / f"compile-cache-{model_name}-{rnd}"
+                    cache = work / f"compile-cache-{model_name}-{backend}-{rnd}"
                     env = {**os.environ, **ACCEL[1], **vllm_cache,
                            "VLLM_ACCEL_COMPILE_CACHE_DIR": str(cache)}
                     env.pop("VLLM_ACCEL_KVCACHE_SPACE")  # the default, as a user starts
-                    runs = [("accel-cold", env, ACCEL[0]), ("accel-warm", env, ACCEL[0])]
-                for name, env, python in runs:
+                    cwd = REPO
+                    if backend == "accel-baseline":  # `python -c` finds the cwd's package
+                        env["PYTHONPATH"], cwd = BASELINE, BASELINE
+                    runs = [(f"{backend}-cold", env, ACCEL[0], cwd),
+                            (f"{backend}-warm", env, ACCEL[0], cwd)]
+                for name, env, python, cwd in runs:
                     log_path = log_dir / f"{model_name}-{name}-{rnd}.log"
-                    res = start_once(python, env, str(model), log_path)
+                    res = start_once(python, env, str(model), log_path, cwd)
                     rows.append((model_name, name, res))
                     log(f"{model_name} {name} round {rnd}: {json.dumps(res)}")
 
@@ -106,7 +118,8 @@ def main():
               f"{int(r.get('graphs', 0)):>6} {int(r.get('cache_hits', 0)):>6}")
     for model_name in args.models.split(","):
         medians = {}
-        for name in ("accel-cold", "accel-warm", "native"):
+        for name in ("accel-cold", "accel-warm", "accel-baseline-cold", "accel-baseline-warm",
+                     "native"):
             values = [r["llm_s"] for m, n, r in rows if m == model_name and n == name]
             if values:
                 medians[name] = statistics.median(values)
