@@ -221,7 +221,7 @@ class AccelModelRunner:
         if compile_backend is not None:
             self.compile_stats.configure(self.settings.cache_dir)
             # Graphs saved whole (a warm start without dynamo): inductor on the
-            # cpu, one rank (a rank's graphs name its process group).
+            # cpu, one rank (untried with the collectives of tensor parallelism).
             if compile_backend == "inductor" and self.backend.device == "cpu" \
                     and self.tp_size == 1:
                 saved = SavedGraphs(self.compile_stats.saved_graphs_dir)
