@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from vllm_accel.compat import dynamo_code_for
-from vllm_accel.model.saved_graphs import SavedGraphs, compile_ahead_of_time
+from vllm_accel.model.saved_graphs import PLAIN_TYPES, SavedGraphs, compile_ahead_of_time
 from vllm_accel.patches import raise_recompile_limit
 
 
@@ -188,15 +188,12 @@ def _call_kind(args: tuple, kwargs: dict) -> tuple | None:
         return None
 
 
-_PLAIN = (bool, int, float, str, type(None))
-
-
 def _describe(value):
     if isinstance(value, torch.Tensor):
         return (value.shape, value.stride(), value.dtype, value.device, value.requires_grad,
                 value.is_inference())
     if isinstance(value, (tuple, list)):
         return (type(value), *(_describe(item) for item in value))
-    if isinstance(value, _PLAIN):
+    if isinstance(value, PLAIN_TYPES):
         return (type(value), value)  # True == 1, but a guard tells them apart
     raise _Unknown

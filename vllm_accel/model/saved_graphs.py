@@ -1,7 +1,7 @@
 """Compiled layer graphs saved whole, so that a warm start skips dynamo.
 
 A start with a warm inductor cache still traces every kind of layer call
-with dynamo before inductor's cache hands back the graph: ~0.6 s a kind on a
+with dynamo before inductor's cache hands back the graph: ~0.7 s a kind on a
 2-core VM, most of a warm start. torch's ahead-of-time compile
 (``aot_compile`` on a ``torch.compile``'d function) returns the graph
 together with the code dynamo wrote to call it, and saves both in one file;
@@ -188,7 +188,8 @@ def _key(function: Callable, layer: nn.Module, kind: tuple) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
 
 
-_PLAIN = (bool, int, float, str, type(None))
+# Values a key can hold as they are (compile._call_kind's too).
+PLAIN_TYPES = (bool, int, float, str, type(None))
 
 
 def _layer_fingerprint(layer: nn.Module) -> tuple:
@@ -203,8 +204,8 @@ def _layer_fingerprint(layer: nn.Module) -> tuple:
                                 *((n, v) for n, v in vars(module).items()
                                   if isinstance(v, torch.Tensor)))]
         plain = sorted((n, v) for n, v in vars(module).items()
-                       if isinstance(v, _PLAIN) or (isinstance(v, tuple)
-                                                    and all(isinstance(i, _PLAIN) for i in v)))
+                       if isinstance(v, PLAIN_TYPES) or (isinstance(v, tuple)
+                                                    and all(isinstance(i, PLAIN_TYPES) for i in v)))
         described.append((name, type(module).__module__, type(module).__qualname__,
                           tuple(tensors), tuple(plain)))
     return tuple(described)
