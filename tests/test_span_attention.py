@@ -95,9 +95,10 @@ def test_ranges_keep_rows_to_their_keys(kernel):
     assert torch.equal(span_attention.attend(*half, 0.1, ranges.long()), after)
 
 
-def test_op_compiles_and_reads_spaced_tokens(kernel):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_op_compiles_and_reads_spaced_tokens(kernel, dtype):
     """q, k, v as views of a fused projection; inside a compiled graph."""
-    qkv = torch.randn(2, 50, 3, 4, 64).bfloat16()
+    qkv = torch.randn(2, 50, 3, 4, 64).to(dtype)
     q, k, v = qkv.unbind(2)
     compiled = torch.compile(lambda q, k, v: span_attention.attend(q, k, v, 0.125) * 2,
                              fullgraph=True, backend="inductor")
