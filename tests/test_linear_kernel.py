@@ -13,13 +13,13 @@ from vllm_accel.model.live_rows import live_rows
 from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
 
 CPU_FLAGS = cpu_kernels.cpu_flags() or set()
-AVX2_ONLY = devices.cpu_widens_bfloat16()
-pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS and not AVX2_ONLY,
+WIDENS = devices.cpu_widens_bfloat16()
+pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS and not WIDENS,
                                 reason="the kernel needs AVX-512 or AVX2")
-# bfloat16: by AVX-512 BF16 dot products (or AMX), or widened to float32 with AVX2 alone.
-BF16_RUNS = "avx512_bf16" in CPU_FLAGS or AVX2_ONLY
+# bfloat16: by AVX-512 BF16 dot products (or AMX), or widened to float32 without them.
+BF16_RUNS = "avx512_bf16" in CPU_FLAGS or WIDENS
 DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not BF16_RUNS, reason="bfloat16 needs AVX-512 BF16 (or AVX2 alone)")), torch.float32]
+    not BF16_RUNS, reason="bfloat16 needs AVX-512 BF16, or AVX-512 BW/VL or AVX2 to widen it")), torch.float32]
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +276,48 @@ def test_bfloat16_where_onednn_packs_none_runs_by_the_kernel_alone(kernel, monke
         assert (run().float() - expected.float()).abs().max() <= 0.02 * expected.float().abs().max()
 
 
+@pytest.mark.parametrize("widened", [True, False])
+def test_bfloat16_widened_runs_by_the_kernel_wherever_it_can(kernel, monkeypatch, widened):
+    """Where oneDNN packs bfloat16 and our kernel widens it (AVX-512 without
+    BF16: oneDNN's is emulated there), our kernel runs every layer it can,
+    an encoder's too, and a GELU it has no epilogue for runs after it, not
+    as oneDNN's post-op; where the kernel multiplies bfloat16, an encoder's
+    plain layers and a layer with that GELU stay oneDNN's. Outputs as
+    unpacked either way."""
+    from fms.modules.feedforward import FeedForwardBlock
+
+    from vllm_accel import compat
+
+    if torch.bfloat16 not in kernel.dtypes or not compat.onednn_packs_dtype(torch.bfloat16):
+        pytest.skip("needs bfloat16 in both our kernel and oneDNN")
+    monkeypatch.setattr(kernel, "widens_bfloat16", widened)
+    torch.manual_seed(0)
+
+    def block(approximate):
+        return FeedForwardBlock(32, hidden_grow_factor=2, multiple_of=1,
+                                activation_fn=nn.GELU(approximate=approximate), use_bias=True)
+
+    model = nn.ModuleDict({"encoder": nn.Sequential(block("none"), nn.Linear(32, 33)),
+                           "decoder": nn.Sequential(nn.Linear(33, 32), block("none"))})
+    model = model.to(torch.bfloat16).eval()
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+
+    def run():
+        return model["decoder"](model["encoder"](x))
+
+    with torch.inference_mode():
+        expected = run()
+        assert pack_linear_layers(model, decoder=model["decoder"]) == 6  # oneDNN packs the rest
+        encoder_block, decoder_block = model["encoder"][0], model["decoder"][1]
+        assert model["encoder"][1].by_kernel == widened  # an encoder's plain layer
+        assert not model["decoder"][0].by_kernel  # odd input size: oneDNN's
+        for block in (encoder_block, decoder_block):  # exact GELU: no epilogue of ours
+            assert block.w1.by_kernel == widened  # else oneDNN's, with its post-op
+            assert block.w1.post_op == (("none", "") if block.w1.by_kernel else ("gelu", "none"))
+            assert isinstance(block.a, nn.GELU) == block.w1.by_kernel
+        assert (run().float() - expected.float()).abs().max() <= 0.02 * expected.float().abs().max()
+
+
 @pytest.mark.parametrize("amx", [False, True], ids=["avx512_bf16", "amx"])
 def test_bfloat16_on_amx_only_by_kernels_that_multiply_on_its_tiles(tmp_path, monkeypatch, amx):
     """On a CPU with AMX, a kernel runs bfloat16 only if it multiplies on AMX
@@ -307,6 +349,18 @@ def test_bfloat16_on_amx_only_by_kernels_that_multiply_on_its_tiles(tmp_path, mo
 
     dot_products = cpu_kernels.load(DotProductsOnly, span_attention.SOURCE, tmp_path, "SDPA")
     assert dot_products.dtypes == (f32 if amx else both)
+
+
+def test_a_build_without_a_dtype_runs_none_of_it(tmp_path, monkeypatch):
+    """A build without the vector instructions a dtype needs reports no
+    layout for it (0 columns a block): the kernel loads and runs none of it
+    (the probe of such a dtype divided by zero: an AVX-512 CPU without BF16
+    could not start an engine before its bfloat16 was widened)."""
+    monkeypatch.setattr(cpu_kernels, "COMPILE_FLAGS",
+                        [*cpu_kernels.COMPILE_FLAGS, "-mno-avx512f", "-mno-avx2"])
+    kernel = linear_kernel.LinearKernel(cpu_kernels.build(linear_kernel.SOURCE, tmp_path))
+    assert kernel.layout(torch.float32)[0] == kernel.layout(torch.bfloat16)[0] == 0
+    assert kernel.runs == set() and not kernel.widens_bfloat16
 
 
 def test_an_encoders_layers_stay_onednn(kernel):

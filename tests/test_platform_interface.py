@@ -64,7 +64,9 @@ def test_bfloat16_on_a_cpu_without_its_instructions_warns(monkeypatch, caplog):
     assert not devices.cpu_multiplies_bfloat16("Features\t: fp asimd\n")
 
     assert devices.cpu_widens_bfloat16(avx2)  # our linear kernel widens it
-    assert not devices.cpu_widens_bfloat16(avx2.replace("avx2", "avx2 avx512f"))  # oneDNN's
+    skylake = avx2.replace("avx2", "avx2 avx512f avx512bw avx512vl")
+    assert devices.cpu_widens_bfloat16(skylake)  # AVX-512 without BF16: widened too
+    assert not devices.cpu_widens_bfloat16(skylake.replace("avx512f", "avx512f avx512_bf16"))
     assert not devices.cpu_widens_bfloat16("processor\t: 0\nflags\t\t: fpu sse2 avx\n")
 
     monkeypatch.setattr(devices, "cpu_multiplies_bfloat16", lambda: False)

@@ -150,9 +150,9 @@ def check_dtype(device: str, dtype: torch.dtype) -> None:
     if device == "cpu" and dtype == torch.bfloat16 and not cpu_multiplies_bfloat16():
         if cpu_widens_bfloat16():
             logger.info(
-                "bfloat16 on a CPU with AVX2 alone: vllm-accel's linear kernel widens it to "
-                "float32 in registers, about --dtype float32's speed (torch's own bfloat16 "
-                "matmul here is 4-7x slower; benchmarks/README.md).")
+                "bfloat16 on a CPU without bfloat16 instructions: vllm-accel's linear kernel "
+                "widens it to float32 in registers (weights read at half float32's bytes, "
+                "multiplied at its rate; benchmarks/README.md).")
             return
         # It works, but a user who picked bfloat16 for speed should know.
         logger.warning(
@@ -162,12 +162,14 @@ def check_dtype(device: str, dtype: torch.dtype) -> None:
 
 
 def cpu_widens_bfloat16(cpuinfo: str | None = None) -> bool:
-    """Whether our linear kernel runs bfloat16 here by widening it to float32:
-    an x86 CPU with AVX2 and FMA but no AVX-512 (linear_kernel.cpp builds its
-    AVX2 types only there; an AVX-512 CPU without BF16 leaves bfloat16 to
-    oneDNN, which packs it there)."""
+    """Whether our linear kernel runs bfloat16 here by widening it to float32
+    in registers: an x86 CPU without bfloat16 instructions (AVX-512 BF16),
+    with AVX2 and FMA or with AVX-512 (F, BW, VL: Skylake, Cascade Lake);
+    linear_kernel.cpp builds its widening types there."""
     flags = cpu_flags(cpuinfo)
-    return flags is not None and {"avx2", "fma"} <= flags and "avx512f" not in flags
+    if flags is None or "avx512_bf16" in flags:
+        return False
+    return {"avx2", "fma"} <= flags or {"avx512f", "avx512bw", "avx512vl"} <= flags
 
 
 def cpu_multiplies_bfloat16(cpuinfo: str | None = None) -> bool:

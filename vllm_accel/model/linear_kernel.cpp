@@ -1,7 +1,8 @@
 // A linear layer, y = x @ w.T (+ bias), over a weight packed once in blocks of
-// 64 output columns, for the CPU with AVX-512 (float32) or AVX-512 BF16; or
-// of 32 columns for a CPU with AVX2 alone, where it runs bfloat16 widened to
-// float32 in registers (see the AVX2 types below).
+// 64 output columns, for the CPU with AVX-512 (float32; bfloat16 by AVX-512
+// BF16, or widened to float32 in registers where the CPU lacks it); or of 32
+// columns for a CPU with AVX2 alone, where it runs bfloat16 widened too (see
+// the AVX2 types below).
 //
 // Why ours: at the row counts decodes run (8-64), oneDNN's packed matmul reads
 // each block of weights from DRAM while it computes the first rows, and the
@@ -113,6 +114,51 @@ struct BFloat16 {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
   }
+};
+#elif defined(__AVX512BW__) && defined(__AVX512VL__)
+#define VECTOR_BF16 1
+// AVX-512 without BF16 (Skylake, Cascade Lake): bfloat16 widened to float32
+// in registers, as the AVX2 types below do, on 16 lanes. oneDNN's bfloat16
+// is emulated on such a CPU: a Skylake-SP's decoder linears ran 35-45
+// GFLOP/s by it at 8-512 rows, 96-143 widened here (benchmarks/linear.py).
+struct BFloat16 {
+  using T = uint16_t;
+  using V = __m512;
+  using W = __m512i;  // 16 columns' pairs
+  static constexpr int kPair = 2, kLanes = 16;
+  static constexpr int kMaxRows = 4;  // 16 sums, 4 rows' even and odd x, a weight's halves
+  static constexpr bool kBroadcastFirst = true;
+  static inline __m512 low_halves(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+  static inline __m512 high_halves(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  struct X { __m512 even, odd; };  // a row's pair along K, each broadcast
+  static inline X broadcast(const uint16_t* x) {
+    uint32_t pair;
+    std::memcpy(&pair, x, sizeof pair);
+    const __m512i both = _mm512_set1_epi32(static_cast<int>(pair));
+    return {low_halves(both), high_halves(both)};
+  }
+  static inline W load_weights(const uint16_t* w) { return _mm512_loadu_si512(w); }
+  static inline V madd(V sum, X x, W w) {
+    return _mm512_fmadd_ps(x.odd, high_halves(w), _mm512_fmadd_ps(x.even, low_halves(w), sum));
+  }
+  static inline V load(int64_t n, const uint16_t* p) {
+    return low_halves(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first_lanes(n), p)));
+  }
+  // float32 -> bfloat16 bits in each lane's low half, to nearest even (NaN stays NaN).
+  static inline __m512i nearest(V v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                 _mm512_set1_epi32(0x7fc0));
+  }
+  static inline void store(uint16_t* p, int64_t n, V v) {
+    _mm256_mask_storeu_epi16(p, first_lanes(n), _mm512_cvtepi32_epi16(nearest(v)));
+  }
+  static inline V round(V v) { return low_halves(nearest(v)); }
 };
 #endif
 
@@ -547,6 +593,15 @@ extern "C" int packed_block_columns(int bfloat16) {
 extern "C" int vector_lanes() {
 #ifdef VECTOR_KERNEL
   return Float32::kLanes;
+#else
+  return 0;
+#endif
+}
+
+// 1 where bfloat16 runs widened to float32 (no bfloat16 instructions), else 0.
+extern "C" int bf16_widened() {
+#if defined(VECTOR_BF16) && !defined(VLLM_ACCEL_AMX) && !defined(__AVX512BF16__)
+  return 1;
 #else
   return 0;
 #endif

@@ -1,6 +1,7 @@
 """Linear layers by our kernel (linear_kernel.cpp) on a CPU with AVX-512
-(bfloat16 by AVX-512 BF16 dot products, or on AMX tiles where the CPU has them)
-or with AVX2 alone (bfloat16 widened to float32 in registers).
+(bfloat16 by AVX-512 BF16 dot products, on AMX tiles where the CPU has them,
+or widened to float32 in registers where it has neither) or with AVX2 alone
+(bfloat16 widened too).
 
 oneDNN's packed matmul leaves DRAM idle while it computes a block's rows
 after the first; ours streams the weights in meanwhile. The ~90M Llama's
@@ -58,15 +59,17 @@ class LinearKernel:
             function.restype = ctypes.c_int
             function.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int] * 2
         self.multiplies_on_amx = bool(loaded.bf16_on_amx())
+        self.widens_bfloat16 = bool(loaded.bf16_widened())  # no bfloat16 instructions
         self.vector_lanes = loaded.vector_lanes()  # 16: AVX-512, 8: AVX2 alone
         self._layouts = {dtype: (loaded.packed_block_columns(int(dtype == torch.bfloat16)),
                                  loaded.packed_k_multiple(int(dtype == torch.bfloat16)))
                          for dtype in self._functions}
-        # Status 2: built without the instructions that dtype needs; 3: the OS
-        # refused AMX.
+        # No layout (0 columns a block): built without that dtype; status 2:
+        # without the instructions it needs; 3: the OS refused AMX.
         self.runs = {dtype for dtype in self._functions
-                     if self._run(torch.zeros(1, 2, dtype=dtype),
-                                  self.pack(torch.zeros(1, 2, dtype=dtype)), None, 1)[1] == 0}
+                     if self.layout(dtype)[0]
+                     and self._run(torch.zeros(1, 2, dtype=dtype),
+                                   self.pack(torch.zeros(1, 2, dtype=dtype)), None, 1)[1] == 0}
         self.dtypes: set[torch.dtype] = set()
 
     def layout(self, dtype: torch.dtype) -> tuple[int, int]:
@@ -152,6 +155,13 @@ def enable(cache_dir: Path) -> LinearKernel | None:
 def runs(dtype: torch.dtype) -> bool:
     """Whether the loaded kernel runs layers of ``dtype``."""
     return _kernel is not None and dtype in _kernel.dtypes
+
+
+def widens(dtype: torch.dtype) -> bool:
+    """Whether the loaded kernel runs layers of ``dtype`` by widening it to
+    float32: bfloat16 on a CPU without bfloat16 instructions, where oneDNN's
+    own bfloat16 (if any) is emulated and slower than ours at every size."""
+    return runs(dtype) and dtype == torch.bfloat16 and _kernel.widens_bfloat16
 
 
 def packs(weight: torch.Tensor) -> bool:

@@ -1,6 +1,7 @@
 """Linear layers over weights packed once (cpu device): by our kernel where
 it runs (linear_kernel.py: AVX-512, or bfloat16 with AVX2 alone; a decoder's
-layer without an activation to fuse), else by oneDNN.
+layer without an activation to fuse, or any it can run where it widens
+bfloat16: see ``pack_linear_layers``), else by oneDNN.
 
 torch runs a float32 ``nn.Linear`` on the CPU with MKL's sgemm, a bfloat16
 one with oneDNN over the plain weight. Packing each weight once into oneDNN's
@@ -185,11 +186,16 @@ def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> in
     module's docstring). Where oneDNN does not pack the model's dtype
     (bfloat16 on a CPU with AVX2 alone), only the layers our kernel runs are
     replaced, an encoder's too (torch's own matmul, the alternative, is
-    several times slower: linear_kernel.cpp), and the rest left as they are."""
+    several times slower: linear_kernel.cpp), and the rest left as they are.
+    Where our kernel widens bfloat16 (a CPU without its instructions), it
+    runs every layer it can, an encoder's too: oneDNN's bfloat16 there is
+    emulated (on a Skylake-SP, 2.3-2.8x slower than ours at a tower's 1,024-4,096
+    rows, 2.5-3.7x at a decoder's 8-512; benchmarks/README.md)."""
     dtype = next(model.parameters()).dtype
     onednn = compat.onednn_packs_dtype(dtype)
     if not onednn and not linear_kernel.runs(dtype):
         return 0
+    kernel_first = not onednn or linear_kernel.widens(dtype)
     # Gated MLPs, an encoder's too: silu(gate) * up by our kernel (GatedUnit).
     gated = 0
     for parent in list(model.modules()):
@@ -202,7 +208,7 @@ def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> in
     for block in model.modules():
         if isinstance(block, FeedForwardBlock) and type(block.w1) in _PACKABLE:
             post_op = _activation_post_op(block.a)
-            if post_op is not None and (onednn or post_op in _KERNEL_EPILOGUES):
+            if post_op is not None and (not kernel_first or post_op in _KERNEL_EPILOGUES):
                 post_ops[id(block.w1)] = post_op
                 fused.append(block)
     # Only layers that are called, never read: plain nn.Linear and FMS's LM
@@ -215,7 +221,7 @@ def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> in
             if type(child) in _PACKABLE and child.weight.dtype == dtype:
                 if id(child) not in packed:
                     post_op = post_ops.get(id(child), ("none", ""))
-                    allowed = id(child) in decoder_layers or not onednn
+                    allowed = id(child) in decoder_layers or kernel_first
                     if not onednn and not _by_kernel(child, post_op, allowed):
                         continue  # neither packs it: torch's own
                     packed[id(child)] = PackedLinear(child, post_op, kernel_allowed=allowed)
