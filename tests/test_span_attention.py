@@ -9,10 +9,11 @@ import torch
 from vllm_accel.model import cpu_kernels, span_attention
 
 CPU_FLAGS = cpu_kernels.cpu_flags() or set()
-HAS_AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
+# bfloat16: by AVX-512 BF16 dot products (or AMX), or widened to float32 with AVX-512 BW.
+BF16_RUNS = bool(CPU_FLAGS & {"avx512_bf16", "avx512bw"})
 pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS, reason="the kernel needs AVX-512")
 DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not HAS_AVX512_BF16, reason="bfloat16 needs AVX-512 BF16")), torch.float32]
+    not BF16_RUNS, reason="bfloat16 needs AVX-512 BF16 or BW")), torch.float32]
 
 
 @pytest.fixture
@@ -113,7 +114,7 @@ def test_kernel_runs_only_where_it_applies(kernel):
     assert span_attention.supported(single)  # float32: any head size up to 128
     assert not span_attention.supported(single.half())
     assert not span_attention.supported(torch.zeros(1, 4, 2, 256))
-    if HAS_AVX512_BF16:
+    if BF16_RUNS:
         assert span_attention.supported(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16))
         assert not span_attention.supported(torch.zeros(1, 4, 2, 63, dtype=torch.bfloat16))
 

@@ -1,5 +1,5 @@
-// Attention over a call's own tokens on CPUs with AVX-512: bfloat16 (with
-// AVX-512 BF16) and float32.
+// Attention over a call's own tokens on CPUs with AVX-512: bfloat16 (by
+// AVX-512 BF16, or widened to float32 in registers without it) and float32.
 //
 // q, out: [batch, n, heads, dim]; k, v: [batch, n_keys, kv_heads, dim] (a
 // group of heads / kv_heads query heads shares a KV head); heads and dim
@@ -94,6 +94,46 @@ struct BFloat16 {
   }
   static void store32(E* p, __m512 low, __m512 high) {
     _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  }
+};
+#elif defined(__AVX512BW__)
+#define SPAN_BF16_WIDENED 1
+// Without AVX-512 BF16 (Skylake, Cascade Lake): the same layout of pairs,
+// each pair widened to float32 in registers (its low half, shifted up, and
+// its high half, masked) and multiplied by two FMAs.
+struct BFloat16 {
+  using E = uint16_t;
+  using Vec = __m512i;
+  static constexpr int P = 2;
+  static Vec load(const E* p) { return _mm512_loadu_si512(p); }
+  static Vec broadcast(const E* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof pair);
+    return _mm512_set1_epi32(pair);
+  }
+  static __m512 low_halves(Vec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+  static __m512 high_halves(Vec v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  static __m512 mac(__m512 acc, Vec a, Vec b) {
+    return _mm512_fmadd_ps(high_halves(a), high_halves(b),
+                           _mm512_fmadd_ps(low_halves(a), low_halves(b), acc));
+  }
+  static E from_float(float x) {  // round to nearest even (finite x)
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return static_cast<E>(bits >> 16);
+  }
+  static __m256i nearest16(__m512 x) {  // 16 lanes to nearest even (finite x)
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
+  }
+  static void store32(E* p, __m512 low, __m512 high) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), nearest16(low));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), nearest16(high));
   }
 };
 #endif
@@ -543,7 +583,7 @@ extern "C" int span_attention_bf16(SPAN_ATTENTION_ARGS(uint16_t)) {
   return span_attention_amx(q, k, v, out, q_batch_stride, q_token_stride, k_batch_stride,
                             k_token_stride, v_batch_stride, v_token_stride, ranges, causal,
                             batch, n, n_keys, heads, kv_heads, dim, scale, num_threads);
-#elif defined(__AVX512F__) && defined(__AVX512BF16__)
+#elif defined(__AVX512F__) && (defined(__AVX512BF16__) || defined(SPAN_BF16_WIDENED))
   return SPAN_ATTENTION_CALL(BFloat16);
 #else
   return 2;

@@ -9,7 +9,8 @@ it was 37 % of the SigLIP so400m tower's time. In bfloat16 the kernel runs
 the same shapes 3.3-3.6x faster with the same error against float64, and a
 prompt's causal attention (grouped query heads) 4.6-5.9x faster; in float32
 (AVX-512 without BF16 suffices) 1.1-1.7x and 2.5-3.1x, a few ulps from SDPA
-(``benchmarks/span_attention.py``).
+(``benchmarks/span_attention.py``). A CPU with AVX-512 but no BF16 runs
+bfloat16 widened to float32 in registers (span_attention.cpp).
 
 Where the build has AMX, bfloat16 multiplies on its tiles instead (on such
 a CPU torch's flash kernel beat the dot products above): see
