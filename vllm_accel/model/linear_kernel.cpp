@@ -119,8 +119,8 @@ struct BFloat16 {
 #define VECTOR_BF16 1
 // AVX-512 without BF16 (Skylake, Cascade Lake): bfloat16 widened to float32
 // in registers, as the AVX2 types below do, on 16 lanes. oneDNN's bfloat16
-// is emulated on such a CPU: a Skylake-SP's decoder linears ran 35-45
-// GFLOP/s by it at 8-512 rows, 96-143 widened here (benchmarks/linear.py).
+// is emulated on such a CPU: a Skylake-SP's decoder linears ran 21-44
+// GFLOP/s by it at 8-512 rows, 77-143 widened here (benchmarks/linear.py).
 struct BFloat16 {
   using T = uint16_t;
   using V = __m512;
