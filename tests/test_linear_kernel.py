@@ -236,32 +236,37 @@ def test_odd_bfloat16_inputs_stay_onednn(kernel):
     assert PackedLinear(nn.Linear(33, 8)).by_kernel  # float32 takes any size
 
 
-def test_bfloat16_where_onednn_packs_none_runs_by_the_kernel_alone(kernel, monkeypatch):
-    """A CPU with AVX2 alone: oneDNN packs no bfloat16, so the layers our
-    kernel runs are packed for it, an encoder's too and with SigLIP's GELU
-    fused (exact GELU's layer runs plain, its GELU after); a layer of an odd
-    input size stays torch's nn.Linear; the model computes what it did."""
+def _encoder_and_decoder(encoder_gelu: str):
+    """A bfloat16 model of two parts: an encoder (a feed-forward block with
+    GELU ``encoder_gelu``, then Linear(32, 33)) and a decoder (Linear(33, 32):
+    an odd input size, then a block with exact GELU); its input and a
+    function running it."""
     from fms.modules.feedforward import FeedForwardBlock
 
-    from vllm_accel import compat
-
-    if torch.bfloat16 not in kernel.dtypes:
-        pytest.skip("bfloat16 needs AVX-512 BF16 or AVX2")
-    monkeypatch.setattr(compat, "onednn_packs_dtype", lambda dtype: dtype == torch.float32)
     torch.manual_seed(0)
 
     def block(approximate):
         return FeedForwardBlock(32, hidden_grow_factor=2, multiple_of=1,
                                 activation_fn=nn.GELU(approximate=approximate), use_bias=True)
 
-    model = nn.ModuleDict({"encoder": nn.Sequential(block("tanh"), nn.Linear(32, 33)),
+    model = nn.ModuleDict({"encoder": nn.Sequential(block(encoder_gelu), nn.Linear(32, 33)),
                            "decoder": nn.Sequential(nn.Linear(33, 32), block("none"))})
     model = model.to(torch.bfloat16).eval()
     x = torch.randn(5, 32, dtype=torch.bfloat16)
+    return model, lambda: model["decoder"](model["encoder"](x))
 
-    def run():
-        return model["decoder"](model["encoder"](x))
 
+def test_bfloat16_where_onednn_packs_none_runs_by_the_kernel_alone(kernel, monkeypatch):
+    """A CPU with AVX2 alone: oneDNN packs no bfloat16, so the layers our
+    kernel runs are packed for it, an encoder's too and with SigLIP's GELU
+    fused (exact GELU's layer runs plain, its GELU after); a layer of an odd
+    input size stays torch's nn.Linear; the model computes what it did."""
+    from vllm_accel import compat
+
+    if torch.bfloat16 not in kernel.dtypes:
+        pytest.skip("bfloat16 needs AVX-512 BF16 or AVX2")
+    monkeypatch.setattr(compat, "onednn_packs_dtype", lambda dtype: dtype == torch.float32)
+    model, run = _encoder_and_decoder("tanh")
     with torch.inference_mode():
         expected = run()
         # all but Linear(33, 32)
@@ -284,27 +289,12 @@ def test_bfloat16_widened_runs_by_the_kernel_wherever_it_can(kernel, monkeypatch
     as oneDNN's post-op; where the kernel multiplies bfloat16, an encoder's
     plain layers and a layer with that GELU stay oneDNN's. Outputs as
     unpacked either way."""
-    from fms.modules.feedforward import FeedForwardBlock
-
     from vllm_accel import compat
 
     if torch.bfloat16 not in kernel.dtypes or not compat.onednn_packs_dtype(torch.bfloat16):
         pytest.skip("needs bfloat16 in both our kernel and oneDNN")
     monkeypatch.setattr(kernel, "widens_bfloat16", widened)
-    torch.manual_seed(0)
-
-    def block(approximate):
-        return FeedForwardBlock(32, hidden_grow_factor=2, multiple_of=1,
-                                activation_fn=nn.GELU(approximate=approximate), use_bias=True)
-
-    model = nn.ModuleDict({"encoder": nn.Sequential(block("none"), nn.Linear(32, 33)),
-                           "decoder": nn.Sequential(nn.Linear(33, 32), block("none"))})
-    model = model.to(torch.bfloat16).eval()
-    x = torch.randn(5, 32, dtype=torch.bfloat16)
-
-    def run():
-        return model["decoder"](model["encoder"](x))
-
+    model, run = _encoder_and_decoder("none")
     with torch.inference_mode():
         expected = run()
         assert pack_linear_layers(model, decoder=model["decoder"]) == 6  # oneDNN packs the rest
