@@ -151,8 +151,8 @@ def check_dtype(device: str, dtype: torch.dtype) -> None:
         if cpu_widens_bfloat16():
             logger.info(
                 "bfloat16 on a CPU without bfloat16 instructions: vllm-accel's linear kernel "
-                "widens it to float32 in registers (weights read at half float32's bytes, "
-                "multiplied at its rate; benchmarks/README.md).")
+                "widens it to float32 in registers, several times torch's and oneDNN's "
+                "bfloat16 rate here (benchmarks/README.md).")
             return
         # It works, but a user who picked bfloat16 for speed should know.
         logger.warning(

@@ -65,12 +65,7 @@ static inline float to_float(bf16 x) {
   return f;
 }
 template <typename T> static inline T from_float(float x) { return static_cast<T>(x); }
-template <> inline bf16 from_float<bf16>(float x) {  // round to nearest even (finite x)
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return bf16{static_cast<uint16_t>(bits >> 16)};
-}
+template <> inline bf16 from_float<bf16>(float x) { return bf16{bf16_bits(x)}; }
 
 // One request's context, block by block: calls visit(block's first token,
 // index of that token, tokens in the block), having asked for the next block.
@@ -182,12 +177,8 @@ struct BFloat16 {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
-  static void store16(E* p, __m512 x) {  // round to nearest even (finite x)
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  static void store16(E* p, __m512 x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_nearest(x)));
   }
 };
 // A query head held in registers, and its dot product with one key row:

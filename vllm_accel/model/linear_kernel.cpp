@@ -128,37 +128,25 @@ struct BFloat16 {
   static constexpr int kPair = 2, kLanes = 16;
   static constexpr int kMaxRows = 4;  // 16 sums, 4 rows' even and odd x, a weight's halves
   static constexpr bool kBroadcastFirst = true;
-  static inline __m512 low_halves(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-  static inline __m512 high_halves(__m512i v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-  }
   struct X { __m512 even, odd; };  // a row's pair along K, each broadcast
   static inline X broadcast(const uint16_t* x) {
     uint32_t pair;
     std::memcpy(&pair, x, sizeof pair);
     const __m512i both = _mm512_set1_epi32(static_cast<int>(pair));
-    return {low_halves(both), high_halves(both)};
+    return {bf16_low_halves(both), bf16_high_halves(both)};
   }
   static inline W load_weights(const uint16_t* w) { return _mm512_loadu_si512(w); }
   static inline V madd(V sum, X x, W w) {
-    return _mm512_fmadd_ps(x.odd, high_halves(w), _mm512_fmadd_ps(x.even, low_halves(w), sum));
+    return _mm512_fmadd_ps(x.odd, bf16_high_halves(w),
+                           _mm512_fmadd_ps(x.even, bf16_low_halves(w), sum));
   }
   static inline V load(int64_t n, const uint16_t* p) {
-    return low_halves(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first_lanes(n), p)));
-  }
-  // float32 -> bfloat16 bits in each lane's low half, to nearest even (NaN stays NaN).
-  static inline __m512i nearest(V v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                 _mm512_set1_epi32(0x7fc0));
+    return bf16_low_halves(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first_lanes(n), p)));
   }
   static inline void store(uint16_t* p, int64_t n, V v) {
-    _mm256_mask_storeu_epi16(p, first_lanes(n), _mm512_cvtepi32_epi16(nearest(v)));
+    _mm256_mask_storeu_epi16(p, first_lanes(n), _mm512_cvtepi32_epi16(bf16_nearest(v)));
   }
-  static inline V round(V v) { return low_halves(nearest(v)); }
+  static inline V round(V v) { return bf16_low_halves(bf16_nearest(v)); }
 };
 #endif
 

@@ -86,12 +86,7 @@ struct BFloat16 {
   static __m512 mac(__m512 acc, Vec a, Vec b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
   }
-  static E from_float(float x) {  // round to nearest even (finite x)
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return static_cast<E>(bits >> 16);
-  }
+  static E from_float(float x) { return bf16_bits(x); }
   static void store32(E* p, __m512 low, __m512 high) {
     _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(high, low));
   }
@@ -111,29 +106,15 @@ struct BFloat16 {
     std::memcpy(&pair, p, sizeof pair);
     return _mm512_set1_epi32(pair);
   }
-  static __m512 low_halves(Vec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-  static __m512 high_halves(Vec v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-  }
   static __m512 mac(__m512 acc, Vec a, Vec b) {
-    return _mm512_fmadd_ps(high_halves(a), high_halves(b),
-                           _mm512_fmadd_ps(low_halves(a), low_halves(b), acc));
+    return _mm512_fmadd_ps(bf16_high_halves(a), bf16_high_halves(b),
+                           _mm512_fmadd_ps(bf16_low_halves(a), bf16_low_halves(b), acc));
   }
-  static E from_float(float x) {  // round to nearest even (finite x)
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return static_cast<E>(bits >> 16);
-  }
-  static __m256i nearest16(__m512 x) {  // 16 lanes to nearest even (finite x)
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
-  }
+  static E from_float(float x) { return bf16_bits(x); }
   static void store32(E* p, __m512 low, __m512 high) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), nearest16(low));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), nearest16(high));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_nearest(low)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16),
+                        _mm512_cvtepi32_epi16(bf16_nearest(high)));
   }
 };
 #endif

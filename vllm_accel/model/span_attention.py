@@ -97,14 +97,14 @@ _kernel: SpanAttentionKernel | None = None
 def enable(cache_dir: Path) -> SpanAttentionKernel | None:
     """Load the kernel for this process (built into ``cache_dir`` if missing).
     None where it cannot be built or this CPU lacks AVX-512 (logged):
-    attention stays torch's. Without AVX-512 BF16, or on a CPU with AMX
+    attention stays torch's. Without AVX-512 BF16 or BW, or on a CPU with AMX
     where the build has no AMX tiles, only float32 runs by it."""
     global _kernel
     if _kernel is None:
         _kernel = cpu_kernels.load(SpanAttentionKernel, SOURCE, cache_dir,
                                    "attention stays torch's")
         if _kernel is not None and torch.bfloat16 not in _kernel.runs:
-            logger.info("vllm_accel: span attention kernel in float32 only (no AVX-512 BF16)")
+            logger.info("vllm_accel: span attention kernel in float32 only (no AVX-512 BF16 or BW)")
     return _kernel
 
 

@@ -12,6 +12,14 @@ namespace {
 
 constexpr float kLog2E = 1.44269504089f;
 
+// float32 -> bfloat16 bits, to nearest even (finite x).
+inline uint16_t bf16_bits(float x) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 #ifdef __AVX512F__
 inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 #endif
@@ -52,6 +60,24 @@ inline __m512 times_sigmoid(__m512 x, __m512 z) {
   const __mmask16 negative = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
   return _mm512_div_ps(_mm512_mask_mul_ps(x, negative, x, e),
                        _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// bfloat16 pairs in 32-bit lanes, widened to float32: each lane's low half
+// (the pair's first element, shifted up) or its high half (masked).
+inline __m512 bf16_low_halves(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline __m512 bf16_high_halves(__m512i v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// float32 -> bfloat16 bits in each lane's low half, to nearest even (NaN
+// stays NaN); _mm512_cvtepi32_epi16 packs them to 16 values.
+inline __m512i bf16_nearest(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7fc0));
 }
 
 // The first n lanes of 16 (all for n >= 16; callers pass n > 0): a row's
