@@ -34,25 +34,33 @@ ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512 BF16"
 
 
 def machine():
-    """This machine as the figures depend on it: the CPU's name and the vector
-    extensions torch uses (two CPUs of one name can differ: an EPYC with or
-    without AVX-512 BF16 runs bfloat16 matmuls at ~350 or ~15 GFLOP/s), and the
-    cores the benchmarks use."""
-    name, flags = "unknown", set()
+    """This machine as the figures depend on it: the CPU's name, its family,
+    model and stepping, the vector extensions torch uses (two CPUs of one name
+    can differ: an EPYC with or without AVX-512 BF16 runs bfloat16 matmuls at
+    ~350 or ~15 GFLOP/s; two Xeons of one name and the same extensions served
+    different sessions), and the cores the benchmarks use."""
+    name, flags, model = "unknown", set(), {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name":
+        key = key.strip()
+        if key == "model name":
             name = value.strip()
-        elif key.strip() == "flags":
+        elif key in ("cpu family", "model", "stepping"):
+            model[key] = value.strip()
+        elif key == "flags":
             flags = set(value.split())
             break
     isa = [label for flag, label in ISA_FLAGS.items() if flag in flags]
-    return dict(cpu=name, isa=", ".join(isa) or "none of " + ", ".join(ISA_FLAGS.values()),
-                cores=len(CORES))
+    found = dict(cpu=name, isa=", ".join(isa) or "none of " + ", ".join(ISA_FLAGS.values()),
+                 cores=len(CORES))
+    if model:
+        found["model"] = " ".join(f"{k} {v}" for k, v in model.items())
+    return found
 
 
 def machine_text(m):
-    return f"{m['cpu']} ({m['isa']}), {m['cores']} cores"
+    model = f", {m['model']}" if m.get("model") else ""
+    return f"{m['cpu']} ({m['isa']}{model}), {m['cores']} cores"
 
 
 def binding_intent(name, env):

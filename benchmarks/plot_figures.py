@@ -13,6 +13,8 @@ import math
 import sys
 from pathlib import Path
 
+from standard import cpu_tag  # the CPU as the summary's rows name it
+
 HERE = Path(__file__).resolve().parent
 COLORS = {"accel": "#3b7dd8", "native-default-binding": "#cccccc"}
 
@@ -48,7 +50,7 @@ def main(argv):
     for ax, panel in zip(axes.flat, panels):
         title = panel["title"]
         if several_machines and panel.get("machine"):  # figures of two CPUs do not compare
-            title += f"\n{panel['machine']['cpu']} ({panel['machine']['isa'].split(', ')[-1]})"
+            title += f"\n{panel['machine']['cpu']}{cpu_tag(panel)}"
         bars(ax, title, panel["unit"], panel["entries"])
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)

@@ -192,13 +192,14 @@ def vision_panels(name, res):
 
 def machine_key(panel):
     machine = panel.get("machine") or {}
-    return machine.get("cpu"), machine.get("isa")
+    return machine.get("cpu"), machine.get("isa"), machine.get("model")
 
 
 def merge(figures, panels, order):
     """Replace the panels of the entries just run on this kind of CPU (its
-    name and vector extensions), keep the others this script wrote: figures
-    of two CPUs sit side by side, never one in place of the other."""
+    name, model where recorded, and vector extensions), keep the others this
+    script wrote: figures of two CPUs sit side by side, never one in place of
+    the other."""
     done = {(p["entry"], machine_key(p)) for p in panels}
     kept = [p for p in figures.get("panels", [])
             if p.get("entry") and (p["entry"], machine_key(p)) not in done]
@@ -248,10 +249,13 @@ NATIVES = ("native", "native-default-binding", "native-compile")
 
 
 def cpu_tag(panel):
-    """ ', <its widest vector extension>' (AMX BF16, AVX-512 BF16, AVX2, ...): entries
-    measured on two CPUs are two rows."""
-    isa = (panel.get("machine") or {}).get("isa")
-    return f", {isa.split(', ')[-1]}" if isa else ""
+    """ ', <its widest vector extension>' (AMX BF16, AVX-512 BF16, AVX2, ...), and its
+    model number where recorded: entries measured on two CPUs are two rows."""
+    machine = panel.get("machine") or {}
+    isa = machine.get("isa")
+    number = (machine.get("model") or "").partition(" model ")[2].split()[:1]  # "207"
+    model = f" (model {number[0]})" if number else ""
+    return f", {isa.split(', ')[-1]}{model}" if isa else ""
 
 
 def summary(figures):
