@@ -55,7 +55,7 @@ def main(argv):
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(figures["caption"], fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))  # the caption's line clear
     fig.savefig(target, dpi=110)
     print(f"wrote {target}")
 
