@@ -34,33 +34,41 @@ ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512 BF16"
 
 
 def machine():
-    """This machine as the figures depend on it: the CPU's name, its family,
-    model and stepping, the vector extensions torch uses (two CPUs of one name
-    can differ: an EPYC with or without AVX-512 BF16 runs bfloat16 matmuls at
-    ~350 or ~15 GFLOP/s; two Xeons of one name and the same extensions served
-    different sessions), and the cores the benchmarks use."""
-    name, flags, model = "unknown", set(), {}
+    """This machine as the figures depend on it: the CPU's name, family, model
+    and stepping, the vector extensions torch uses (two CPUs of one name can
+    differ: an EPYC with or without AVX-512 BF16 runs bfloat16 matmuls at ~350
+    or ~15 GFLOP/s; Xeons of one name and the same extensions served several
+    sessions), and the cores the benchmarks use."""
+    name, flags, ident = "unknown", set(), {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
         if key == "model name":
             name = value.strip()
         elif key in ("cpu family", "model", "stepping"):
-            model[key] = value.strip()
+            ident[key.removeprefix("cpu ")] = value.strip()
         elif key == "flags":
             flags = set(value.split())
             break
     isa = [label for flag, label in ISA_FLAGS.items() if flag in flags]
-    found = dict(cpu=name, isa=", ".join(isa) or "none of " + ", ".join(ISA_FLAGS.values()),
-                 cores=len(CORES))
-    if model:
-        found["model"] = " ".join(f"{k} {v}" for k, v in model.items())
-    return found
+    return dict(cpu=name, **ident,
+                isa=", ".join(isa) or "none of " + ", ".join(ISA_FLAGS.values()),
+                cores=len(CORES))
 
 
 def machine_text(m):
-    model = f", {m['model']}" if m.get("model") else ""
-    return f"{m['cpu']} ({m['isa']}{model}), {m['cores']} cores"
+    ident = "".join(f", {k} {m[k]}" for k in ("family", "model", "stepping") if k in m)
+    return f"{m['cpu']} ({m['isa']}{ident}), {m['cores']} cores"
+
+
+def cpu_tag(panel):
+    """ ', <its widest vector extension>' (AMX BF16, AVX-512 BF16, AVX2, ...), and the
+    CPU's model where recorded: entries measured on two CPUs are two rows (standard.py's
+    summary) and two titled panels (plot_figures.py)."""
+    m = panel.get("machine") or {}
+    if not m.get("isa"):
+        return ""
+    return f", {m['isa'].split(', ')[-1]}" + (f" (model {m['model']})" if "model" in m else "")
 
 
 def binding_intent(name, env):

@@ -13,7 +13,7 @@ import math
 import sys
 from pathlib import Path
 
-from standard import cpu_tag  # the CPU as the summary's rows name it
+from common import cpu_tag
 
 HERE = Path(__file__).resolve().parent
 COLORS = {"accel": "#3b7dd8", "native-default-binding": "#cccccc"}

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ACCEL, BENCH, CORES, REPO, machine_text
+from common import ACCEL, BENCH, CORES, REPO, cpu_tag, machine_text
 
 THROUGHPUT_BACKENDS = "accel,native,native-default-binding,native-compile"
 VISION_BACKENDS = "accel,native,native-default-binding"
@@ -192,12 +192,12 @@ def vision_panels(name, res):
 
 def machine_key(panel):
     machine = panel.get("machine") or {}
-    return machine.get("cpu"), machine.get("isa"), machine.get("model")
+    return tuple(machine.get(k) for k in ("cpu", "isa", "family", "model", "stepping"))
 
 
 def merge(figures, panels, order):
     """Replace the panels of the entries just run on this kind of CPU (its
-    name, model where recorded, and vector extensions), keep the others this
+    name, family, model and stepping where recorded, and vector extensions), keep the others this
     script wrote: figures of two CPUs sit side by side, never one in place of
     the other."""
     done = {(p["entry"], machine_key(p)) for p in panels}
@@ -246,16 +246,6 @@ THROUGHPUT_HEADER = ["model, workload", "dtype", "accel tok/s (min-max)", "nativ
 VISION_HEADER = ["vision batch evaluation", "backend", "images/s (min-max)",
                  "output tok/s (min-max)", "TTFT ms (min-max)", "images/s ratio"]
 NATIVES = ("native", "native-default-binding", "native-compile")
-
-
-def cpu_tag(panel):
-    """ ', <its widest vector extension>' (AMX BF16, AVX-512 BF16, AVX2, ...), and its
-    model number where recorded: entries measured on two CPUs are two rows."""
-    machine = panel.get("machine") or {}
-    isa = machine.get("isa")
-    number = (machine.get("model") or "").partition(" model ")[2].split()[:1]  # "207"
-    model = f" (model {number[0]})" if number else ""
-    return f", {isa.split(', ')[-1]}{model}" if isa else ""
 
 
 def summary(figures):
