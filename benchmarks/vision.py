@@ -22,6 +22,9 @@ accel-eager there. Per engine:
       per second of the timed run: one per prompt, so also requests/s).
 
 Engine start (LLM() construction, and vLLM's "init engine ... took" figure) is reported apart.
+With --resident each engine starts once and stays up: a round is one run of each backend, back
+to back, each with new images, and each round's ratio is reported ("round by round"; see
+benchmarks/throughput.py).
 Outputs are compared across backends, and with HF transformers on the first --check-hf prompts.
 
 Backends: accel (inductor, persistent compile cache: --compile-cache-dir, --cold empties it),
@@ -53,7 +56,8 @@ from pathlib import Path
 
 import native_shims
 from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
-                    alternate_rounds, binding_intent, describe_binding, machine, parse_backends)
+                    ResidentWorker, alternate_rounds, binding_intent, describe_binding, machine,
+                    paired_rounds, parse_backends, round_ratios)
 
 WORKER = BENCH / "_vision_worker.py"
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"
@@ -141,7 +145,7 @@ def run_json(cmd, env, log_path, timeout, key):
     return None, f"exit code {r.returncode}, no result line ({last}); log: {log_path}"
 
 
-def run_worker(name, args, log_dir, round_no):
+def worker_command(name, args):
     python, extra_env, eager = BACKENDS[name]
     cmd = [str(python), str(WORKER), *workload_args(args), "--dtype", args.dtype,
            "--max-model-len", str(args.max_model_len), "--ttft-size", args.ttft_size,
@@ -150,21 +154,48 @@ def run_worker(name, args, log_dir, round_no):
     cmd += ["--enforce-eager"] if eager else []
     if args.max_num_seqs:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    return cmd
+
+
+def engine_start(name, text):
+    """What a worker's log says of its engine's start: init_s, binding, accel's warm-up."""
+    init = INIT_LINE.search(text)
+    found = dict(init_s=float(init.group(1)) if init else float("nan"),
+                 binding=describe_binding(name, BACKENDS[name][1], text))
+    warm = ACCEL_WARMUP.search(text)
+    if warm:
+        found["accel_warmup"] = dict(seconds=float(warm.group(1)),
+                                     cache_hits=int(warm.group(2)),
+                                     cache_misses=int(warm.group(3)))
+    return found
+
+
+def run_worker(name, args, log_dir, round_no):
+    python, extra_env, eager = BACKENDS[name]
     log_path = Path(log_dir) / f"{name}-round{round_no}.log"
     log(f"round {round_no}: {name} (enforce_eager={eager}), log: {log_path}")
     t0 = time.perf_counter()
-    res, text = run_json(cmd, extra_env, log_path, args.timeout, "output_tok_s")
+    res, text = run_json(worker_command(name, args), extra_env, log_path, args.timeout,
+                         "output_tok_s")
     if res is None:
         return None, text
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    init = INIT_LINE.search(text)
-    res["init_s"] = float(init.group(1)) if init else float("nan")
-    res["binding"] = describe_binding(name, extra_env, text)
-    warm = ACCEL_WARMUP.search(text)
-    if warm:
-        res["accel_warmup"] = dict(seconds=float(warm.group(1)), cache_hits=int(warm.group(2)),
-                                   cache_misses=int(warm.group(3)))
-    return res, None
+    return dict(res, **engine_start(name, text)), None
+
+
+def start_resident(name, args, log_dir):
+    """``name``'s engine, started and kept up (--resident): (ResidentWorker, None) or
+    (None, error); its ready line gains what engine_start reads in its log."""
+    python, extra_env, eager = BACKENDS[name]
+    log_path = Path(log_dir) / f"{name}-resident.log"
+    log(f"starting {name} (enforce_eager={eager}), log: {log_path}")
+    try:
+        worker = ResidentWorker(worker_command(name, args) + ["--resident"],
+                                {**os.environ, **extra_env}, log_path, args.timeout)
+    except (OSError, RuntimeError) as e:
+        return None, str(e)
+    worker.ready.update(engine_start(name, log_path.read_text()))
+    return worker, None
 
 
 def hf_reference(args, log_dir):
@@ -193,6 +224,11 @@ def main():
     p.add_argument("--backends", default="accel,native",
                    help="comma-separated, from: " + ",".join(BACKENDS))
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--resident", action="store_true",
+                   help="start each engine once and keep it up: rounds are back-to-back runs "
+                        "of every backend, each with new images, and each round's ratio is "
+                        "reported (common.paired_rounds); without it every run starts its "
+                        "own engine")
     p.add_argument("--ttft-size", default="336x336", help="WxH of the TTFT image")
     p.add_argument("--ttft-requests", type=int, default=5, help="timed TTFT requests per run")
     p.add_argument("--num-prompts", type=int, default=32, help="throughput batch size")
@@ -250,14 +286,21 @@ def main():
     os.makedirs(log_dir, exist_ok=True)
 
     reference = hf_reference(args, log_dir) if args.check_hf else None
-    results, errors = alternate_rounds(
-        names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd),
-        lambda res: f"TTFT median {res['ttft_median_s'] * 1000:.1f} ms "
-                    f"({' '.join(f'{t * 1000:.0f}' for t in res['ttft_s'])}), "
-                    f"{res['output_tok_s']:.1f} output tok/s, {res['images_s']:.2f} images/s "
-                    f"({res['timed_batches']} batch(es), {res['elapsed_s']:.1f} s); "
-                    f"load {res['load_s']:.1f} s, engine init {res['init_s']:.1f} s",
-    )
+    def describe(res):
+        return (f"TTFT median {res['ttft_median_s'] * 1000:.1f} ms "
+                f"({' '.join(f'{t * 1000:.0f}' for t in res['ttft_s'])}), "
+                f"{res['output_tok_s']:.1f} output tok/s, {res['images_s']:.2f} images/s "
+                f"({res['timed_batches']} batch(es), {res['elapsed_s']:.1f} s)"
+                + ("" if args.resident else
+                   f"; load {res['load_s']:.1f} s, engine init {res['init_s']:.1f} s"))
+
+    if args.resident:
+        results, errors, ready = paired_rounds(
+            names, args.rounds, lambda name: start_resident(name, args, log_dir), describe)
+        results = {n: [dict(ready[n], **r) for r in runs] for n, runs in results.items()}
+    else:
+        results, errors = alternate_rounds(
+            names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd), describe)
 
     buckets = f", accel token buckets {args.accel_token_buckets}" * bool(args.accel_token_buckets)
     print(f"\nmodel {args.model}, {args.dtype}, greedy, {args.rounds} round(s){buckets}; "
@@ -287,7 +330,8 @@ def main():
                 f"{'/'.join(str(r['timed_batches']) for r in runs)} timed batch(es)")
         cols = [f"{m:.{d}f} ({lo:.{d}f}-{hi:.{d}f})" for (m, lo, hi), d in
                 zip(stats[name].values(), (1, 1, 2))]
-        per_run = ["/".join(f"{r[key]:.1f}" for r in runs) for key in ("load_s", "init_s")]
+        starts = runs[:1] if args.resident else runs  # a resident engine started once
+        per_run = ["/".join(f"{r[key]:.1f}" for r in starts) for key in ("load_s", "init_s")]
         print(f"{name:22} {cols[0]:>20} {cols[1]:>24} {cols[2]:>22} {per_run[0]:>14} "
               f"{per_run[1]:>14}  {info}")
         if errors.get(name):
@@ -299,11 +343,13 @@ def main():
     checks = []
     for name in done:
         for i, r in enumerate(results[name]):
-            if name == base and i == 0:
+            # Resident engines take new images every round: compare a round with base's same.
+            j = i if args.resident else 0
+            if name == base and i == j or j >= len(results[base]):
                 continue
-            k, n = same(results[base][0]["output_ids"], r["output_ids"])
-            t, m = same(results[base][0]["ttft_ids"], r["ttft_ids"])
-            checks.append(f"{name} round {i + 1} vs {base} round 1: {k}/{n} throughput, "
+            k, n = same(results[base][j]["output_ids"], r["output_ids"])
+            t, m = same(results[base][j]["ttft_ids"], r["ttft_ids"])
+            checks.append(f"{name} round {i + 1} vs {base} round {j + 1}: {k}/{n} throughput, "
                           f"{t}/{m} TTFT outputs equal")
     if reference is not None:
         for name in done:
@@ -313,15 +359,16 @@ def main():
         checks.append("WARNING: the backends rendered different prompts")
     for line in checks:
         print("outputs: " + line)
+    starts = {n: results[n][:1] if args.resident else results[n] for n in done}
     for name in done:
-        warm = [r["accel_warmup"] for r in results[name] if "accel_warmup" in r]
+        warm = [r["accel_warmup"] for r in starts[name] if "accel_warmup" in r]
         if warm:
-            print(f"{name} warm-up per run: " + ", ".join(
+            print(f"{name} warm-up{'' if args.resident else ' per run'}: " + ", ".join(
                 f"{w['seconds']:.1f} s (compile cache hits {w['cache_hits']}, misses "
                 f"{w['cache_misses']})" for w in warm))
-    starts = [f"{n} load=" + "/".join(f"{r['load_s']:.1f}" for r in results[n]) + " s init="
-              + "/".join(f"{r['init_s']:.1f}" for r in results[n]) + " s" for n in done]
-    print("engine start (per round): " + ", ".join(starts))
+    print(("engine start: " if args.resident else "engine start (per round): ") + ", ".join(
+        f"{n} load=" + "/".join(f"{r['load_s']:.1f}" for r in starts[n]) + " s init="
+        + "/".join(f"{r['init_s']:.1f}" for r in starts[n]) + " s" for n in done))
 
     head, others = peers([n for n in names if n in stats])
     ratios = {peer: {n: {k: stats[n][k][0] / stats[peer][k][0] for k in stats[n]}
@@ -342,6 +389,14 @@ def main():
           + (f" (ratio = vs {head}: {binding_intent(head, BACKENDS[head][1])})" if head else ""))
     print(f"vision: ttft {fmt('ttft_ms', ' ms', 1)} | throughput {fmt('output_tok_s', ' tok/s', 1)}"
           f" | images/s {fmt('images_s', '', 2)}")
+    paired = {peer: {n: {key: pr for key in ("images_s", "ttft_median_s")
+                         for pr in [round_ratios(results, n, peer, key)] if pr}
+                     for n in names if n in stats and n != peer}
+              for peer in ratios} if args.resident else {}
+    for peer, by_name in paired.items():
+        print(f"round by round vs {peer}: " + " ".join(
+            f"{n} {key}={m:.2f} ({lo:.2f}-{hi:.2f}, {len(rs)} rounds)"
+            for n, keys in by_name.items() for key, (m, lo, hi, rs) in keys.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             benchmark="vision", date=time.strftime("%Y-%m-%d %H:%M"), command=sys.argv,
@@ -350,6 +405,7 @@ def main():
                 args.num_prompts, args.max_num_seqs or args.num_prompts),
             max_num_seqs=args.max_num_seqs, sizes=args.sizes, ttft_size=args.ttft_size,
             output_len=args.output_len, rounds=args.rounds, min_seconds=args.min_seconds,
+            resident=args.resident,
             cores=len(CORES), machine=machine(), headline_peer=head, outputs=checks,
             backends={n: dict(
                 binding=binding[n], error=errors.get(n),
@@ -363,7 +419,12 @@ def main():
                    if results[n] else {}))
                 for n in names},
             ratios={peer: {n: {k: round(x, 3) for k, x in r.items()} for n, r in v.items()}
-                    for peer, v in ratios.items()}), indent=1) + "\n")
+                    for peer, v in ratios.items()},
+            round_ratios={peer: {n: {key: dict(median=round(m, 3), min=round(lo, 3),
+                                                max=round(hi, 3), runs=[round(x, 3) for x in rs])
+                                     for key, (m, lo, hi, rs) in keys.items()}
+                                 for n, keys in by_name.items()}
+                          for peer, by_name in paired.items()}), indent=1) + "\n")
         log(f"wrote {args.json}")
     return 0 if stats else 1
 

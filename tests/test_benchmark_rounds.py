@@ -1,0 +1,80 @@
+"""benchmarks/common.py's resident rounds: each engine started once, one run of
+every backend per round, and each round's ratio taken between the runs of that
+round. Fake workers (a few lines of Python speaking the --resident protocol)
+stand in for the engines."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "benchmarks_common", Path(__file__).resolve().parent.parent / "benchmarks" / "common.py")
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+
+# Speaks like _throughput_worker.py --resident: log lines on stdout too (vLLM
+# logs there), a ready line, then one result line a "run" line, its figure
+# given by argv as a list a run at a time; a negative figure: exits mid-run.
+FAKE_WORKER = textwrap.dedent("""
+    import json, sys
+    figures = [float(x) for x in sys.argv[1].split(",")]
+    print("INFO engine starting", flush=True)
+    print(json.dumps({"ready": True, "load_s": 1.0}), flush=True)
+    for run_no, line in enumerate(sys.stdin):
+        print("INFO a log line {not json", flush=True)
+        if figures[run_no] < 0:
+            sys.exit(3)
+        print(json.dumps({"run_no": run_no, "tok_s": figures[run_no]}), flush=True)
+""")
+
+
+def start_fake(tmp_path, figures, calls):
+    def start(name):
+        calls.append(("start", name))
+        worker = common.ResidentWorker([sys.executable, "-c", FAKE_WORKER, figures[name]], None,
+                                       tmp_path / f"{name}.log", timeout=60)
+        run = worker.run
+        worker.run = lambda: (calls.append(("run", name)), run())[1]
+        return worker, None
+    return start
+
+
+def test_paired_rounds_alternate_and_ratios_pair_the_same_round(tmp_path):
+    calls = []
+    results, errors, ready = common.paired_rounds(
+        ["accel", "native"], 3,
+        start_fake(tmp_path, {"accel": "300,150,330", "native": "200,100,300"}, calls),
+        describe=lambda res: f"{res['tok_s']}")
+    assert errors == {}
+    assert ready["accel"] == {"ready": True, "load_s": 1.0}
+    # Engines start once, first to last; the order of a round reverses every other round.
+    assert calls == [("start", "accel"), ("start", "native"),
+                     ("run", "accel"), ("run", "native"), ("run", "native"), ("run", "accel"),
+                     ("run", "accel"), ("run", "native")]
+    assert [r["run_no"] for r in results["accel"]] == [0, 1, 2]
+    assert [r["round"] for r in results["native"]] == [1, 2, 3]
+    # Round by round: 1.5, 1.5, 1.1 (a ratio of medians would read 300 / 200 = 1.5 too,
+    # and a ratio of one backend's round 2 with the other's round 1 would not pair).
+    median, low, high, per_round = common.round_ratios(results, "accel", "native", "tok_s")
+    assert per_round == pytest.approx([1.5, 1.5, 1.1])
+    assert (median, low, high) == pytest.approx((1.5, 1.1, 1.5))
+    # The workers' other stdout lines went to their logs, after stderr.
+    assert "INFO a log line {not json" in (tmp_path / "accel.log").read_text()
+
+
+def test_a_worker_that_dies_is_reported_and_the_others_go_on(tmp_path):
+    calls = []
+    results, errors, _ = common.paired_rounds(
+        ["accel", "native"], 3,
+        start_fake(tmp_path, {"accel": "300,-1,330", "native": "200,100,300"}, calls),
+        describe=lambda res: f"{res['tok_s']}")
+    assert "accel.log" in errors["accel"]
+    assert [r["tok_s"] for r in results["accel"]] == [300]
+    assert [r["tok_s"] for r in results["native"]] == [200, 100, 300]
+    # Only round 1 has both: the ratio pairs that round alone.
+    assert common.round_ratios(results, "accel", "native", "tok_s")[3] == [1.5]
