@@ -26,7 +26,7 @@ FAKE_WORKER = textwrap.dedent("""
     print("INFO engine starting", flush=True)
     print(json.dumps({"ready": True, "load_s": 1.0}), flush=True)
     for run_no, line in enumerate(sys.stdin):
-        print("INFO a log line {not json", flush=True)
+        print("{not json: a log line", flush=True)
         if figures[run_no] < 0:
             sys.exit(3)
         print(json.dumps({"run_no": run_no, "tok_s": figures[run_no]}), flush=True)
@@ -64,7 +64,7 @@ def test_paired_rounds_alternate_and_ratios_pair_the_same_round(tmp_path):
     assert per_round == pytest.approx([1.5, 1.5, 1.1])
     assert (median, low, high) == pytest.approx((1.5, 1.1, 1.5))
     # The workers' other stdout lines went to their logs, after stderr.
-    assert "INFO a log line {not json" in (tmp_path / "accel.log").read_text()
+    assert "{not json: a log line" in (tmp_path / "accel.log").read_text()
 
 
 def test_a_worker_that_dies_is_reported_and_the_others_go_on(tmp_path):
