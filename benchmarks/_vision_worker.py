@@ -197,11 +197,8 @@ def main():
                 enforce_eager=a.enforce_eager, prompts_sha256=digest[:16],
                 load_s=round(load_s, 3), warmup_s=round(warmup_s, 3))
     if a.resident:
-        print(json.dumps(dict(info, ready=True)), flush=True)
-        for run_no, command in enumerate(sys.stdin):
-            if command.strip() == "run":
-                print(json.dumps(timed_run(run_no)), flush=True)
-        return
+        from common import answer_runs  # beside this script (the native venv's too)
+        return answer_runs(info, timed_run)
     run = timed_run(0)
     del llm  # shut the engine down first, so its log lines come before ours
     gc.collect()

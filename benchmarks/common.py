@@ -189,6 +189,26 @@ class ResidentWorker:
                            f"(log: {self.log_path})")
 
 
+def start_resident(cmd, env, log_path, timeout, from_log):
+    """A ResidentWorker running ``cmd`` --resident, its ready line updated with
+    ``from_log(its log text)``: (worker, None), or (None, error)."""
+    try:
+        worker = ResidentWorker(cmd + ["--resident"], env, log_path, timeout)
+    except (OSError, RuntimeError) as e:
+        return None, str(e)
+    worker.ready.update(from_log(Path(log_path).read_text()))
+    return worker, None
+
+
+def answer_runs(info, timed_run):
+    """A worker's side of --resident: the ready line (``info``), then the JSON of
+    ``timed_run(run_no)`` for each "run" line on stdin, until it closes."""
+    print(json.dumps(dict(info, ready=True)), flush=True)
+    for run_no, command in enumerate(sys.stdin):
+        if command.strip() == "run":
+            print(json.dumps(timed_run(run_no)), flush=True)
+
+
 def paired_rounds(names, rounds, start, describe):
     """Start every backend's engine once (``start(name)``: a ResidentWorker, or
     (None, error)), one after another, then time one run of each per round,

@@ -45,9 +45,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
-                    ResidentWorker, alternate_rounds, binding_intent, describe_binding, machine,
-                    machine_text, paired_rounds, parse_backends, round_ratios)
+                    alternate_rounds, binding_intent, describe_binding, machine, machine_text,
+                    paired_rounds, parse_backends, round_ratios)
 from medium_model import SHAPES
 
 WORKER = BENCH / "_throughput_worker.py"
@@ -108,21 +109,18 @@ def worker_command(name, args):
 
 
 def start_resident(name, args, log_dir):
-    """``name``'s engine, started and kept up (--resident): (ResidentWorker, None) or
-    (None, error). Its ready line gains init_s and binding from the log."""
+    """``name``'s engine, started and kept up (common.start_resident); its ready line gains
+    init_s and binding from the log."""
     python, extra_env, eager = BACKENDS[name]
     log_path = Path(log_dir) / f"{name}-resident.log"
     log(f"starting {name} (enforce_eager={eager}), log: {log_path}")
-    try:
-        worker = ResidentWorker(worker_command(name, args) + ["--resident"],
-                                {**os.environ, **extra_env}, log_path, args.timeout)
-    except (OSError, RuntimeError) as e:
-        return None, str(e)
-    text = log_path.read_text()
-    init = INIT_LINE.search(text)
-    worker.ready.update(init_s=float(init.group(1)) if init else float("nan"),
-                        binding=describe_binding(name, extra_env, text))
-    return worker, None
+
+    def from_log(text):
+        init = INIT_LINE.search(text)
+        return dict(init_s=float(init.group(1)) if init else float("nan"),
+                    binding=describe_binding(name, extra_env, text))
+    return common.start_resident(worker_command(name, args), {**os.environ, **extra_env},
+                                 log_path, args.timeout, from_log)
 
 
 def run_worker(name, args, log_dir, round_no):

@@ -54,10 +54,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 import native_shims
 from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
-                    ResidentWorker, alternate_rounds, binding_intent, describe_binding, machine,
-                    paired_rounds, parse_backends, round_ratios)
+                    alternate_rounds, binding_intent, describe_binding, machine, paired_rounds,
+                    parse_backends, round_ratios)
 
 WORKER = BENCH / "_vision_worker.py"
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"
@@ -184,18 +185,13 @@ def run_worker(name, args, log_dir, round_no):
 
 
 def start_resident(name, args, log_dir):
-    """``name``'s engine, started and kept up (--resident): (ResidentWorker, None) or
-    (None, error); its ready line gains what engine_start reads in its log."""
+    """``name``'s engine, started and kept up (common.start_resident); its ready line gains
+    what engine_start reads in its log."""
     python, extra_env, eager = BACKENDS[name]
     log_path = Path(log_dir) / f"{name}-resident.log"
     log(f"starting {name} (enforce_eager={eager}), log: {log_path}")
-    try:
-        worker = ResidentWorker(worker_command(name, args) + ["--resident"],
-                                {**os.environ, **extra_env}, log_path, args.timeout)
-    except (OSError, RuntimeError) as e:
-        return None, str(e)
-    worker.ready.update(engine_start(name, log_path.read_text()))
-    return worker, None
+    return common.start_resident(worker_command(name, args), {**os.environ, **extra_env},
+                                 log_path, args.timeout, lambda text: engine_start(name, text))
 
 
 def hf_reference(args, log_dir):

@@ -33,7 +33,11 @@ FAKE_WORKER = textwrap.dedent("""
 """)
 
 
-def start_fake(tmp_path, figures, calls):
+def run_fake(tmp_path, figures, rounds=3):
+    """common.paired_rounds over fake workers (``figures``: backend -> a figure a run),
+    and the starts and runs in the order they came."""
+    calls = []
+
     def start(name):
         calls.append(("start", name))
         worker = common.ResidentWorker([sys.executable, "-c", FAKE_WORKER, figures[name]], None,
@@ -41,15 +45,13 @@ def start_fake(tmp_path, figures, calls):
         run = worker.run
         worker.run = lambda: (calls.append(("run", name)), run())[1]
         return worker, None
-    return start
+    return (*common.paired_rounds(list(figures), rounds, start, lambda res: f"{res['tok_s']}"),
+            calls)
 
 
 def test_paired_rounds_alternate_and_ratios_pair_the_same_round(tmp_path):
-    calls = []
-    results, errors, ready = common.paired_rounds(
-        ["accel", "native"], 3,
-        start_fake(tmp_path, {"accel": "300,150,330", "native": "200,100,300"}, calls),
-        describe=lambda res: f"{res['tok_s']}")
+    results, errors, ready, calls = run_fake(
+        tmp_path, {"accel": "300,150,330", "native": "200,100,300"})
     assert errors == {}
     assert ready["accel"] == {"ready": True, "load_s": 1.0}
     # Engines start once, first to last; the order of a round reverses every other round.
@@ -68,11 +70,7 @@ def test_paired_rounds_alternate_and_ratios_pair_the_same_round(tmp_path):
 
 
 def test_a_worker_that_dies_is_reported_and_the_others_go_on(tmp_path):
-    calls = []
-    results, errors, _ = common.paired_rounds(
-        ["accel", "native"], 3,
-        start_fake(tmp_path, {"accel": "300,-1,330", "native": "200,100,300"}, calls),
-        describe=lambda res: f"{res['tok_s']}")
+    results, errors, _, _ = run_fake(tmp_path, {"accel": "300,-1,330", "native": "200,100,300"})
     assert "accel.log" in errors["accel"]
     assert [r["tok_s"] for r in results["accel"]] == [300]
     assert [r["tok_s"] for r in results["native"]] == [200, 100, 300]
