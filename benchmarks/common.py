@@ -151,22 +151,29 @@ class ResidentWorker:
     def __init__(self, cmd, env, log_path, timeout):
         self.log_path, self.timeout = Path(log_path), timeout
         self._log = open(self.log_path, "w")
-        self._proc = subprocess.Popen(cmd, env=env, cwd=tempfile.gettempdir(),
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._log, text=True)
-        self.ready = self._reply()
+        try:
+            self._proc = subprocess.Popen(cmd, env=env, cwd=tempfile.gettempdir(),
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=self._log, text=True)
+            self.ready = self._reply()
+        except (OSError, RuntimeError):
+            self._log.close()
+            raise
 
     def run(self):
-        self._proc.stdin.write("run\n")
-        self._proc.stdin.flush()
+        try:
+            self._proc.stdin.write("run\n")
+            self._proc.stdin.flush()
+        except OSError as e:  # it exited while idle
+            raise RuntimeError(f"the worker is gone ({e}; log: {self.log_path})") from e
         return self._reply()
 
     def close(self):
         if self._proc.poll() is None:
-            self._proc.stdin.close()
             try:
+                self._proc.stdin.close()
                 self._proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
+            except (OSError, subprocess.TimeoutExpired):
                 self._proc.kill()
         self._log.close()
 

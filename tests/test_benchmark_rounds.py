@@ -76,3 +76,13 @@ def test_a_worker_that_dies_is_reported_and_the_others_go_on(tmp_path):
     assert [r["tok_s"] for r in results["native"]] == [200, 100, 300]
     # Only round 1 has both: the ratio pairs that round alone.
     assert common.round_ratios(results, "accel", "native", "tok_s")[3] == [1.5]
+
+
+def test_a_worker_gone_while_idle_is_reported(tmp_path):
+    worker = common.ResidentWorker([sys.executable, "-c", FAKE_WORKER, "300"], None,
+                                   tmp_path / "w.log", timeout=60)
+    worker._proc.kill()  # as the OS would kill an idle engine
+    worker._proc.wait()
+    with pytest.raises(RuntimeError, match="w.log"):
+        worker.run()
+    worker.close()
