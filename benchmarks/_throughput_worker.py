@@ -6,7 +6,7 @@ elapsed_s, output_tokens, output_tok_s.
 
 With --resident the engine stays up: after the warm-up it prints a JSON line with "ready" (the
 info, load_s, warmup_s), then one JSON line (elapsed_s, output_tokens, output_tok_s) for each
-"run" line read from stdin, each a timed run with new prompts, until stdin closes.
+line read from stdin, each a timed run with new prompts, until stdin closes.
 """
 import argparse
 import gc
@@ -15,7 +15,7 @@ import random
 import sys
 import time
 
-RUN_BATCHES = 1_000_000  # batch numbers of a timed run: run k's start at k x this
+from common import RUN_STRIDE, answer_runs  # beside this script (the native venv's too)
 
 
 def make_prompts(tokenizer, vocab_size, num_prompts, input_len, seed, batch):
@@ -80,7 +80,7 @@ def main():
         output_tokens = timed_batches = 0
         elapsed_s = 0.0  # generate only, not drawing the prompts
         while timed_batches == 0 or elapsed_s < a.min_seconds:
-            prompts = batch(a.warmup + 1 + run_no * RUN_BATCHES + timed_batches)
+            prompts = batch(a.warmup + 1 + run_no * RUN_STRIDE + timed_batches)
             t0 = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             elapsed_s += time.perf_counter() - t0
@@ -98,7 +98,6 @@ def main():
                 output_len=a.output_len, max_num_seqs=getattr(scheduler, "max_num_seqs", None),
                 load_s=round(load_s, 3), warmup_s=round(warmup_s, 3))
     if a.resident:
-        from common import answer_runs  # beside this script (the native venv's too)
         return answer_runs(info, timed_run)
     run = timed_run(0)
     del llm  # shut the engine down first, so its log lines come before ours

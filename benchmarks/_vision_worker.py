@@ -17,8 +17,8 @@ repetition with new images (same prompts and sizes), so repetitions hit no cache
 
 With --resident the engine stays up: after the warm-ups it prints a JSON line with "ready"
 (backend info, load_s, warmup_s), then one JSON line of a timed run (TTFT requests, then
-batches) for each "run" line read from stdin, until stdin closes; each run takes the images
-after the previous run's, so the first run's are those a one-run worker takes.
+batches) for each line read from stdin, until stdin closes; run k's images are numbered
+from k x common.RUN_STRIDE, so run 0's are those a one-run worker takes.
 """
 import argparse
 import gc
@@ -28,8 +28,9 @@ import statistics
 import sys
 import time
 
+from common import RUN_STRIDE, answer_runs  # beside this script (the native venv's too)
+
 TTFT_WARMUP, TTFT, THROUGHPUT_WARMUP, THROUGHPUT = range(4)
-RUN_IMAGES = 1_000_000  # image indices of a run, per phase: run k's start at k x this
 
 
 def image(phase, index, width, height, seed=0):
@@ -155,11 +156,11 @@ def main():
         [question] + [c[0] for c in throughput_cases(processor, a)]).encode()).hexdigest()
 
     def timed_run(run_no):
-        """Run ``run_no`` (0, 1, ...): its images start at an index of its own, the same on
-        every backend whatever the number of batches its runs took, and no image repeats."""
-        first_image = run_no * RUN_IMAGES
+        """Run ``run_no`` (0, 1, ...): its TTFT images and batches are numbered from
+        run_no x RUN_STRIDE, the same on every backend, and no image repeats."""
+        start = run_no * RUN_STRIDE
         ttft_s, ttft_ids, ttft_prompt_len = [], [], None
-        for i in range(first_image, first_image + a.ttft_requests):
+        for i in range(start, start + a.ttft_requests):
             req = request(question, image(TTFT, i, *ttft_size, seed=a.seed))
             t0 = time.perf_counter()
             out = llm.generate([req], first, use_tqdm=False)
@@ -170,8 +171,8 @@ def main():
         # timed run lasts --min-seconds; the outputs compared are the run's first batch's.
         elapsed_s, batch_no, output_tokens, images, num_requests = 0.0, 0, 0, 0, 0
         while batch_no == 0 or elapsed_s < a.min_seconds:
-            requests = [request(prompt, img) for prompt, img in
-                        throughput_cases(processor, a, first_image // a.num_prompts + batch_no)]
+            requests = [request(prompt, img)
+                        for prompt, img in throughput_cases(processor, a, start + batch_no)]
             t0 = time.perf_counter()
             outputs = llm.generate(requests, params, use_tqdm=False)
             elapsed_s += time.perf_counter() - t0
@@ -197,7 +198,6 @@ def main():
                 enforce_eager=a.enforce_eager, prompts_sha256=digest[:16],
                 load_s=round(load_s, 3), warmup_s=round(warmup_s, 3))
     if a.resident:
-        from common import answer_runs  # beside this script (the native venv's too)
         return answer_runs(info, timed_run)
     run = timed_run(0)
     del llm  # shut the engine down first, so its log lines come before ours

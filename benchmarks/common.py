@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -143,10 +144,16 @@ def alternate_rounds(names, rounds, run_one, describe):
     return results, errors
 
 
+# A resident worker's timed run k takes the prompts (or images) numbered from k x this
+# on: the same on every backend, whatever number of batches the runs before took.
+RUN_STRIDE = 1_000_000
+
+
 class ResidentWorker:
     """A worker script run with --resident: its engine starts once and stays up,
-    timing one run per ``run()`` (a "run" line on its stdin, a JSON line back).
-    stderr goes to ``log_path``, and stdout's other lines (vLLM logs there) after it."""
+    timing one run per ``run()`` (a line on its stdin, a JSON line back).
+    stderr goes to ``log_path``, and stdout's other lines (vLLM logs there) after it.
+    A worker that gives no JSON line within ``timeout`` seconds is killed."""
 
     def __init__(self, cmd, env, log_path, timeout):
         self.log_path, self.timeout = Path(log_path), timeout
@@ -178,59 +185,65 @@ class ResidentWorker:
         self._log.close()
 
     def _reply(self):
-        """The worker's next JSON line; RuntimeError if it exits or takes past the timeout
-        (checked between lines)."""
-        start = time.monotonic()
-        for line in self._proc.stdout:
-            if line.startswith("{"):
-                try:
-                    return json.loads(line)
-                except json.JSONDecodeError:
-                    pass
-            self._log.write(line)
-            self._log.flush()
-            if time.monotonic() - start > self.timeout:
-                break
+        """The worker's next JSON line; RuntimeError if it exits or is killed first."""
+        timer = threading.Timer(self.timeout, self._proc.kill)
+        timer.start()
+        try:
+            for line in self._proc.stdout:
+                if line.startswith("{"):
+                    try:
+                        return json.loads(line)
+                    except json.JSONDecodeError:
+                        pass
+                self._log.write(line)
+                self._log.flush()
+        finally:
+            timer.cancel()
         self._proc.kill()
-        raise RuntimeError("the worker exited or timed out without a result "
+        raise RuntimeError(f"the worker exited, or gave no result within {self.timeout} s "
                            f"(log: {self.log_path})")
 
 
-def start_resident(cmd, env, log_path, timeout, from_log):
-    """A ResidentWorker running ``cmd`` --resident, its ready line updated with
-    ``from_log(its log text)``: (worker, None), or (None, error)."""
+def start_resident(name, backend, cmd, log_dir, timeout, from_log):
+    """Backend ``name``'s worker ``cmd`` (``backend``: its python, extra env and
+    enforce_eager), run --resident, its log in ``log_dir``, its ready line updated
+    with ``from_log(the log's text)``: (ResidentWorker, None), or (None, error)."""
+    _, extra_env, eager = backend
+    log_path = Path(log_dir) / f"{name}-resident.log"
+    log(f"starting {name} (enforce_eager={eager}), log: {log_path}")
     try:
-        worker = ResidentWorker(cmd + ["--resident"], env, log_path, timeout)
+        worker = ResidentWorker(cmd + ["--resident"], {**os.environ, **extra_env}, log_path,
+                                timeout)
     except (OSError, RuntimeError) as e:
         return None, str(e)
-    worker.ready.update(from_log(Path(log_path).read_text()))
+    worker.ready.update(from_log(log_path.read_text()))
     return worker, None
 
 
 def answer_runs(info, timed_run):
     """A worker's side of --resident: the ready line (``info``), then the JSON of
-    ``timed_run(run_no)`` for each "run" line on stdin, until it closes."""
+    ``timed_run(run_no)`` for each line on stdin, until it closes."""
     print(json.dumps(dict(info, ready=True)), flush=True)
-    for run_no, command in enumerate(sys.stdin):
-        if command.strip() == "run":
-            print(json.dumps(timed_run(run_no)), flush=True)
+    for run_no, _ in enumerate(sys.stdin):
+        print(json.dumps(timed_run(run_no)), flush=True)
 
 
 def paired_rounds(names, rounds, start, describe):
     """Start every backend's engine once (``start(name)``: a ResidentWorker, or
     (None, error)), one after another, then time one run of each per round,
     back to back, reversing the order every other round: no engine start lies
-    between the runs a round's ratio (``round_ratios``) compares, so a machine
-    whose speed drifts moves them more alike, and a round costs its runs alone.
-    Returns ({name: [result, ...]}, {name: error}, {name: ready line})."""
-    workers, errors, ready = {}, {}, {}
+    between the runs a round's ratio (``round_ratios``) compares, and a round
+    costs its runs alone. Returns ({name: [result, ...]}, {name: error}) as
+    alternate_rounds does, each result its run's line with the engine's ready
+    line and its round."""
+    workers, errors = {}, {}
     for name in names:
         worker, error = start(name)
         if error:
             errors[name] = error
             log(f"{name} FAILED to start: {error}")
         else:
-            workers[name], ready[name] = worker, worker.ready
+            workers[name] = worker
     results = {n: [] for n in names}
     try:
         for rnd in range(1, rounds + 1):
@@ -238,7 +251,7 @@ def paired_rounds(names, rounds, start, describe):
                 if name not in workers:
                     continue
                 try:
-                    res = dict(workers[name].run(), round=rnd)
+                    res = dict(workers[name].ready, **workers[name].run(), round=rnd)
                 except RuntimeError as e:
                     errors[name] = str(e)
                     log(f"{name} FAILED: {e}")
@@ -249,18 +262,25 @@ def paired_rounds(names, rounds, start, describe):
     finally:
         for worker in workers.values():
             worker.close()
-    return results, errors, ready
+    return results, errors
 
 
 def round_ratios(results, name, peer, key):
-    """``name``'s figure over ``peer``'s, round by round (rounds both ran): (median, min,
-    max, [per round]), or None."""
+    """``name``'s figure ``key`` over ``peer``'s, round by round (the rounds both
+    ran): dict(median, min, max, runs), rounded, or None."""
     theirs = {r["round"]: r[key] for r in results.get(peer, []) if "round" in r}
     per_round = [r[key] / theirs[r["round"]] for r in results.get(name, [])
                  if r.get("round") in theirs and theirs[r["round"]]]
     if not per_round:
         return None
-    return statistics.median(per_round), min(per_round), max(per_round), per_round
+    return dict(median=round(statistics.median(per_round), 3), min=round(min(per_round), 3),
+                max=round(max(per_round), 3), runs=[round(x, 3) for x in per_round])
+
+
+def round_ratio_text(ratio):
+    """'1.32 (1.14-1.65, 5 rounds)' of a round_ratios record."""
+    return f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}, " \
+           f"{len(ratio['runs'])} rounds)"
 
 
 def time_per_call(fn, seconds: float, warmup: int = 5) -> float:

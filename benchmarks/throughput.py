@@ -45,10 +45,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import common
 from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
                     alternate_rounds, binding_intent, describe_binding, machine, machine_text,
-                    paired_rounds, parse_backends, round_ratios)
+                    paired_rounds, parse_backends, round_ratio_text, round_ratios,
+                    start_resident)
 from medium_model import SHAPES
 
 WORKER = BENCH / "_throughput_worker.py"
@@ -108,19 +108,11 @@ def worker_command(name, args):
     return cmd
 
 
-def start_resident(name, args, log_dir):
-    """``name``'s engine, started and kept up (common.start_resident); its ready line gains
-    init_s and binding from the log."""
-    python, extra_env, eager = BACKENDS[name]
-    log_path = Path(log_dir) / f"{name}-resident.log"
-    log(f"starting {name} (enforce_eager={eager}), log: {log_path}")
-
-    def from_log(text):
-        init = INIT_LINE.search(text)
-        return dict(init_s=float(init.group(1)) if init else float("nan"),
-                    binding=describe_binding(name, extra_env, text))
-    return common.start_resident(worker_command(name, args), {**os.environ, **extra_env},
-                                 log_path, args.timeout, from_log)
+def engine_start(name, text):
+    """What a worker's log says of its engine's start: init_s and binding."""
+    init = INIT_LINE.search(text)
+    return dict(init_s=float(init.group(1)) if init else float("nan"),
+                binding=describe_binding(name, BACKENDS[name][1], text))
 
 
 def run_worker(name, args, log_dir, round_no):
@@ -146,11 +138,7 @@ def run_worker(name, args, log_dir, round_no):
                 continue
             if "output_tok_s" in res:
                 res["wall_s"] = round(time.perf_counter() - t0, 1)
-                text = log_path.read_text()
-                init = INIT_LINE.search(text)
-                res["init_s"] = float(init.group(1)) if init else float("nan")
-                res["binding"] = describe_binding(name, extra_env, text)
-                return res, None
+                return dict(res, **engine_start(name, log_path.read_text())), None
     stderr = [line[:300] for line in log_path.read_text().split("\n--- stdout ---\n")[0]
               .splitlines() if line.strip()]
     log(f"{name} stderr, last lines:\n  " + "\n  ".join(stderr[-12:]))
@@ -205,11 +193,14 @@ def main():
     log(f"{peak_dtype} matmul peak on this machine ({len(CORES)} cores): {peak:.1f} GFLOP/s "
         f"({peak_where})")
     if args.resident:
-        results, errors, ready = paired_rounds(
-            names, args.rounds, lambda name: start_resident(name, args, log_dir),
+        def start(name):
+            return start_resident(name, BACKENDS[name], worker_command(name, args), log_dir,
+                                  args.timeout, lambda text: engine_start(name, text))
+
+        results, errors = paired_rounds(
+            names, args.rounds, start,
             lambda res: f"{res['output_tok_s']:.1f} output tok/s (generate "
                         f"{res['elapsed_s']:.2f} s)")
-        results = {n: [dict(ready[n], **r) for r in runs] for n, runs in results.items()}
     else:
         results, errors = alternate_rounds(
             names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd),
@@ -253,13 +244,15 @@ def main():
     groups = [f"ratios vs {peer}: " + " ".join(f"{n}={x:.2f}" for n, x in r.items())
               + f" ({binding_intent(peer, BACKENDS[peer][1])})" for peer, r in ratios.items()]
     print("throughput: " + " ".join(parts) + " | " + (" | ".join(groups) or "ratios: n/a"))
-    paired = {peer: {n: pr for n in names if n != peer
-                     for pr in [round_ratios(results, n, peer, "output_tok_s")] if pr}
-              for peer in PEERS if peer in median} if args.resident else {}
+    paired = {}  # peer -> name -> round_ratios (resident runs)
+    for peer in (PEERS if args.resident else ()):
+        for n in names:
+            found = round_ratios(results, n, peer, "output_tok_s") if n != peer else None
+            if found:
+                paired.setdefault(peer, {})[n] = found
     for peer, by_name in paired.items():
         print(f"round by round vs {peer}: " + " ".join(
-            f"{n}={m:.2f} ({lo:.2f}-{hi:.2f}, {len(rs)} rounds)"
-            for n, (m, lo, hi, rs) in by_name.items()))
+            f"{n}={round_ratio_text(r)}" for n, r in by_name.items()))
     print("binding: " + "; ".join(f"{n}: {binding[n]}" for n in names))
     starts = [f"{n} " + ("cold" if n == "accel" else "first") + f"={results[n][0]['init_s']:.1f} s"
               + (f" cached={results[n][1]['init_s']:.1f} s"
@@ -292,10 +285,7 @@ def main():
                         gflops=median[n] * flops_per_token / 1e9) if n in median else {}))
                 for n in names},
             ratios={peer: {n: round(x, 3) for n, x in r.items()} for peer, r in ratios.items()},
-            round_ratios={peer: {n: dict(median=round(m, 3), min=round(lo, 3), max=round(hi, 3),
-                                         runs=[round(x, 3) for x in rs])
-                                 for n, (m, lo, hi, rs) in by_name.items()}
-                          for peer, by_name in paired.items()},
+            round_ratios=paired,
             roofline=dict(peak_dtype=peak_dtype, peak_gflops=round(peak, 1), peak_at=peak_where,
                           flops_per_token=flops_per_token)), indent=1) + "\n")
         log(f"wrote {args.json}")

@@ -54,11 +54,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import common
 import native_shims
 from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
                     alternate_rounds, binding_intent, describe_binding, machine, paired_rounds,
-                    parse_backends, round_ratios)
+                    parse_backends, round_ratio_text, round_ratios,
+                    start_resident)
 
 WORKER = BENCH / "_vision_worker.py"
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"
@@ -184,16 +184,6 @@ def run_worker(name, args, log_dir, round_no):
     return dict(res, **engine_start(name, text)), None
 
 
-def start_resident(name, args, log_dir):
-    """``name``'s engine, started and kept up (common.start_resident); its ready line gains
-    what engine_start reads in its log."""
-    python, extra_env, eager = BACKENDS[name]
-    log_path = Path(log_dir) / f"{name}-resident.log"
-    log(f"starting {name} (enforce_eager={eager}), log: {log_path}")
-    return common.start_resident(worker_command(name, args), {**os.environ, **extra_env},
-                                 log_path, args.timeout, lambda text: engine_start(name, text))
-
-
 def hf_reference(args, log_dir):
     """Greedy token ids from HF transformers (our venv) for the first --check-hf prompts."""
     cmd = [str(ACCEL[0]), str(WORKER), *workload_args(args), "--reference", "hf",
@@ -291,9 +281,12 @@ def main():
                    f"; load {res['load_s']:.1f} s, engine init {res['init_s']:.1f} s"))
 
     if args.resident:
-        results, errors, ready = paired_rounds(
-            names, args.rounds, lambda name: start_resident(name, args, log_dir), describe)
-        results = {n: [dict(ready[n], **r) for r in runs] for n, runs in results.items()}
+        def start(name):
+            return start_resident(name, BACKENDS[name], worker_command(name, args), log_dir,
+                                  args.timeout, lambda text: engine_start(name, text))
+
+        results, errors = paired_rounds(
+            names, args.rounds, start, describe)
     else:
         results, errors = alternate_rounds(
             names, args.rounds, lambda name, rnd: run_worker(name, args, log_dir, rnd), describe)
@@ -341,7 +334,7 @@ def main():
         for i, r in enumerate(results[name]):
             # Resident engines take new images every round: compare a round with base's same.
             j = i if args.resident else 0
-            if name == base and i == j or j >= len(results[base]):
+            if (name == base and i == j) or j >= len(results[base]):
                 continue
             k, n = same(results[base][j]["output_ids"], r["output_ids"])
             t, m = same(results[base][j]["ttft_ids"], r["ttft_ids"])
@@ -385,14 +378,17 @@ def main():
           + (f" (ratio = vs {head}: {binding_intent(head, BACKENDS[head][1])})" if head else ""))
     print(f"vision: ttft {fmt('ttft_ms', ' ms', 1)} | throughput {fmt('output_tok_s', ' tok/s', 1)}"
           f" | images/s {fmt('images_s', '', 2)}")
-    paired = {peer: {n: {key: pr for key in ("images_s", "ttft_median_s")
-                         for pr in [round_ratios(results, n, peer, key)] if pr}
-                     for n in names if n in stats and n != peer}
-              for peer in ratios} if args.resident else {}
+    paired = {}  # peer -> name -> figure -> round_ratios (resident runs)
+    for peer in (ratios if args.resident else ()):
+        for n in ratios[peer]:
+            for key in ("images_s", "ttft_median_s"):
+                found = round_ratios(results, n, peer, key)
+                if found:
+                    paired.setdefault(peer, {}).setdefault(n, {})[key] = found
     for peer, by_name in paired.items():
         print(f"round by round vs {peer}: " + " ".join(
-            f"{n} {key}={m:.2f} ({lo:.2f}-{hi:.2f}, {len(rs)} rounds)"
-            for n, keys in by_name.items() for key, (m, lo, hi, rs) in keys.items()))
+            f"{n} {key}={round_ratio_text(r)}"
+            for n, keys in by_name.items() for key, r in keys.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             benchmark="vision", date=time.strftime("%Y-%m-%d %H:%M"), command=sys.argv,
@@ -416,11 +412,7 @@ def main():
                 for n in names},
             ratios={peer: {n: {k: round(x, 3) for k, x in r.items()} for n, r in v.items()}
                     for peer, v in ratios.items()},
-            round_ratios={peer: {n: {key: dict(median=round(m, 3), min=round(lo, 3),
-                                                max=round(hi, 3), runs=[round(x, 3) for x in rs])
-                                     for key, (m, lo, hi, rs) in keys.items()}
-                                 for n, keys in by_name.items()}
-                          for peer, by_name in paired.items()}), indent=1) + "\n")
+            round_ratios=paired), indent=1) + "\n")
         log(f"wrote {args.json}")
     return 0 if stats else 1
 
