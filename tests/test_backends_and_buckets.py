@@ -40,7 +40,9 @@ def fake_habana(monkeypatch):
 
 
 def test_cpu_is_chosen_without_habana():
-    assert select_backend(load_settings()) == DeviceBackend("cpu", "inductor")
+    assert select_backend(load_settings()) == DeviceBackend("cpu", "inductor", True)
+    per_bucket = load_settings({"accel": {"bucket_graphs": "per_bucket"}})
+    assert select_backend(per_bucket) == DeviceBackend("cpu", "inductor", False)
     eager = load_settings({"accel": {"compile_backend": "eager"}})
     assert select_backend(eager) == DeviceBackend("cpu", "eager")
     with pytest.raises(ValueError, match=r"hpu_backend is not available on device 'cpu'"):
@@ -58,6 +60,14 @@ def test_inductor_is_refused_on_hpu_naming_the_setting(fake_habana):
     with pytest.raises(ValueError, match=r"VLLM_ACCEL_COMPILE_BACKEND=inductor .* 'hpu'.*"
                                          r"hpu_backend, eager"):
         select_backend(load_settings({"accel": {"compile_backend": "inductor"}}))
+    # A graph per bucket there (the static shapes an HPU graph needs).
+    assert not select_backend(load_settings()).shared_bucket_graphs
+    with pytest.raises(ValueError, match=r"VLLM_ACCEL_BUCKET_GRAPHS=shared is for device "
+                                         r"'cpu' only.*expected auto or per_bucket"):
+        select_backend(load_settings({"accel": {"bucket_graphs": "shared"}}))
+    with pytest.raises(ValueError, match=r"accel.bucket_graphs: expected one of auto, "
+                                         r"per_bucket, shared"):
+        load_settings({"accel": {"bucket_graphs": "dynamic"}})
 
 
 def test_cuda_is_refused_without_a_gpu_or_without_triton(monkeypatch):

@@ -79,8 +79,10 @@ def test_warmup_compiles_every_bucket_once(compiled):
     llm, _ = compiled
     runner = model_runner(llm)
     assert runner.token_buckets == [1, 4, 16, 64]
-    assert runner.compile_stats.warmup_graphs == 4
-    assert runner.compile_stats.cache_hits == (0, 4)
+    # On cpu one graph serves buckets 4, 16 and 64 (settings.bucket_graphs).
+    assert runner.backend.shared_bucket_graphs
+    assert runner.compile_stats.warmup_graphs == 2
+    assert runner.compile_stats.cache_hits == (0, 2)
     # vLLM pins inductor to one compile thread; the worker gives it its cores.
     assert torch._inductor.config.compile_threads == torch.get_num_threads()
 
@@ -185,16 +187,32 @@ def test_second_start_uses_the_compile_cache(compiled, tiny_models, cache_dir, w
                      **ENGINE) as llm:
         warm_s = time.perf_counter() - started
         stats = model_runner(llm).compile_stats
-        assert stats.cache_hits == (4, 0)
+        assert stats.cache_hits == (2, 0)
         # Every graph loaded whole (model/saved_graphs.py): dynamo traced
         # nothing, and the loaded graphs compute what HF does.
-        assert (stats.graphs_loaded, stats.graphs_compiled) == (4, 0)
+        assert (stats.graphs_loaded, stats.graphs_compiled) == (2, 0)
         prompts = random_prompts([3, 17, 70], seed=18)
         assert greedy(llm, prompts) == hf_greedy(tiny_models["llama"], prompts, 8)
     match = next(m for m in map(WARMUP_LINE.search, warmup_log) if m)
-    assert int(match.group(2)) == 4
+    assert int(match.group(2)) == 2
     print(f"engine start: cold {cold_s:.1f} s, with compile cache {warm_s:.1f} s "
           f"(warmup {float(match.group(1)):.1f} s)")
+
+
+def test_a_graph_per_bucket_computes_what_the_shared_graph_does(compiled, tiny_models,
+                                                                cache_dir):
+    """bucket_graphs=per_bucket, the static shapes of an accelerator: a graph
+    for each bucket (not the shared graphs saved in the same cache), and the
+    same tokens as the engine whose graph reads the token count at run time."""
+    llm, _ = compiled
+    config = accel_config(cache_dir, bucket_graphs="per_bucket")
+    prompts = random_prompts([2, 15, 16, 17, 64, 65, 200], seed=19)
+    with running_llm(tiny_models["llama"], additional_config=config, **ENGINE) as static:
+        runner = model_runner(static)
+        assert not runner.backend.shared_bucket_graphs
+        assert runner.compile_stats.warmup_graphs == runner.compile_stats.graphs_compiled == 4
+        assert greedy(static, prompts, 12) == greedy(llm, prompts, 12)
+        assert runner.compile_stats.runtime_compiles == 0
 
 
 def test_compiled_graphs_are_kept_per_op_schemas(compiled, cache_dir, monkeypatch):

@@ -69,7 +69,8 @@ LLAVA_NEXT = VisionArch(
     repeat_image=(128, 64, 7),
     compile_settings={"token_buckets": "1,16,256,2048"},
     compile_batched_tokens=2048,
-    warmup_graphs=4 + 3,  # token buckets + vision tile buckets (2, 4, 5)
+    # Decoder graphs (bucket 1; one shared by 16, 256, 2048) + tile buckets (2, 4, 5).
+    warmup_graphs=2 + 3,
     cached_followup="What colour dominates? Answer briefly.",
 )
 
@@ -94,7 +95,7 @@ QWEN2_5_VL = VisionArch(
     # token buckets + vision buckets: on the cpu device window and
     # full-attention blocks both attend by spans (our kernel, or SDPA span by
     # span), so the masks go unread and one graph serves both kinds
-    warmup_graphs=3 + 2,
+    warmup_graphs=1 + 2,  # one decoder graph shared by the token buckets + patch buckets
     vision_buckets=[64, 256],
     patch_before_processor=True,  # the stand-in video processor (no torchvision)
 )

@@ -33,8 +33,9 @@ logger = get_logger(__name__)
 _STRATEGIES = {"exp": ("min", "max", "limit"), "lin": ("min", "step", "max")}
 DEFAULT_LIMIT = 8
 
-# Default token buckets, each a graph to compile at start-up (~3-6 s cold on
-# 2 cores). Small steps are mostly decodes, one row per running request: they
+# Default token buckets, each warmed up at start-up and, where each has a
+# graph of its own (settings.bucket_graphs), one more graph to compile (~3-6 s
+# cold on 2 cores). Small steps are mostly decodes, one row per running request: they
 # double from 8 to 64 so that a decode batch pads at most 2x, with 48 between
 # 32 and 64 (48 running requests padded to 64 computed a third more rows than
 # needed: the ~128M Llama at 48 concurrent ran 1.32x faster with it; 24 would

@@ -122,12 +122,16 @@ def map_tensors(function, tree):
     return _pytree.tree_map_only(torch.Tensor, function, tree)
 
 
-def any_size_along(tensor, dim: int) -> None:
+def any_size_along(tensor, dim: int, sizes: tuple[int, int] | None = None) -> None:
     """Compile graphs that take ``tensor`` for any size of ``dim`` (one graph,
-    and one compile-cache entry, whatever that size is)."""
+    and one compile-cache entry, whatever that size is); ``sizes``: the
+    smallest and largest it may take."""
     import torch
 
-    torch._dynamo.mark_dynamic(tensor, dim)
+    if sizes is None:
+        torch._dynamo.mark_dynamic(tensor, dim)
+    else:  # both bounds: torch 2.13 fails on a minimum without a maximum
+        torch._dynamo.mark_dynamic(tensor, dim, min=sizes[0], max=sizes[1])
 
 
 def dynamo_graph_count() -> int:

@@ -38,6 +38,8 @@ DIST_BACKENDS = {"cpu": "gloo", "hpu": "hccl", "cuda": "nccl"}
 class DeviceBackend:
     device: str  # "cpu", "hpu" or "cuda": also the torch device type
     compile_backend: str  # a torch.compile backend name, or "eager"
+    # One compiled graph serves every token bucket above 1 (settings.bucket_graphs).
+    shared_bucket_graphs: bool = False
 
     @property
     def compiles(self) -> bool:
@@ -91,7 +93,13 @@ def select_backend(settings: AccelSettings) -> DeviceBackend:
             f"{env_var_name('device')}=cuda needs Triton (attention is vLLM's Triton kernel), "
             f"and it is not installed beside torch {torch.__version__}: install the triton "
             "release that torch names, or use device cpu.")
-    return DeviceBackend(device=device, compile_backend=backend)
+    if settings.bucket_graphs == "shared" and device != "cpu":
+        raise ValueError(
+            f"{env_var_name('bucket_graphs')}=shared is for device 'cpu' only; on "
+            f"'{device}' each token bucket has its own graph: expected auto or per_bucket.")
+    shared = (device == "cpu" and backend != "eager"
+              and settings.bucket_graphs in ("auto", "shared"))
+    return DeviceBackend(device=device, compile_backend=backend, shared_bucket_graphs=shared)
 
 
 # ---- what vLLM's Platform asks, per device ----------------------------------

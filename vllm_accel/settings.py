@@ -46,6 +46,14 @@ class AccelSettings:
     # buckets.DEFAULT_TOKEN_BUCKETS (none above max_num_batched_tokens); "1,8,64,512"
     # is an explicit list; "exp:min=1,max=2048,limit=8" or "lin:min=64,step=64,max=512" a range.
     token_buckets: str = ""
+    # How token buckets map to compiled graphs: "per_bucket" compiles a graph
+    # for each bucket with its size fixed, as a static-shape accelerator must;
+    # "shared" one graph whose kernels read the token count at run time, for
+    # every bucket above 1 (forwards are still padded to buckets and every
+    # bucket is warmed up; only compiling is shared: a cold start compiles 2
+    # decoder graphs instead of one per bucket). "auto": shared on cpu,
+    # per_bucket elsewhere; shared is for the cpu device only.
+    bucket_graphs: str = "auto"
     # Context-length buckets, in KV blocks, that decode attention pads to
     # ("" = half-octave steps up to max_model_len).
     context_buckets: str = ""
@@ -81,6 +89,7 @@ _ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "hpu", "cuda"),
     "compile_backend": ("auto", "eager", "inductor", "hpu_backend"),
     "async_scheduling": ("auto", "on", "off"),
+    "bucket_graphs": ("auto", "per_bucket", "shared"),
 }
 
 _DESCRIPTIONS: dict[str, str] = {

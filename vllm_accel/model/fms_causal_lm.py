@@ -19,7 +19,7 @@ from torch import nn
 
 from vllm_accel.architectures import find_architecture, load_object
 from vllm_accel.log import get_logger
-from vllm_accel.model.compile import compile_shared_forward
+from vllm_accel.model.compile import TokenAxis, compile_shared_forward
 from vllm_accel.model.saved_graphs import SavedGraphs
 from vllm_accel.model.paged_attention import ATTN_NAME, register_paged_attention
 from vllm_accel.model.ports import register_port
@@ -113,11 +113,15 @@ class FmsCausalLM(nn.Module):
         # Granite divides its logits by this; other models have no such field.
         self.logits_scaling: float = float(getattr(config, "logits_scaling", 1.0))
 
-    def compile_layers(self, backend: str, num_buckets: int,
-                       saved: SavedGraphs | None = None) -> None:
-        """One compiled decoder-layer graph per token bucket, shared by all layers."""
-        compile_shared_forward(list(self.fms_model.base_model.layers), backend, num_buckets,
-                               saved)
+    def compile_layers(self, backend: str, buckets: list[int],
+                       saved: SavedGraphs | None = None, shared: bool = False) -> None:
+        """One compiled decoder-layer graph per token bucket, shared by all
+        layers; ``shared``: one for bucket 1 and one for all the others."""
+        # A decoder layer's hidden states are [1, tokens, hidden], its
+        # positions [1, tokens] ([3, 1, tokens] with M-RoPE).
+        axis = TokenAxis((("x", -2), ("position_ids", -1)), max(buckets)) if shared else None
+        compile_shared_forward(list(self.fms_model.base_model.layers), backend, len(buckets),
+                               saved, axis)
 
     def forward(
         self,

@@ -139,8 +139,10 @@ class AccelModelRunner:
         self.table_shape = (TableShape(self.max_num_reqs, self.context_buckets[-1])
                             if backend.attends_in_one_launch else None)
         logger.info(
-            "vllm_accel buckets: tokens %s, context blocks %s (block size %d)",
-            self.token_buckets, self.context_buckets, self.block_size,
+            "vllm_accel buckets: tokens %s (%s), context blocks %s (block size %d)",
+            self.token_buckets, "one graph shared by those above 1" if
+            backend.shared_bucket_graphs else "a graph each", self.context_buckets,
+            self.block_size,
         )
 
         self.model: FmsCausalLM | None = None
@@ -225,7 +227,8 @@ class AccelModelRunner:
             if compile_backend == "inductor" and self.backend.device == "cpu" \
                     and self.tp_size == 1:
                 saved = SavedGraphs(self.compile_stats.saved_graphs_dir)
-            self.model.compile_layers(compile_backend, len(self.token_buckets), saved)
+            self.model.compile_layers(compile_backend, self.token_buckets, saved,
+                                      self.backend.shared_bucket_graphs)
         if self.vision is not None:
             self.vision_encoder = VisionEncoder(self.vision, compile_backend,
                                                 self.settings.multimodal_buckets, saved)
