@@ -3,9 +3,9 @@
 Layers of one class share code and shapes, so one compiled function serves
 them all, with the weights as graph inputs: one graph per input shape, and
 compile time that does not grow with depth. Shapes are static (one graph per
-bucket), as on a real accelerator; or, with a ``TokenAxis`` (the cpu device),
-one graph serves every token bucket above 1: its kernels read the token count
-at run time, and forwards are still padded to buckets.
+bucket), as on a real accelerator; or, with a ``BucketAxis`` (the cpu device),
+one graph serves every bucket above 1: its kernels read the size at run time,
+and calls are still padded to buckets.
 
 A call through torch.compile first checks dynamo's guards, for an FMS layer a
 tree of a few hundred checks over its submodules: with dynamo's entry, 60-110
@@ -55,33 +55,34 @@ def _own_copy(function):
 
 
 @dataclass(frozen=True)
-class TokenAxis:
-    """Where a layer's arguments carry the token count, so that one graph
-    serves every count from 2 to ``max_tokens``. A count of 1 keeps a graph
-    of its own (dynamo specializes sizes 0 and 1; a lone decode's kernels
-    lose nothing to a loop bound read at run time)."""
+class BucketAxis:
+    """Where a layer's arguments carry the size that buckets pad (tokens in a
+    decoder, tiles or crops in a vision tower), so that one graph serves
+    every size from 2 to ``largest``. A size of 1 keeps a graph of its own
+    (dynamo specializes sizes 0 and 1; a lone decode's kernels lose nothing
+    to a loop bound read at run time)."""
 
-    dims: tuple[tuple[str, int], ...]  # (argument name, its token dimension)
-    max_tokens: int
+    dims: tuple[tuple[str, int], ...]  # (argument name, its dimension of that size)
+    largest: int
 
     def mark(self, function: Callable, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         arguments = inspect.signature(function).bind(layer, *args, **kwargs).arguments
         for name, dim in self.dims:
             tensor = arguments.get(name)
-            if isinstance(tensor, torch.Tensor) and 1 < tensor.shape[dim] <= self.max_tokens:
-                any_size_along(tensor, dim % tensor.dim(), (2, self.max_tokens))
+            if isinstance(tensor, torch.Tensor) and 1 < tensor.shape[dim] <= self.largest:
+                any_size_along(tensor, dim % tensor.dim(), (2, self.largest))
 
 
 def compile_shared_forward(layers: list[nn.Module], backend: str, num_shapes: int,
                            saved: SavedGraphs | None = None,
-                           token_axis: TokenAxis | None = None) -> None:
+                           bucket_axis: BucketAxis | None = None) -> None:
     """Make every layer run one shared compiled copy of its class's forward;
     with ``saved``, each graph is loaded from there, or compiled and saved;
-    with ``token_axis``, a graph serves any token count above 1."""
+    with ``bucket_axis``, a graph serves any size above 1 along it."""
     function = _own_copy(type(layers[0]).forward)
     compiled = torch.compile(function, backend=backend, dynamic=False, fullgraph=True)
     stack = LayerStack(saved, compile_ahead_of_time(function, backend) if saved else None,
-                       token_axis)
+                       bucket_axis)
     # An instance attribute wins over the class's forward in nn.Module.__call__.
     for layer in layers:
         layer.forward = LayerForward(layer, function, compiled, stack)
@@ -92,16 +93,16 @@ class LayerStack:
     """What the layers sharing one compiled function share: for each kind of
     call one of them ran, whether its output had its first input's shape and
     dtype (a residual layer's), whether warmup is on, where graphs are saved
-    (None: in dynamo's own cache only) and their token axis, if shared."""
+    (None: in dynamo's own cache only) and their bucket axis, if shared."""
 
     def __init__(self, saved: SavedGraphs | None = None,
                  ahead_of_time: Callable | None = None,
-                 token_axis: TokenAxis | None = None):
+                 bucket_axis: BucketAxis | None = None):
         self.passes_input_shape: dict[tuple, bool] = {}
         self.warming_up = False
         self.saved = saved
         self.ahead_of_time = ahead_of_time  # the compiled function that saved graphs use
-        self.token_axis = token_axis
+        self.bucket_axis = bucket_axis
 
 
 @contextlib.contextmanager
@@ -151,14 +152,14 @@ class LayerForward:
             args = (args[0].contiguous(), *args[1:])
         kind = _call_kind(args, kwargs)
         direct = self._direct.get(kind)
-        if direct is None and self.stack.token_axis is not None:
-            # Before dynamo sees this kind: a graph that any count passes.
-            self.stack.token_axis.mark(self._function, self._layer, args, kwargs)
+        if direct is None and self.stack.bucket_axis is not None:
+            # Before dynamo sees this kind: a graph that any size passes.
+            self.stack.bucket_axis.mark(self._function, self._layer, args, kwargs)
         if direct is None and kind is not None and self.stack.saved is not None:
             # This layer's first call of the kind: the graph and the code that
             # calls it come saved (or are compiled and saved), no dynamo.
             # A shared graph is saved apart from a bucket's own (the key holds the axis).
-            saved_kind = kind if self.stack.token_axis is None else (*kind, self.stack.token_axis)
+            saved_kind = kind if self.stack.bucket_axis is None else (*kind, self.stack.bucket_axis)
             direct = self.stack.saved.code_for(
                 self._function, self.stack.ahead_of_time, self._layer, saved_kind, args, kwargs)
             if direct is not None:

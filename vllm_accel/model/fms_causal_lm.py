@@ -19,7 +19,7 @@ from torch import nn
 
 from vllm_accel.architectures import find_architecture, load_object
 from vllm_accel.log import get_logger
-from vllm_accel.model.compile import TokenAxis, compile_shared_forward
+from vllm_accel.model.compile import BucketAxis, compile_shared_forward
 from vllm_accel.model.saved_graphs import SavedGraphs
 from vllm_accel.model.paged_attention import ATTN_NAME, register_paged_attention
 from vllm_accel.model.ports import register_port
@@ -119,7 +119,7 @@ class FmsCausalLM(nn.Module):
         layers; ``shared``: one for bucket 1 and one for all the others."""
         # A decoder layer's hidden states are [1, tokens, hidden], its
         # positions [1, tokens] ([3, 1, tokens] with M-RoPE).
-        axis = TokenAxis((("x", -2), ("position_ids", -1)), max(buckets)) if shared else None
+        axis = BucketAxis((("x", -2), ("position_ids", -1)), max(buckets)) if shared else None
         compile_shared_forward(list(self.fms_model.base_model.layers), backend, len(buckets),
                                saved, axis)
 

@@ -11,7 +11,7 @@ import torch
 
 from vllm_accel.buckets import find_bucket, fit_bucket, make_buckets
 from vllm_accel.compat import map_tensors
-from vllm_accel.model.compile import compile_shared_forward
+from vllm_accel.model.compile import BucketAxis, compile_shared_forward
 from vllm_accel.model.saved_graphs import SavedGraphs
 from vllm_accel.model.live_rows import live_rows
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
@@ -62,14 +62,18 @@ class VisionEncoder:
     bucket, whichever pads least, like vLLM's encoder token budgets: fewer,
     larger calls. Compiled, the util's
     ``vision_module`` sees its first input's leading axis zero-padded to the
-    smallest vision bucket that fits (one graph per bucket, outputs sliced
-    back to the real rows), through forward hooks on the module.
+    smallest vision bucket that fits (one graph per bucket, or one for all
+    of them; outputs sliced back to the real rows), through forward hooks on
+    the module.
     """
 
     def __init__(self, adapter: VisionAdapter, compile_backend: str | None = None,
-                 bucket_spec: str = "", saved: SavedGraphs | None = None):
+                 bucket_spec: str = "", saved: SavedGraphs | None = None,
+                 shared_graphs: bool = False):
         """``bucket_spec``: the multimodal_buckets setting ("" = the util's own
-        buckets, whose smallest and largest also fill in a range spec)."""
+        buckets, whose smallest and largest also fill in a range spec);
+        ``shared_graphs``: one graph for the buckets above 1, where the adapter
+        names the axis they pad (settings.bucket_graphs)."""
         self.adapter = adapter
         derived = adapter.vision_buckets()
         buckets = make_buckets(bucket_spec, derived[0], derived[-1]) if bucket_spec else derived
@@ -89,8 +93,11 @@ class VisionEncoder:
         self._real_rows: int | None = None
         self._live_rows = contextlib.nullcontext()  # entered by the padding hook
         if compile_backend is not None:
+            axis = (BucketAxis(adapter.vision_bucket_axis, self.buckets[-1])
+                    if shared_graphs and adapter.vision_bucket_axis else None)
             compile_shared_forward(adapter.vision_compile_units(), compile_backend,
-                                   len(self.buckets) * adapter.vision_graphs_per_bucket, saved)
+                                   len(self.buckets) * adapter.vision_graphs_per_bucket, saved,
+                                   axis)
             module = adapter.vision_module
             module.register_forward_pre_hook(self._pad_to_bucket, with_kwargs=True)
             module.register_forward_hook(self._slice_to_real_rows, always_call=True)

@@ -231,7 +231,8 @@ class AccelModelRunner:
                                       self.backend.shared_bucket_graphs)
         if self.vision is not None:
             self.vision_encoder = VisionEncoder(self.vision, compile_backend,
-                                                self.settings.multimodal_buckets, saved)
+                                                self.settings.multimodal_buckets, saved,
+                                                self.backend.shared_bucket_graphs)
         if self.table_shape is not None:
             axes = 3 if self.vision is not None and self.vision.uses_3d_positions else 1
             self.forward_inputs = {

@@ -52,6 +52,8 @@ class LlavaNextVisionAdapter(VisionAdapter):
     def vision_compile_units(self) -> list[nn.Module]:
         return list(self.fms_model.vision_tower.base_model.encoder.layers)
 
+    vision_bucket_axis = (("hidden_states", 0),)  # SigLIP layers' [tiles, patches, hidden]
+
     def _tile(self) -> int:
         return self.fms_model.config.vision_config.image_size
 

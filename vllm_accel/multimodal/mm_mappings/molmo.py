@@ -58,6 +58,8 @@ class MolmoVisionAdapter(VisionAdapter):
     def vision_compile_units(self) -> list[nn.Module]:
         return list(self.fms_model.vision.image_vit.transformer.resblocks)
 
+    vision_bucket_axis = (("x", 0),)  # ViT blocks' [crops, patches, hidden]
+
     def vision_rows(self, item: dict[str, torch.Tensor]) -> int:
         return int(item["num_crops"]) if "num_crops" in item else item["images"].shape[0]
 
