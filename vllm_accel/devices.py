@@ -38,7 +38,8 @@ DIST_BACKENDS = {"cpu": "gloo", "hpu": "hccl", "cuda": "nccl"}
 class DeviceBackend:
     device: str  # "cpu", "hpu" or "cuda": also the torch device type
     compile_backend: str  # a torch.compile backend name, or "eager"
-    # One compiled graph serves every token bucket above 1 (settings.bucket_graphs).
+    # One compiled graph serves every bucket above 1: token buckets, and vision
+    # buckets where the adapter names their axis (settings.bucket_graphs).
     shared_bucket_graphs: bool = False
 
     @property

@@ -59,8 +59,7 @@ class BucketAxis:
     """Where a layer's arguments carry the size that buckets pad (tokens in a
     decoder, tiles or crops in a vision tower), so that one graph serves
     every size from 2 to ``largest``. A size of 1 keeps a graph of its own
-    (dynamo specializes sizes 0 and 1; a lone decode's kernels lose nothing
-    to a loop bound read at run time)."""
+    (dynamo specializes sizes 0 and 1)."""
 
     dims: tuple[tuple[str, int], ...]  # (argument name, its dimension of that size)
     largest: int

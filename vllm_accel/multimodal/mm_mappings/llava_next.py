@@ -36,6 +36,8 @@ DEFAULT_VISION_BUCKETS = 3
 
 
 class LlavaNextVisionAdapter(VisionAdapter):
+    vision_bucket_axis = (("hidden_states", 0),)  # SigLIP layers' [tiles, patches, hidden]
+
     def __init__(self, model_config, fms_model: nn.Module):
         super().__init__(model_config, fms_model)
         # SigLIP's layers attend by our op: the CPU kernel with AVX-512, FMS's
@@ -51,8 +53,6 @@ class LlavaNextVisionAdapter(VisionAdapter):
 
     def vision_compile_units(self) -> list[nn.Module]:
         return list(self.fms_model.vision_tower.base_model.encoder.layers)
-
-    vision_bucket_axis = (("hidden_states", 0),)  # SigLIP layers' [tiles, patches, hidden]
 
     def _tile(self) -> int:
         return self.fms_model.config.vision_config.image_size

@@ -31,6 +31,7 @@ IMAGE_PATCH_TOKEN = "<im_patch>"
 
 class MolmoVisionAdapter(VisionAdapter):
     vision_padded_args = 2  # backbone(images, image_masks): both have crops first
+    vision_bucket_axis = (("x", 0),)  # ViT blocks' [crops, patches, hidden]
 
     def __init__(self, model_config, fms_model: nn.Module):
         super().__init__(model_config, fms_model)
@@ -57,8 +58,6 @@ class MolmoVisionAdapter(VisionAdapter):
 
     def vision_compile_units(self) -> list[nn.Module]:
         return list(self.fms_model.vision.image_vit.transformer.resblocks)
-
-    vision_bucket_axis = (("x", 0),)  # ViT blocks' [crops, patches, hidden]
 
     def vision_rows(self, item: dict[str, torch.Tensor]) -> int:
         return int(item["num_crops"]) if "num_crops" in item else item["images"].shape[0]
