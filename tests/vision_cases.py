@@ -95,7 +95,7 @@ QWEN2_5_VL = VisionArch(
     # token buckets + vision buckets: on the cpu device window and
     # full-attention blocks both attend by spans (our kernel, or SDPA span by
     # span), so the masks go unread and one graph serves both kinds
-    warmup_graphs=1 + 2,  # one decoder graph shared by the token buckets + patch buckets
+    warmup_graphs=1 + 1,  # one decoder graph, one tower graph: each shared by its buckets
     vision_buckets=[64, 256],
     patch_before_processor=True,  # the stand-in video processor (no torchvision)
 )

@@ -33,6 +33,9 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
     # Window and full-attention blocks (their masks differ in shape); one
     # graph serves both where our kernel attends by spans.
     vision_graphs_per_bucket = 2
+    # Blocks' x, rotary tables and spans have the patches first; the masks
+    # are not read on the cpu (the kernel attends by spans).
+    vision_bucket_axis = (("x", 0), ("cos", 0), ("sin", 0), ("ranges", 0))
     vision_padding_rows_last = True  # patches in window order, then the padding
     unsupported_modalities = ("video",)
 
