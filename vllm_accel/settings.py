@@ -49,8 +49,8 @@ class AccelSettings:
     # How token buckets map to compiled graphs: "per_bucket" compiles a graph
     # for each bucket with its size fixed, as a static-shape accelerator must;
     # "shared" one graph for the token buckets above 1, its kernels reading
-    # the token count at run time, and one for all of LlavaNext's and Molmo's
-    # vision buckets (forwards are still padded to buckets and every bucket is warmed up;
+    # the token count at run time, and one for each vision tower's buckets
+    # (forwards are still padded to buckets and every bucket is warmed up;
     # only compiling is shared: a cold start compiles 2 decoder graphs
     # instead of one per bucket). "auto": shared on cpu, per_bucket
     # elsewhere; shared is for the cpu device only.
