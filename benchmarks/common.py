@@ -144,6 +144,14 @@ def alternate_rounds(names, rounds, run_one, describe):
     return results, errors
 
 
+def engine_start(name, env, log_text):
+    """What backend ``name``'s log says of its engine's start: vLLM's init time
+    (init_s) and its thread binding (``env``: the backend's extra env)."""
+    init = INIT_LINE.search(log_text)
+    return dict(init_s=float(init.group(1)) if init else float("nan"),
+                binding=describe_binding(name, env, log_text))
+
+
 # A resident worker's timed run k takes the prompts (or images) numbered from k x this
 # on: the same on every backend, whatever number of batches the runs before took.
 RUN_STRIDE = 1_000_000

@@ -46,9 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
-                    alternate_rounds, binding_intent, describe_binding, machine, machine_text,
-                    paired_rounds, parse_backends, round_ratio_text, round_ratios,
+from common import (ACCEL, BENCH, CORES, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
+                    alternate_rounds, binding_intent, describe_binding, engine_start, machine,
+                    machine_text, paired_rounds, parse_backends, round_ratio_text, round_ratios,
                     start_resident)
 from medium_model import SHAPES
 
@@ -113,13 +113,6 @@ def worker_command(name, args):
     return cmd
 
 
-def engine_start(name, text):
-    """What a worker's log says of its engine's start: init_s and binding."""
-    init = INIT_LINE.search(text)
-    return dict(init_s=float(init.group(1)) if init else float("nan"),
-                binding=describe_binding(name, BACKENDS[name][1], text))
-
-
 def run_worker(name, args, log_dir, round_no):
     python, extra_env, eager = BACKENDS[name]
     cmd = worker_command(name, args)
@@ -143,7 +136,7 @@ def run_worker(name, args, log_dir, round_no):
                 continue
             if "output_tok_s" in res:
                 res["wall_s"] = round(time.perf_counter() - t0, 1)
-                return dict(res, **engine_start(name, log_path.read_text())), None
+                return dict(res, **engine_start(name, extra_env, log_path.read_text())), None
     stderr = [line[:300] for line in log_path.read_text().split("\n--- stdout ---\n")[0]
               .splitlines() if line.strip()]
     log(f"{name} stderr, last lines:\n  " + "\n  ".join(stderr[-12:]))
@@ -200,7 +193,8 @@ def main():
     if args.resident:
         def start(name):
             return start_resident(name, BACKENDS[name], worker_command(name, args), log_dir,
-                                  args.timeout, lambda text: engine_start(name, text))
+                                  args.timeout,
+                                  lambda text: engine_start(name, BACKENDS[name][1], text))
 
         results, errors = paired_rounds(
             names, args.rounds, start,

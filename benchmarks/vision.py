@@ -56,10 +56,9 @@ import time
 from pathlib import Path
 
 import native_shims
-from common import (ACCEL, BENCH, CORES, INIT_LINE, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
-                    alternate_rounds, binding_intent, describe_binding, machine, paired_rounds,
-                    parse_backends, round_ratio_text, round_ratios,
-                    start_resident)
+from common import (ACCEL, BENCH, CORES, NATIVE, NATIVE_DEFAULT_BINDING, REPO,
+                    alternate_rounds, binding_intent, describe_binding, engine_start, machine,
+                    paired_rounds, parse_backends, round_ratio_text, round_ratios, start_resident)
 
 WORKER = BENCH / "_vision_worker.py"
 COMPILE_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-bench-vision-compile-cache"
@@ -162,11 +161,9 @@ def worker_command(name, args):
     return cmd
 
 
-def engine_start(name, text):
-    """What a worker's log says of its engine's start: init_s, binding, accel's warm-up."""
-    init = INIT_LINE.search(text)
-    found = dict(init_s=float(init.group(1)) if init else float("nan"),
-                 binding=describe_binding(name, BACKENDS[name][1], text))
+def start_with_warmup(name, text):
+    """common.engine_start, and accel's warm-up from its log."""
+    found = engine_start(name, BACKENDS[name][1], text)
     warm = ACCEL_WARMUP.search(text)
     if warm:
         found["accel_warmup"] = dict(seconds=float(warm.group(1)),
@@ -185,7 +182,7 @@ def run_worker(name, args, log_dir, round_no):
     if res is None:
         return None, text
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    return dict(res, **engine_start(name, text)), None
+    return dict(res, **start_with_warmup(name, text)), None
 
 
 def hf_reference(args, log_dir):
@@ -289,7 +286,7 @@ def main():
     if args.resident:
         def start(name):
             return start_resident(name, BACKENDS[name], worker_command(name, args), log_dir,
-                                  args.timeout, lambda text: engine_start(name, text))
+                                  args.timeout, lambda text: start_with_warmup(name, text))
 
         results, errors = paired_rounds(
             names, args.rounds, start, describe)

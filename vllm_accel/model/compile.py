@@ -64,8 +64,8 @@ class BucketAxis:
     dims: tuple[tuple[str, int], ...]  # (argument name, its dimension of that size)
     largest: int
 
-    def mark(self, function: Callable, layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        arguments = inspect.signature(function).bind(layer, *args, **kwargs).arguments
+    def mark(self, arguments: dict) -> None:
+        """Mark the axis in a call's ``arguments`` (parameter name -> value)."""
         for name, dim in self.dims:
             tensor = arguments.get(name)
             if isinstance(tensor, torch.Tensor) and 1 < tensor.shape[dim] <= self.largest:
@@ -153,7 +153,7 @@ class LayerForward:
         direct = self._direct.get(kind)
         if direct is None and self.stack.bucket_axis is not None:
             # Before dynamo sees this kind: a graph that any size passes.
-            self.stack.bucket_axis.mark(self._function, self._layer, args, kwargs)
+            self.stack.bucket_axis.mark(self._arguments(args, kwargs))
         if direct is None and kind is not None and self.stack.saved is not None:
             # This layer's first call of the kind: the graph and the code that
             # calls it come saved (or are compiled and saved), no dynamo.
@@ -190,10 +190,14 @@ class LayerForward:
             kind, bool(args) and _same_shape(outputs, args[0]))
         return outputs
 
-    def _code_dynamo_ran(self, args, kwargs) -> Callable | None:
+    def _arguments(self, args, kwargs) -> dict:
+        """This layer's call as the function's parameters: name -> value."""
         bound = inspect.signature(self._function).bind(self._layer, *args, **kwargs)
         bound.apply_defaults()
-        code = dynamo_code_for(self._function, dict(bound.arguments))
+        return dict(bound.arguments)
+
+    def _code_dynamo_ran(self, args, kwargs) -> Callable | None:
+        code = dynamo_code_for(self._function, self._arguments(args, kwargs))
         return None if code is None else _with_code(self._function, code)
 
 
