@@ -151,9 +151,11 @@ class LayerForward:
             args = (args[0].contiguous(), *args[1:])
         kind = _call_kind(args, kwargs)
         direct = self._direct.get(kind)
+        arguments = None  # the call bound to the function's parameters, once, if needed
         if direct is None and self.stack.bucket_axis is not None:
             # Before dynamo sees this kind: a graph that any size passes.
-            self.stack.bucket_axis.mark(self._arguments(args, kwargs))
+            arguments = self._arguments(args, kwargs)
+            self.stack.bucket_axis.mark(arguments)
         if direct is None and kind is not None and self.stack.saved is not None:
             # This layer's first call of the kind: the graph and the code that
             # calls it come saved (or are compiled and saved), no dynamo.
@@ -165,7 +167,7 @@ class LayerForward:
                 return self._first_saved_call(kind, direct, args, kwargs)
         if self.stack.warming_up and self.stack.passes_input_shape.get(kind):
             if direct is None:
-                direct = self._code_dynamo_ran(args, kwargs)
+                direct = self._code_dynamo_ran(arguments or self._arguments(args, kwargs))
             if direct is not None:
                 self._direct[kind] = direct
                 return args[0]
@@ -175,7 +177,7 @@ class LayerForward:
         outputs = self._compiled(self._layer, *args, **kwargs)
         if kind is not None:
             self.stack.passes_input_shape[kind] = bool(args) and _same_shape(outputs, args[0])
-            direct = self._code_dynamo_ran(args, kwargs)
+            direct = self._code_dynamo_ran(arguments or self._arguments(args, kwargs))
             if direct is not None:
                 self._direct[kind] = direct
         return outputs
@@ -196,8 +198,8 @@ class LayerForward:
         bound.apply_defaults()
         return dict(bound.arguments)
 
-    def _code_dynamo_ran(self, args, kwargs) -> Callable | None:
-        code = dynamo_code_for(self._function, self._arguments(args, kwargs))
+    def _code_dynamo_ran(self, arguments: dict) -> Callable | None:
+        code = dynamo_code_for(self._function, arguments)
         return None if code is None else _with_code(self._function, code)
 
 
