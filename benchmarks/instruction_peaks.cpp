@@ -1,0 +1,109 @@
+// The scratch loops of benchmarks/instruction_peaks.py: what this machine's
+// cores do at most, by instruction. Built by the engine's own kernel build
+// (vllm_accel/model/cpu_kernels.py: the same compiler and flags).
+#include <immintrin.h>
+#include <omp.h>
+#include <chrono>
+#include <cstdint>
+#include <vector>
+#include "../vllm_accel/model/amx_tiles.h"
+static double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+#ifdef __AVX512F__
+using Vec = __m512;
+static inline Vec splat(float x) { return _mm512_set1_ps(x); }
+static inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float first(Vec v) { return _mm512_cvtss_f32(v); }
+#else
+using Vec = __m256;
+static inline Vec splat(float x) { return _mm256_set1_ps(x); }
+static inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float first(Vec v) { return _mm256_cvtss_f32(v); }
+#endif
+extern "C" double fma_gflops(double seconds) {
+  long total = 0;
+  const double t0 = now();
+#pragma omp parallel reduction(+ : total)
+  {
+    Vec acc[12];
+    const Vec b = splat(1.0000001f), c = splat(1e-7f);
+    for (int i = 0; i < 12; ++i) acc[i] = splat(static_cast<float>(i));
+    long steps = 0;
+    while (now() - t0 < seconds) {
+      for (int rep = 0; rep < 100000; ++rep) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; ++i) acc[i] = fma(acc[i], b, c);
+      }
+      steps += 100000;
+    }
+    float sink = 0;
+    for (int i = 0; i < 12; ++i) sink += first(acc[i]);
+    total += steps + (sink == 12345.f);
+  }
+  return total * 12.0 * (sizeof(Vec) / 4) * 2 / (now() - t0) / 1e9;
+}
+// AMX: -1 where this build or the OS has none. loads: the 2x2 loop's tile
+// loads; stored: its four sums stored (and zeroed) after every pass over K.
+extern "C" double amx_gflops(double seconds, int loads, int stored) {
+#ifdef VLLM_ACCEL_AMX
+  if (!amx_permitted()) return -1;
+  constexpr int K = 256;  // A and B: 16 KB each, in L1
+  long total = 0;
+  const double t0 = now();
+#pragma omp parallel reduction(+ : total)
+  {
+    configure_tiles();
+    std::vector<uint16_t> a(32 * K, 0x3f80), w(K * 32, 0x3c00);
+    _tile_loadd(4, a.data(), K * 2); _tile_loadd(5, a.data() + 16 * K, K * 2);
+    _tile_loadd(6, w.data(), 128); _tile_loadd(7, w.data() + 32, 128);
+    alignas(64) float sums[4][256];
+    long multiplies = 0;
+    while (now() - t0 < seconds) {
+      for (int rep = 0; rep < 1000; ++rep) {
+        for (int s = 0; s < K / 32; ++s) {
+          if (loads) {
+            _tile_loadd(6, w.data() + s * 1024, 128);
+            _tile_loadd(7, w.data() + s * 1024 + 32, 128);
+            _tile_loadd(4, a.data() + s * 32, K * 2);
+          }
+          _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+          if (loads) _tile_loadd(5, a.data() + 16 * K + s * 32, K * 2);
+          _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+        if (stored) {  // a store waits for its tile's multiplies to finish
+          _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
+          _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        }
+      }
+      multiplies += 1000L * (K / 32) * 4;
+    }
+    _tile_release();
+    total += multiplies;
+  }
+  return total * 16.0 * 16 * 32 * 2 / (now() - t0) / 1e9;
+#else
+  return -1;
+#endif
+}
+extern "C" double read_gbs(double seconds, long megabytes) {
+  const long n = megabytes << 18;  // floats
+  std::vector<float> data(n, 1.0f);
+  long passes = 0;
+  float sink = 0;
+  const double t0 = now();
+  while (now() - t0 < seconds) {
+#pragma omp parallel for reduction(+ : sink)
+    for (long c = 0; c < n; c += 4096) {
+      Vec s0 = splat(0), s1 = s0;
+      for (long i = c; i < c + 4096; i += 2 * sizeof(Vec) / 4) {
+        s0 = s0 + *reinterpret_cast<const Vec*>(&data[i]);
+        s1 = s1 + *reinterpret_cast<const Vec*>(&data[i + sizeof(Vec) / 4]);
+      }
+      sink += first(s0 + s1);
+    }
+    ++passes;
+  }
+  return (sink == -1.f) + passes * n * 4.0 / (now() - t0) / 1e9;
+}
