@@ -80,6 +80,40 @@ def test_kernel_is_as_accurate_as_onednn(kernel, rows, in_features, out_features
             assert ours <= max(4 * onednn, 1e-5)
 
 
+@pytest.mark.parametrize("in_features", [96, 34, 2816])
+@pytest.mark.parametrize("epilogue", [linear_kernel.PLAIN, linear_kernel.GATED_SILU,
+                                      linear_kernel.GELU_TANH])
+def test_amx_rows_copied_into_tiles_compute_what_rows_read_in_place_do(kernel, in_features,
+                                                                       epilogue):
+    """From ``amx_tiled_from`` rows and packed columns (an encoder's MLP)
+    the AMX kernel copies x into its tiles before multiplying: every row's
+    output is, bit for bit, what the same row gives in calls of fewer rows
+    (x read in place, or a last partial group and a K not a multiple of 32
+    copied as rows), and as accurate as oneDNN against float64; a last
+    partial group, K a multiple of 32 or not, each epilogue, a bias."""
+    if not kernel.multiplies_on_amx:
+        pytest.skip("the AMX kernel's path (this CPU or build has no AMX)")
+    rows, out_features = kernel.amx_tiled_from[0] + 13, kernel.amx_tiled_from[1]
+    g = torch.Generator().manual_seed(in_features + epilogue)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=g)
+              / in_features ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    if epilogue == linear_kernel.GATED_SILU:
+        packed, packed_bias = linear_kernel.pack_gated(*weight.split(out_features // 2),
+                                                       *bias.split(out_features // 2))
+        outputs = out_features // 2
+    else:
+        packed, packed_bias, outputs = linear_kernel.pack(weight), bias, out_features
+    whole = linear_kernel.linear(x, packed, packed_bias, outputs, epilogue)
+    parts = torch.cat([linear_kernel.linear(x[i:i + 500], packed, packed_bias, outputs, epilogue)
+                       for i in range(0, rows, 500)])
+    assert whole.shape == (rows, outputs) and torch.equal(whole, parts)
+    if epilogue == linear_kernel.PLAIN:
+        ours, onednn = _errors(x.float(), weight.float(), bias.float(), torch.bfloat16)
+        assert ours <= onednn * 1.01 + 1e-6
+
+
 @pytest.mark.parametrize("rows", [1, 7, 48, 300])
 @pytest.mark.parametrize("out_features", [16, 37, 256])
 @pytest.mark.parametrize("dtype", DTYPES)

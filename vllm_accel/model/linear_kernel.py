@@ -59,6 +59,8 @@ class LinearKernel:
             function.restype = ctypes.c_int
             function.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int] * 2
         self.multiplies_on_amx = bool(loaded.bf16_on_amx())
+        # AMX: x copied into its tiles from so many rows and packed columns.
+        self.amx_tiled_from = (loaded.amx_tiled_rows(), loaded.amx_tiled_columns())
         self.widens_bfloat16 = bool(loaded.bf16_widened())  # no bfloat16 instructions
         self.vector_lanes = loaded.vector_lanes()  # 16: AVX-512, 8: AVX2 alone
         self._layouts = {dtype: (loaded.packed_block_columns(int(dtype == torch.bfloat16)),
