@@ -43,46 +43,58 @@ extern "C" double fma_gflops(double seconds) {
   }
   return total * 12.0 * (sizeof(Vec) / 4) * 2 / (now() - t0) / 1e9;
 }
-// AMX: -1 where this build or the OS has none. loads: the 2x2 loop's tile
-// loads; stored: its four sums stored (and zeroed) after every pass over K.
-extern "C" double amx_gflops(double seconds, int loads, int stored) {
+// AMX: -1 where this build or the OS has none. mode: 0 multiplies alone; 1
+// our kernel's 2x2 loop with A and B loaded from L1; 2 the same with its four
+// sums stored (and zeroed) after every pass over K; 3 the 2x2 loop's tile
+// loads alone (returns GB/s); 4 the 2x2 loop over x and weights from L2 (x
+// [512 rows][K = 1,024], rows 2 KB apart, and 16 blocks of weights: 1 MB
+// each), every pass over K; 5 the same with x laid out in 1 KB tiles.
+extern "C" double amx_gflops(double seconds, int mode) {
 #ifdef VLLM_ACCEL_AMX
   if (!amx_permitted()) return -1;
-  constexpr int K = 256;  // A and B: 16 KB each, in L1
-  long total = 0;
+  const bool from_l2 = mode >= 4;
+  const int K = from_l2 ? 1024 : 256, M = from_l2 ? 512 : 32, NB = from_l2 ? 16 : 1;
+  long total = 0;  // tile multiplies (mode 3: tile loads)
   const double t0 = now();
 #pragma omp parallel reduction(+ : total)
   {
     configure_tiles();
-    std::vector<uint16_t> a(32 * K, 0x3f80), w(K * 32, 0x3c00);
+    std::vector<uint16_t> a(M * K, 0x3f80), w(NB * K * 32, 0x3c00);
     _tile_loadd(4, a.data(), K * 2); _tile_loadd(5, a.data() + 16 * K, K * 2);
     _tile_loadd(6, w.data(), 128); _tile_loadd(7, w.data() + 32, 128);
     alignas(64) float sums[4][256];
-    long multiplies = 0;
+    // Group g's tile at step s: rows K apart, or (mode 5) 1 KB in a row.
+    const long a_step = mode == 5 ? 512 : 32, a_row = mode == 5 ? 64 : K * 2;
+    long count = 0;
     while (now() - t0 < seconds) {
-      for (int rep = 0; rep < 1000; ++rep) {
-        for (int s = 0; s < K / 32; ++s) {
-          if (loads) {
-            _tile_loadd(6, w.data() + s * 1024, 128);
-            _tile_loadd(7, w.data() + s * 1024 + 32, 128);
-            _tile_loadd(4, a.data() + s * 32, K * 2);
+      for (int rep = 0; rep < (from_l2 ? 1 : 1000); ++rep)
+        for (int b = 0; b < NB; ++b)
+          for (int g = 0; g < M / 16; g += 2) {
+            const uint16_t *a0 = a.data() + g * 16 * K, *a1 = a0 + 16 * K, *wb = w.data() + b * K * 32;
+            for (int s = 0; s < K / 32; ++s) {
+              if (mode != 0) {
+                _tile_loadd(4, a0 + s * a_step, a_row);
+                _tile_loadd(6, wb + s * 1024, 128);
+              }
+              if (mode != 3) _tile_dpbf16ps(0, 4, 6);
+              if (mode != 0) _tile_loadd(7, wb + s * 1024 + 32, 128);
+              if (mode != 3) _tile_dpbf16ps(1, 4, 7);
+              if (mode != 0) _tile_loadd(5, a1 + s * a_step, a_row);
+              if (mode != 3) { _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); }
+            }
+            if (mode == 2 || from_l2) {  // a store waits for its tile's multiplies to finish
+              _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
+              _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);
+              _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            }
+            count += K / 32 * 4;
           }
-          _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-          if (loads) _tile_loadd(5, a.data() + 16 * K + s * 32, K * 2);
-          _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-        }
-        if (stored) {  // a store waits for its tile's multiplies to finish
-          _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
-          _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        }
-      }
-      multiplies += 1000L * (K / 32) * 4;
     }
     _tile_release();
-    total += multiplies;
+    total += count;
   }
-  return total * 16.0 * 16 * 32 * 2 / (now() - t0) / 1e9;
+  const double elapsed = now() - t0;
+  return mode == 3 ? total * 1024.0 / elapsed / 1e9 : total * 16.0 * 16 * 32 * 2 / elapsed / 1e9;
 #else
   return -1;
 #endif
