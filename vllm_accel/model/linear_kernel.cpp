@@ -433,9 +433,10 @@ constexpr int64_t kSpanBytes = 1280 << 10;
 // load reads 16 consecutive lines rather than 16 rows kp apart; each tile is
 // read once per block, so the copy pays where the blocks are many: the
 // towers' gated MLPs and GELU layers (1,024-4,096 rows, 4,304-6,840 packed
-// columns) ran 1.09-1.17x faster (bfloat16, interleaved pairs of calls,
-// five runs; outputs equal), their plain layers 1.0-1.29x; but 2,048 rows
-// by 128-1,024 columns 0.73-0.96x, and a prompt's 512 rows by run 0.95-1.15x.
+// columns) ran 1.005-1.17x faster by run, their plain layers 0.99-1.29x
+// (bfloat16, medians of interleaved pairs of calls; outputs equal;
+// benchmarks/README.md, thirty-second session); but 2,048 rows by 128-1,024
+// columns 0.73-0.96x, and a prompt's 512 rows by run 0.95-1.15x.
 constexpr int64_t kTiledRows = 1024, kTiledColumns = 2048;  // of the packed weight
 
 // Tiles 0-3 sums (rows of two groups of 16 x two 16-column halves), 4-5 x
