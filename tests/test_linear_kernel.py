@@ -85,15 +85,16 @@ def test_kernel_is_as_accurate_as_onednn(kernel, rows, in_features, out_features
                                       linear_kernel.GELU_TANH])
 def test_amx_rows_copied_into_tiles_compute_what_rows_read_in_place_do(kernel, in_features,
                                                                        epilogue):
-    """From ``amx_tiled_from`` rows and packed columns (an encoder's MLP)
-    the AMX kernel copies x into its tiles before multiplying: every row's
-    output is, bit for bit, what the same row gives in calls of fewer rows
-    (x read in place, or a last partial group and a K not a multiple of 32
-    copied as rows), and as accurate as oneDNN against float64; a last
-    partial group, K a multiple of 32 or not, each epilogue, a bias."""
+    """A call of an encoder MLP's size (1,037 rows into 2,048 packed
+    columns) has the AMX kernel copy x into its tiles before multiplying:
+    every row's output is, bit for bit, what the same row gives in calls of
+    fewer rows (x read in place, or a last partial group and a K not a
+    multiple of 32 copied as rows), and as accurate as oneDNN against
+    float64; a last partial group, K a multiple of 32 or not, each
+    epilogue, a bias."""
     if not kernel.multiplies_on_amx:
         pytest.skip("the AMX kernel's path (this CPU or build has no AMX)")
-    rows, out_features = kernel.amx_tiled_from[0] + 13, kernel.amx_tiled_from[1]
+    rows, out_features = 1037, 2048
     g = torch.Generator().manual_seed(in_features + epilogue)
     x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
     weight = (torch.randn(out_features, in_features, generator=g)
@@ -105,6 +106,8 @@ def test_amx_rows_copied_into_tiles_compute_what_rows_read_in_place_do(kernel, i
         outputs = out_features // 2
     else:
         packed, packed_bias, outputs = linear_kernel.pack(weight), bias, out_features
+    assert kernel.copies_x_into_tiles(rows, outputs, epilogue)
+    assert not kernel.copies_x_into_tiles(500, outputs, epilogue)
     whole = linear_kernel.linear(x, packed, packed_bias, outputs, epilogue)
     parts = torch.cat([linear_kernel.linear(x[i:i + 500], packed, packed_bias, outputs, epilogue)
                        for i in range(0, rows, 500)])

@@ -59,8 +59,8 @@ class LinearKernel:
             function.restype = ctypes.c_int
             function.argtypes = [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int] * 2
         self.multiplies_on_amx = bool(loaded.bf16_on_amx())
-        # AMX: x copied into its tiles from so many rows and packed columns.
-        self.amx_tiled_from = (loaded.amx_tiled_rows(), loaded.amx_tiled_columns())
+        self._copies_x = loaded.amx_copies_x
+        self._copies_x.argtypes = [_I64, _I64, ctypes.c_int]
         self.widens_bfloat16 = bool(loaded.bf16_widened())  # no bfloat16 instructions
         self.vector_lanes = loaded.vector_lanes()  # 16: AVX-512, 8: AVX2 alone
         self._layouts = {dtype: (loaded.packed_block_columns(int(dtype == torch.bfloat16)),
@@ -79,6 +79,11 @@ class LinearKernel:
         build multiplies: 64 and 1 or 2 (float32, bfloat16) with AVX-512, 32
         and 1 or 2 with AVX2, 32 and 32 on AMX tiles (bfloat16)."""
         return self._layouts[dtype]
+
+    def copies_x_into_tiles(self, rows: int, out_features: int, epilogue: int = PLAIN) -> bool:
+        """Whether the AMX kernel copies x into its tiles before multiplying
+        such a call (an encoder's MLP: linear_kernel.cpp, kTiledRows)."""
+        return bool(self._copies_x(rows, out_features, epilogue))
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] -> blocks [out / B, in / P, B, P] (B columns per
