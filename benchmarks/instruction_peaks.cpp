@@ -43,13 +43,14 @@ extern "C" double fma_gflops(double seconds) {
   }
   return total * 12.0 * (sizeof(Vec) / 4) * 2 / (now() - t0) / 1e9;
 }
-// AMX: -1 where this build or the OS has none. mode: 0 multiplies alone; 1
+// AMX, in GFLOP/s (mode 3: GB/s of tile loads); -1 where this build or the
+// OS has none. mode: 0 multiplies alone; 1
 // our kernel's 2x2 loop with A and B loaded from L1; 2 the same with its four
 // sums stored (and zeroed) after every pass over K; 3 the 2x2 loop's tile
 // loads alone (returns GB/s); 4 the 2x2 loop over x and weights from L2 (x
 // [512 rows][K = 1,024], rows 2 KB apart, and 16 blocks of weights: 1 MB
 // each), every pass over K; 5 the same with x laid out in 1 KB tiles.
-extern "C" double amx_gflops(double seconds, int mode) {
+extern "C" double amx_rate(double seconds, int mode) {
 #ifdef VLLM_ACCEL_AMX
   if (!amx_permitted()) return -1;
   const bool from_l2 = mode >= 4;
@@ -71,14 +72,13 @@ extern "C" double amx_gflops(double seconds, int mode) {
         for (int b = 0; b < NB; ++b)
           for (int g = 0; g < M / 16; g += 2) {
             const uint16_t *a0 = a.data() + g * 16 * K, *a1 = a0 + 16 * K, *wb = w.data() + b * K * 32;
-            for (int s = 0; s < K / 32; ++s) {
+            for (int s = 0; s < K / 32; ++s) {  // in the kernel's order (linear_amx)
               if (mode != 0) {
-                _tile_loadd(4, a0 + s * a_step, a_row);
                 _tile_loadd(6, wb + s * 1024, 128);
+                _tile_loadd(7, wb + s * 1024 + 32, 128);
+                _tile_loadd(4, a0 + s * a_step, a_row);
               }
-              if (mode != 3) _tile_dpbf16ps(0, 4, 6);
-              if (mode != 0) _tile_loadd(7, wb + s * 1024 + 32, 128);
-              if (mode != 3) _tile_dpbf16ps(1, 4, 7);
+              if (mode != 3) { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); }
               if (mode != 0) _tile_loadd(5, a1 + s * a_step, a_row);
               if (mode != 3) { _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); }
             }

@@ -37,10 +37,10 @@ def build() -> ctypes.CDLL:
     """The scratch loops (instruction_peaks.cpp) through the engine's own kernel build."""
     library = ctypes.CDLL(str(cpu_kernels.build(BENCH / "instruction_peaks.cpp",
                                                 Path(tempfile.mkdtemp(prefix="vllm-accel-peaks-")))))
-    for name in ("fma_gflops", "amx_gflops", "read_gbs"):
+    for name in ("fma_gflops", "amx_rate", "read_gbs"):
         getattr(library, name).restype = ctypes.c_double
     library.fma_gflops.argtypes = [ctypes.c_double]
-    library.amx_gflops.argtypes = [ctypes.c_double, ctypes.c_int]
+    library.amx_rate.argtypes = [ctypes.c_double, ctypes.c_int]
     library.read_gbs.argtypes = [ctypes.c_double, ctypes.c_long]
     return library
 
@@ -55,12 +55,12 @@ def main() -> None:
     lib, s = build(), args.seconds
     measures = {
         "fp32 FMA, GFLOP/s": lambda: lib.fma_gflops(s),
-        "bf16 AMX, no loads, GFLOP/s": lambda: lib.amx_gflops(s, 0),
-        "bf16 AMX, 2x2 tiles loaded from L1, GFLOP/s": lambda: lib.amx_gflops(s, 1),
-        "bf16 AMX, the same, sums stored every 8 steps, GFLOP/s": lambda: lib.amx_gflops(s, 2),
-        "AMX tile loads alone, from L1, GB/s": lambda: lib.amx_gflops(s, 3),
-        "bf16 AMX, 2x2 from L2, x's rows 2 KB apart, GFLOP/s": lambda: lib.amx_gflops(s, 4),
-        "bf16 AMX, 2x2 from L2, x in 1 KB tiles, GFLOP/s": lambda: lib.amx_gflops(s, 5),
+        "bf16 AMX, no loads, GFLOP/s": lambda: lib.amx_rate(s, 0),
+        "bf16 AMX, 2x2 tiles loaded from L1, GFLOP/s": lambda: lib.amx_rate(s, 1),
+        "bf16 AMX, the same, sums stored every 8 steps, GFLOP/s": lambda: lib.amx_rate(s, 2),
+        "AMX tile loads alone, from L1, GB/s": lambda: lib.amx_rate(s, 3),
+        "bf16 AMX, 2x2 from L2, x's rows 2 KB apart, GFLOP/s": lambda: lib.amx_rate(s, 4),
+        "bf16 AMX, 2x2 from L2, x in 1 KB tiles, GFLOP/s": lambda: lib.amx_rate(s, 5),
         "read 256 MB, GB/s": lambda: lib.read_gbs(s, 256),
         "read 16 MB, GB/s": lambda: lib.read_gbs(s, 16),
     }
