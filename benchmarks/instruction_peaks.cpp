@@ -44,13 +44,16 @@ extern "C" double fma_gflops(double seconds) {
   return total * 12.0 * (sizeof(Vec) / 4) * 2 / (now() - t0) / 1e9;
 }
 // AMX, in GFLOP/s (mode 3: GB/s of tile loads); -1 where this build or the
-// OS has none. mode: 0 multiplies alone; 1
-// our kernel's 2x2 loop with A and B loaded from L1; 2 the same with its four
-// sums stored (and zeroed) after every pass over K; 3 the 2x2 loop's tile
-// loads alone (returns GB/s); 4 the 2x2 loop over x and weights from L2 (x
-// [512 rows][K = 1,024], rows 2 KB apart, and 16 blocks of weights: 1 MB
-// each), every pass over K; 5 the same with x laid out in 1 KB tiles.
-extern "C" double amx_rate(double seconds, int mode) {
+// OS has none. mode: 0 multiplies alone; 1 our kernel's loop with A and B
+// loaded from L1; 2 the same with its sums stored (and zeroed) after every
+// pass over K; 3 the loop's tile loads alone (returns GB/s); 4 the loop over
+// x and weights from L2 (x [512 rows][K = 1,024], rows 2 KB apart, and 16
+// blocks of weights: 1 MB each), every pass over K; 5 the same with x laid
+// out in 1 KB tiles. two_groups: 0 one group of 16 rows a pass, as the
+// kernel runs (tiles 0-1 sums, 4 x, 6-7 weights; 2-3 zeroed each pass, as
+// there); 1 two groups a pass (2 x 2: every tile), as it ran until the
+// thirty-third session.
+extern "C" double amx_rate(double seconds, int mode, int two_groups) {
 #ifdef VLLM_ACCEL_AMX
   if (!amx_permitted()) return -1;
   const bool from_l2 = mode >= 4;
@@ -70,7 +73,7 @@ extern "C" double amx_rate(double seconds, int mode) {
     while (now() - t0 < seconds) {
       for (int rep = 0; rep < (from_l2 ? 1 : 1000); ++rep)
         for (int b = 0; b < NB; ++b)
-          for (int g = 0; g < M / 16; g += 2) {
+          for (int g = 0; g < M / 16; g += two_groups ? 2 : 1) {
             const uint16_t *a0 = a.data() + g * 16 * K, *a1 = a0 + 16 * K, *wb = w.data() + b * K * 32;
             for (int s = 0; s < K / 32; ++s) {  // in the kernel's order (linear_amx)
               if (mode != 0) {
@@ -79,15 +82,18 @@ extern "C" double amx_rate(double seconds, int mode) {
                 _tile_loadd(4, a0 + s * a_step, a_row);
               }
               if (mode != 3) { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); }
+              if (!two_groups) continue;
               if (mode != 0) _tile_loadd(5, a1 + s * a_step, a_row);
               if (mode != 3) { _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); }
             }
             if (mode == 2 || from_l2) {  // a store waits for its tile's multiplies to finish
               _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
-              _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);
+              if (two_groups) { _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64); }
               _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            } else if (!two_groups) {
+              _tile_zero(2); _tile_zero(3);
             }
-            count += K / 32 * 4;
+            count += K / 32 * (two_groups ? 4 : 2);
           }
     }
     _tile_release();

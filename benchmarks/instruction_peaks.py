@@ -4,12 +4,14 @@ the ceilings the roofline line of throughput.py is read against.
 
   fp32 FMA      AVX-512 (or AVX2) fused multiply-adds on registers alone, 12 chains a thread
   AMX, no loads TDPBF16PS on tiles already loaded (the AMX unit's own rate)
-  AMX, 2x2      the loop shape of our AMX linear kernel: two row tiles and two weight tiles
-                loaded from L1 for every four multiplies; and the same with the four sums
-                stored after every pass over a K of 256 (a store waits for its tile's chain)
-  tile loads    that loop's loads alone, from L1, in GB/s: the 2x2 loop loads 1 KB for every
-                32,768 flops, so N GB/s of loads caps it at 32 N GFLOP/s
-  AMX from L2   the 2x2 loop over x (512 rows of K = 1,024) and weights (16 blocks) of 1 MB
+  AMX, 1 group  the loop shape of our AMX linear kernel: one row tile and two weight tiles
+                loaded from L1 for every two multiplies (five tiles in use)
+  AMX, 2x2      the loop it ran until the thirty-third session: two row tiles and two weight
+                tiles for every four multiplies (all eight tiles); and the same with the four
+                sums stored after every pass over a K of 256 (a store waits for its tile's chain)
+  tile loads    the 2x2 loop's loads alone, from L1, in GB/s: it loads 1 KB for every 32,768
+                flops, so N GB/s of loads caps it at 32 N GFLOP/s
+  AMX from L2   both loops over x (512 rows of K = 1,024) and weights (16 blocks) of 1 MB
                 each, what a prompt's call reads from L2: x's rows 2 KB apart, as our kernel
                 reads them up to 1,024 rows, or laid out in 1 KB tiles, as it copies an
                 encoder's MLP rows
@@ -40,7 +42,7 @@ def build() -> ctypes.CDLL:
     for name in ("fma_gflops", "amx_rate", "read_gbs"):
         getattr(library, name).restype = ctypes.c_double
     library.fma_gflops.argtypes = [ctypes.c_double]
-    library.amx_rate.argtypes = [ctypes.c_double, ctypes.c_int]
+    library.amx_rate.argtypes = [ctypes.c_double, ctypes.c_int, ctypes.c_int]
     library.read_gbs.argtypes = [ctypes.c_double, ctypes.c_long]
     return library
 
@@ -55,12 +57,17 @@ def main() -> None:
     lib, s = build(), args.seconds
     measures = {
         "fp32 FMA, GFLOP/s": lambda: lib.fma_gflops(s),
-        "bf16 AMX, no loads, GFLOP/s": lambda: lib.amx_rate(s, 0),
-        "bf16 AMX, 2x2 tiles loaded from L1, GFLOP/s": lambda: lib.amx_rate(s, 1),
-        "bf16 AMX, the same, sums stored every 8 steps, GFLOP/s": lambda: lib.amx_rate(s, 2),
-        "AMX tile loads alone, from L1, GB/s": lambda: lib.amx_rate(s, 3),
-        "bf16 AMX, 2x2 from L2, x's rows 2 KB apart, GFLOP/s": lambda: lib.amx_rate(s, 4),
-        "bf16 AMX, 2x2 from L2, x in 1 KB tiles, GFLOP/s": lambda: lib.amx_rate(s, 5),
+        "bf16 AMX, no loads, GFLOP/s": lambda: lib.amx_rate(s, 0, 1),
+        "bf16 AMX, 1 group a pass, tiles loaded from L1, GFLOP/s": lambda: lib.amx_rate(s, 1, 0),
+        "bf16 AMX, 2x2 tiles loaded from L1, GFLOP/s": lambda: lib.amx_rate(s, 1, 1),
+        "bf16 AMX, the same, sums stored every 8 steps, GFLOP/s": lambda: lib.amx_rate(s, 2, 1),
+        "AMX tile loads alone, from L1, GB/s": lambda: lib.amx_rate(s, 3, 1),
+        "bf16 AMX, 1 group a pass from L2, x's rows 2 KB apart, GFLOP/s":
+            lambda: lib.amx_rate(s, 4, 0),
+        "bf16 AMX, 1 group a pass from L2, x in 1 KB tiles, GFLOP/s":
+            lambda: lib.amx_rate(s, 5, 0),
+        "bf16 AMX, 2x2 from L2, x's rows 2 KB apart, GFLOP/s": lambda: lib.amx_rate(s, 4, 1),
+        "bf16 AMX, 2x2 from L2, x in 1 KB tiles, GFLOP/s": lambda: lib.amx_rate(s, 5, 1),
         "read 256 MB, GB/s": lambda: lib.read_gbs(s, 256),
         "read 16 MB, GB/s": lambda: lib.read_gbs(s, 16),
     }

@@ -451,8 +451,16 @@ inline bool amx_copies_x(int64_t m_size, int64_t n_size, Epilogue epilogue) {
   return m_size >= kTiledRows && packed_columns >= kTiledColumns;
 }
 
-// Tiles 0-3 sums (rows of two groups of 16 x two 16-column halves), 4-5 x
-// (a group's 16 rows x 32 along K), 6-7 weights (16 pairs along K x 16 columns).
+// One group of 16 rows a pass: tiles 0-1 its sums (two 16-column halves), 4
+// its x (16 rows x 32 along K), 6-7 weights (16 pairs along K x 16 columns).
+// Until the thirty-third session a pass took two groups (2 x 2 tiles: every
+// weight tile multiplied twice, all eight tiles in use). One group a pass
+// reads each block's weights once a group, yet ran 1.2-1.5x faster at
+// 512-4,096 rows and 1.26-1.46x at a decode's 32-48 rows (bfloat16 on the
+// Xeon model 207, interleaved calls, outputs equal; benchmarks/README.md).
+// Scratch loops place it in the tiles: a loop on five of them ran 1.6-1.8x
+// the 2 x 2 loop's rate in one phase of this VM, 0.9-1.1x in another
+// (benchmarks/instruction_peaks.py runs both).
 int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                int64_t m_size, int64_t n_size, int64_t k_size, Epilogue epilogue,
                int num_threads) {
@@ -487,14 +495,14 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
     return g < in_place ? x + g * 16 * kp : padded.data() + (g - in_place) * 16 * kp;
   };
   const int64_t block_elements = kp * kAmxBlock, step_elements = kAmxStep * kAmxBlock;
-  // Rows in spans of whole pairs of groups whose x fits in L2 (every block's
-  // passes read their rows' whole K): all the weights are read once a span.
+  // Rows in spans of groups whose x fits in L2 (every block's passes read
+  // their rows' whole K): all the weights are read once a span.
   const int64_t spans = (groups * 16 * kp * 2 + kSpanBytes - 1) / kSpanBytes;
-  const int64_t span_groups = ((groups + spans - 1) / spans + 1) / 2 * 2;
-  // The next block's lines, spread over this block's passes (one per pair of
-  // row groups) and steps: the tiles multiply while DRAM streams.
+  const int64_t span_groups = (groups + spans - 1) / spans;
+  // The next block's lines, spread over this block's passes (one per group)
+  // and steps: the tiles multiply while DRAM streams.
   const int64_t block_lines = block_elements * 2 / 64;
-  const int64_t passes = (std::min(groups, span_groups) + 1) / 2;
+  const int64_t passes = std::min(groups, span_groups);
   const int64_t lines_per_step = (block_lines + passes * steps - 1) / (passes * steps);
 #pragma omp parallel num_threads(num_threads)
   {
@@ -518,23 +526,23 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
     // with the 1.25 MB spans above; the towers' gated MLP (Qwen2.5-VL, 4,096
     // rows) 37.6 -> 28.6 and GELU fc1 (SigLIP, 3,645) 24.6 -> 16.8 (scratch
     // runs; benchmarks/README.md, twenty-second session).
-    alignas(64) float sums[2][2][2][256];  // [buffer][group of the pass][half]
-    struct Pass {  // whose sums wait: block, first group, real rows, rows stored
+    alignas(64) float sums[2][2][256];  // [buffer][half]
+    struct Pass {  // whose sums wait: block, group, real rows, rows stored
       int64_t block = 0, group = 0;
       int rows = 0, stored = 0, buffer = 0;
     };
     Pass pending;
-    // steps x rows_per_step >= 32: a pass's rows are all stored by the end of the next.
-    const int rows_per_step = static_cast<int>((32 + steps - 1) / steps);
+    // steps x rows_per_step >= 16: a pass's rows are all stored by the end of the next.
+    const int rows_per_step = static_cast<int>((16 + steps - 1) / steps);
     auto store_rows = [&](int upto) {  // the pending pass's rows [stored, upto)
       for (; pending.stored < upto; ++pending.stored) {
-        const int r = pending.stored % 16;
-        const int64_t row = (pending.group + pending.stored / 16) * 16 + r;
+        const int r = pending.stored;
+        const int64_t row = pending.group * 16 + r;
         const int64_t column = pending.block * block_columns;
         const Output<uint16_t> out{y + row * n_size + column, n_size,
                                    std::min(block_columns, n_size - column),
                                    bias ? bias + pending.block * kAmxBlock : nullptr, epilogue};
-        const float(&tiles)[2][256] = sums[pending.buffer][pending.stored / 16];  // two halves
+        const float(&tiles)[2][256] = sums[pending.buffer];  // two halves
         store_block<BFloat16>(out, 1, 2,
                               [&](int, int half) { return _mm512_load_ps(tiles[half] + r * 16); });
       }
@@ -548,17 +556,17 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
         const uint16_t* wb = w + b * block_elements;
         const char* next = b + 1 < blocks ? reinterpret_cast<const char*>(wb + block_elements)
                                           : nullptr;
-        for (int64_t g = span; g < span_end; g += 2) {
-          const bool two = g + 1 < span_end;
-          const uint16_t* a0 = group_rows(g);
-          const uint16_t* a1 = two ? group_rows(g + 1) : nullptr;
+        for (int64_t g = span; g < span_end; ++g) {
+          const uint16_t* group_x = group_rows(g);
           _tile_zero(0);
           _tile_zero(1);
+          // Unused, yet zeroed each pass: without, the passes ran 1.3-1.5x
+          // slower (three shapes, interleaved; why is not known).
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t s = 0; s < steps; ++s) {
             if (next) {
-              const int64_t first = ((g - span) / 2 * steps + s) * lines_per_step;
+              const int64_t first = ((g - span) * steps + s) * lines_per_step;
               const int64_t last = std::min(first + lines_per_step, block_lines);
               for (int64_t line = first; line < last; ++line)
                 _mm_prefetch(next + line * 64, _MM_HINT_T1);
@@ -566,26 +574,16 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
             const uint16_t* ws = wb + s * step_elements;
             _tile_loadd(6, ws, kAmxBlock * 4);
             _tile_loadd(7, ws + 32, kAmxBlock * 4);
-            _tile_loadd(4, a0 + s * a_step, a_row_bytes);
+            _tile_loadd(4, group_x + s * a_step, a_row_bytes);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-              _tile_loadd(5, a1 + s * a_step, a_row_bytes);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-            }
             if (pending.stored < pending.rows)
               store_rows(std::min(pending.rows, pending.stored + rows_per_step));
           }
           const int buffer = pending.buffer ^ 1;
-          _tile_stored(0, sums[buffer][0][0], 64);
-          _tile_stored(1, sums[buffer][0][1], 64);
-          if (two) {
-            _tile_stored(2, sums[buffer][1][0], 64);
-            _tile_stored(3, sums[buffer][1][1], 64);
-          }
-          pending = Pass{b, g, static_cast<int>(std::min<int64_t>(two ? 32 : 16, m_size - g * 16)),
-                         0, buffer};
+          _tile_stored(0, sums[buffer][0], 64);
+          _tile_stored(1, sums[buffer][1], 64);
+          pending = Pass{b, g, static_cast<int>(std::min<int64_t>(16, m_size - g * 16)), 0, buffer};
         }
       }
     }
