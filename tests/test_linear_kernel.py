@@ -318,28 +318,31 @@ def test_bfloat16_where_onednn_packs_none_runs_by_the_kernel_alone(kernel, monke
         assert (run().float() - expected.float()).abs().max() <= 0.02 * expected.float().abs().max()
 
 
-@pytest.mark.parametrize("widened", [True, False])
-def test_bfloat16_widened_runs_by_the_kernel_wherever_it_can(kernel, monkeypatch, widened):
+@pytest.mark.parametrize("widened, on_amx", [(True, False), (False, True), (False, False)])
+def test_bfloat16_widened_or_on_amx_runs_by_the_kernel_wherever_it_can(kernel, monkeypatch,
+                                                                       widened, on_amx):
     """Where oneDNN packs bfloat16 and our kernel widens it (AVX-512 without
-    BF16: oneDNN's is emulated there), our kernel runs every layer it can,
-    an encoder's too, and a GELU it has no epilogue for runs after it, not
-    as oneDNN's post-op; where the kernel multiplies bfloat16, an encoder's
-    plain layers and a layer with that GELU stay oneDNN's. Outputs as
-    unpacked either way."""
+    BF16: oneDNN's is emulated there) or multiplies it on AMX tiles, our
+    kernel runs every layer it can, an encoder's too, and a GELU it has no
+    epilogue for runs after it, not as oneDNN's post-op; where the kernel
+    multiplies bfloat16 by AVX-512 BF16, an encoder's plain layers and a
+    layer with that GELU stay oneDNN's. Outputs as unpacked either way."""
     from vllm_accel import compat
 
     if torch.bfloat16 not in kernel.dtypes or not compat.onednn_packs_dtype(torch.bfloat16):
         pytest.skip("needs bfloat16 in both our kernel and oneDNN")
     monkeypatch.setattr(kernel, "widens_bfloat16", widened)
+    monkeypatch.setattr(kernel, "multiplies_on_amx", on_amx)
+    everywhere = widened or on_amx
     model, run = _encoder_and_decoder("none")
     with torch.inference_mode():
         expected = run()
         assert pack_linear_layers(model, decoder=model["decoder"]) == 6  # oneDNN packs the rest
         encoder_block, decoder_block = model["encoder"][0], model["decoder"][1]
-        assert model["encoder"][1].by_kernel == widened  # an encoder's plain layer
+        assert model["encoder"][1].by_kernel == everywhere  # an encoder's plain layer
         assert not model["decoder"][0].by_kernel  # odd input size: oneDNN's
         for block in (encoder_block, decoder_block):  # exact GELU: no epilogue of ours
-            assert block.w1.by_kernel == widened  # else oneDNN's, with its post-op
+            assert block.w1.by_kernel == everywhere  # else oneDNN's, with its post-op
             assert block.w1.post_op == (("none", "") if block.w1.by_kernel else ("gelu", "none"))
             assert isinstance(block.a, nn.GELU) == block.w1.by_kernel
         assert (run().float() - expected.float()).abs().max() <= 0.02 * expected.float().abs().max()

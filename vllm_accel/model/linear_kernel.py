@@ -164,11 +164,15 @@ def runs(dtype: torch.dtype) -> bool:
     return _kernel is not None and dtype in _kernel.dtypes
 
 
-def widens(dtype: torch.dtype) -> bool:
-    """Whether the loaded kernel runs layers of ``dtype`` by widening it to
-    float32: bfloat16 on a CPU without bfloat16 instructions, where oneDNN's
-    own bfloat16 (if any) is emulated and slower than ours at every size."""
-    return runs(dtype) and dtype == torch.bfloat16 and _kernel.widens_bfloat16
+def runs_encoders(dtype: torch.dtype) -> bool:
+    """Whether the loaded kernel runs an encoder's layers of ``dtype`` too,
+    not only a decoder's: bfloat16 where it widens it to float32 (a CPU
+    without bfloat16 instructions: oneDNN's own, if any, is emulated and
+    slower than ours at every size), or multiplies it on AMX tiles (one row
+    group a pass: 1.05-1.38x oneDNN's packed matmul at the towers' plain
+    shapes, 2,308-4,096 rows; benchmarks/README.md, thirty-third session)."""
+    return (runs(dtype) and dtype == torch.bfloat16
+            and (_kernel.widens_bfloat16 or _kernel.multiplies_on_amx))
 
 
 def packs(weight: torch.Tensor) -> bool:

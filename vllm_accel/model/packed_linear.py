@@ -20,8 +20,9 @@ keeps).
 
 Our kernel is for the rows a decoder brings (a decode step's tens, a
 prompt chunk's hundreds); an encoder's calls of thousands of rows stay
-oneDNN's, whose cache blocking wins there (on AMX ~1.5x ours at 2,048
-rows in a scratch loop; about even without AMX).
+oneDNN's, whose cache blocking wins there in float32, but for bfloat16 on
+AMX tiles (since the kernel takes one row group a pass, 1.05-1.38x oneDNN's
+at the towers' plain shapes) or widened (``linear_kernel.runs_encoders``).
 
 An FMS feed-forward block's activation (GELU, ReLU, SiLU) runs inside its
 first matmul as a oneDNN post-op: the [rows, hidden] activations are written
@@ -190,12 +191,13 @@ def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> in
     Where our kernel widens bfloat16 (a CPU without its instructions), it
     runs every layer it can, an encoder's too: oneDNN's bfloat16 there is
     emulated (on a Skylake-SP, 2.3-2.8x slower than ours at a tower's 1,024-4,096
-    rows, 2.5-3.7x at a decoder's 8-512; benchmarks/README.md)."""
+    rows, 2.5-3.7x at a decoder's 8-512; benchmarks/README.md). So it does
+    where it multiplies bfloat16 on AMX tiles (``linear_kernel.runs_encoders``)."""
     dtype = next(model.parameters()).dtype
     onednn = compat.onednn_packs_dtype(dtype)
     if not onednn and not linear_kernel.runs(dtype):
         return 0
-    kernel_first = not onednn or linear_kernel.widens(dtype)
+    kernel_first = not onednn or linear_kernel.runs_encoders(dtype)
     # Gated MLPs, an encoder's too: silu(gate) * up by our kernel (GatedUnit).
     gated = 0
     for parent in list(model.modules()):
