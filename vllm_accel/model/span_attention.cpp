@@ -358,8 +358,12 @@ int span_attention(const typename T::E* q, const typename T::E* k, const typenam
 
 #if defined(VLLM_ACCEL_AMX)
 // bfloat16 on AMX tiles (where the build has them): the same three steps for
-// blocks of 32 query rows (two row tiles), each product 2 x 2 tiles at a time
-// (tdpbf16ps: exact products, float32 sums), the softmax as above.
+// blocks of 32 query rows (two row tiles), each product one row tile by two
+// column tiles at a time (tdpbf16ps: exact products, float32 sums), the
+// softmax as above. One row tile a pass, as the linear kernel's (whose
+// comment says why; tiles 2-3 zeroed each pass as there): the towers' and a
+// prompt's shapes ran 1.08-1.16x and 1.08-1.14x faster than two row tiles a
+// pass in two runs, 0.92-1.07x in a third (benchmarks/README.md).
 constexpr int kAmxRows = 32;
 
 // 2^t for finite t <= 0, to the precision bfloat16 probabilities need: a
@@ -460,61 +464,54 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
                     dim * sizeof(E));
       const E* keys = packed.get() + (b * kv_heads + h / group) * (key_size + value_size);
       const E* values = keys + key_size;
-      // Scores, 32 rows x 32 keys a step (tiles 0-3), rows 4-5, keys 6-7.
+      // Scores, 32 keys a step for one group of 16 rows a pass (tiles 0-1),
+      // its rows 4, keys 6-7.
       for (int64_t j = lo; j < hi; j += kKeys) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
         const E* key_tiles = keys + j / 16 * pairs * 32;
-        for (int64_t d = 0; d < dim32; d += 32) {
-          _tile_loadd(4, query.get() + d, dim32 * 2);
-          _tile_loadd(5, query.get() + 16 * dim32 + d, dim32 * 2);
-          _tile_loadd(6, key_tiles + d * 16, 64);
-          _tile_loadd(7, key_tiles + pairs * 32 + d * 16, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
         float* s = scores.get() + j;
-        _tile_stored(0, s, n_pad * 4);
-        _tile_stored(1, s + 16, n_pad * 4);
-        _tile_stored(2, s + 16 * n_pad, n_pad * 4);
-        _tile_stored(3, s + 16 * n_pad + 16, n_pad * 4);
+        for (int g = 0; g < 2; ++g) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t d = 0; d < dim32; d += 32) {
+            _tile_loadd(4, query.get() + g * 16 * dim32 + d, dim32 * 2);
+            _tile_loadd(6, key_tiles + d * 16, 64);
+            _tile_loadd(7, key_tiles + pairs * 32 + d * 16, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          _tile_stored(0, s + g * 16 * n_pad, n_pad * 4);
+          _tile_stored(1, s + g * 16 * n_pad + 16, n_pad * 4);
+        }
       }
       float inv_sum[kAmxRows];
       for (int r = 0; r < kAmxRows; ++r)
         inv_sum[r] = 1.0f / softmax_row<BFloat16, exp2_for_bfloat16>(
             scores.get() + r * n_pad, lo, hi, spans.first[r], spans.last[r], scale,
             probs.get() + r * n_pad);
-      // Weighted values, 32 rows x 32 of the head dimension a pass (tiles
-      // 0-3), probabilities 4-5 (32 keys a step), values 6-7 (16 pairs of
-      // keys x 16 of the head dimension).
+      // Weighted values, one group of 16 rows x 32 of the head dimension a
+      // pass (tiles 0-1), its probabilities 4 (32 keys a step), values 6-7
+      // (16 pairs of keys x 16 of the head dimension).
       for (int64_t d = 0; d < dim_pad; d += 32) {
         const bool two = d + 16 < dim_pad;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t j = lo; j < hi; j += kKeys) {
-          const E* value_tiles = values + (j / 2 * dim_pad + d) * 2;
-          _tile_loadd(4, probs.get() + j, n_pad * 2);
-          _tile_loadd(5, probs.get() + 16 * n_pad + j, n_pad * 2);
-          _tile_loadd(6, value_tiles, dim_pad * 4);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(2, 5, 6);
-          if (two) {
-            _tile_loadd(7, value_tiles + 32, dim_pad * 4);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
+        for (int g = 0; g < 2; ++g) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t j = lo; j < hi; j += kKeys) {
+            const E* value_tiles = values + (j / 2 * dim_pad + d) * 2;
+            _tile_loadd(4, probs.get() + g * 16 * n_pad + j, n_pad * 2);
+            _tile_loadd(6, value_tiles, dim_pad * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) {
+              _tile_loadd(7, value_tiles + 32, dim_pad * 4);
+              _tile_dpbf16ps(1, 4, 7);
+            }
           }
-        }
-        _tile_stored(0, o.get() + d, dim_pad * 4);
-        _tile_stored(2, o.get() + 16 * dim_pad + d, dim_pad * 4);
-        if (two) {
-          _tile_stored(1, o.get() + d + 16, dim_pad * 4);
-          _tile_stored(3, o.get() + 16 * dim_pad + d + 16, dim_pad * 4);
+          _tile_stored(0, o.get() + g * 16 * dim_pad + d, dim_pad * 4);
+          if (two) _tile_stored(1, o.get() + g * 16 * dim_pad + d + 16, dim_pad * 4);
         }
       }
       E* result = out + (b * n + r0) * out_row + h * dim;
