@@ -455,9 +455,10 @@ inline bool amx_copies_x(int64_t m_size, int64_t n_size, Epilogue epilogue) {
 // its x (16 rows x 32 along K), 6-7 weights (16 pairs along K x 16 columns).
 // Until the thirty-third session a pass took two groups (2 x 2 tiles: every
 // weight tile multiplied twice, all eight tiles in use). One group a pass
-// reads each block's weights once a group, yet ran 1.2-1.5x faster at
-// 512-4,096 rows and 1.26-1.46x at a decode's 32-48 rows (bfloat16 on the
-// Xeon model 207, interleaved calls, outputs equal; benchmarks/README.md).
+// reads each block's weights once a group, yet ran 1.03-1.71x faster by run
+// at 512-4,096 rows (most runs 1.2-1.5x) and 1.24-1.49x at a decode's 32-64
+// rows, weights from DRAM (bfloat16 on the Xeon model 207, interleaved
+// calls, outputs equal; benchmarks/README.md).
 // Scratch loops place it in the tiles: a loop on five of them ran 1.6-1.8x
 // the 2 x 2 loop's rate in one phase of this VM, 0.9-1.1x in another
 // (benchmarks/instruction_peaks.py runs both).
