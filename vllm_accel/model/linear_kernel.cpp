@@ -40,11 +40,11 @@
 // sweeps whose x fits in L2: kSpanBytes; a pass's stores behind the next
 // pass's multiplies) and 0.68-1.02x at a tower's 3,645-4,096 in a scratch
 // loop (oneDNN blocks K for caches, this does not: at a K of 3,420-4,304 a
-// sweep holds ~150 rows), so encoders stay oneDNN's (packed_linear.py), but
-// for their gated MLPs and GELU (tanh) layers (the epilogues below). (With
-// x copied into its tiles, kTiledRows below, a tower's plain layers ran
-// 0.91-1.09x oneDNN's in one phase of this VM, 0.74-0.75x in a faster one,
-// where untiled they ran 0.75-0.86x: still oneDNN's.)
+// sweep holds ~150 rows), so encoders stayed oneDNN's but for their gated
+// MLPs and GELU (tanh) layers (the epilogues below). Since passes take one
+// group of rows (linear_amx), the towers' plain layers run 0.91-1.41x
+// oneDNN's (below 1 at a K of 3,420-4,304, the weights not in cache), so on
+// AMX an encoder's layers are ours too (packed_linear.py).
 //
 // Gated (a gated MLP's gate and up projections as one weight, each block
 // half gate and half up columns): the sums are stored as silu(gate) * up, so
@@ -459,9 +459,9 @@ inline bool amx_copies_x(int64_t m_size, int64_t n_size, Epilogue epilogue) {
 // at 512-4,096 rows (most runs 1.2-1.5x) and 1.24-1.49x at a decode's 32-64
 // rows, weights from DRAM (bfloat16 on the Xeon model 207, interleaved
 // calls, outputs equal; benchmarks/README.md).
-// Scratch loops place it in the tiles: a loop on five of them ran 1.6-1.8x
-// the 2 x 2 loop's rate in one phase of this VM, 0.9-1.1x in another
-// (benchmarks/instruction_peaks.py runs both).
+// In scratch loops one on five tiles ran 1.6-1.8x the 2 x 2 loop's rate in
+// one phase of this VM and 0.9-1.1x in another (benchmarks/instruction_peaks.py
+// runs both); why is not settled.
 int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                int64_t m_size, int64_t n_size, int64_t k_size, Epilogue epilogue,
                int num_threads) {
@@ -561,8 +561,8 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
           const uint16_t* group_x = group_rows(g);
           _tile_zero(0);
           _tile_zero(1);
-          // Unused, yet zeroed each pass: without, the passes ran 1.3-1.5x
-          // slower (three shapes, interleaved; why is not known).
+          // Unused, yet zeroed each pass: without, the passes ran 1.17-1.29x
+          // slower (four shapes, interleaved; why is not known).
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t s = 0; s < steps; ++s) {
