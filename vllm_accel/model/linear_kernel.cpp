@@ -43,8 +43,10 @@
 // sweep holds ~150 rows), so encoders stayed oneDNN's but for their gated
 // MLPs and GELU (tanh) layers (the epilogues below). Since passes take one
 // group of rows (linear_amx), the towers' plain layers run 0.91-1.41x
-// oneDNN's (below 1 at a K of 3,420-4,304, the weights not in cache), so on
-// AMX an encoder's layers are ours too (packed_linear.py).
+// oneDNN's (below 1 at SigLIP's fc2 and Qwen2.5-VL's down, K 4,304 and
+// 3,420 at 3,645-4,096 rows, the weights not in cache; Molmo's fc2, K 4,096
+// at 2,308 rows, 1.38x), so on AMX an encoder's layers are ours too
+// (packed_linear.py).
 //
 // Gated (a gated MLP's gate and up projections as one weight, each block
 // half gate and half up columns): the sums are stored as silu(gate) * up, so
@@ -559,12 +561,7 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
                                           : nullptr;
         for (int64_t g = span; g < span_end; ++g) {
           const uint16_t* group_x = group_rows(g);
-          _tile_zero(0);
-          _tile_zero(1);
-          // Unused, yet zeroed each pass: without, the passes ran 1.17-1.29x
-          // slower (four shapes, interleaved; why is not known).
-          _tile_zero(2);
-          _tile_zero(3);
+          zero_pass_sums();
           for (int64_t s = 0; s < steps; ++s) {
             if (next) {
               const int64_t first = ((g - span) * steps + s) * lines_per_step;

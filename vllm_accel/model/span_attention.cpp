@@ -360,10 +360,10 @@ int span_attention(const typename T::E* q, const typename T::E* k, const typenam
 // bfloat16 on AMX tiles (where the build has them): the same three steps for
 // blocks of 32 query rows (two row tiles), each product one row tile by two
 // column tiles at a time (tdpbf16ps: exact products, float32 sums), the
-// softmax as above. One row tile a pass, as the linear kernel's (whose
-// comment says why; tiles 2-3 zeroed each pass as there): the towers' and a
-// prompt's shapes ran 1.08-1.16x and 1.08-1.14x faster than two row tiles a
-// pass in two runs, 0.92-1.07x in a third (benchmarks/README.md).
+// softmax as above. One row tile a pass, as the linear kernel's
+// (zero_pass_sums: amx_tiles.h): the towers' and a prompt's shapes ran
+// 1.08-1.16x and 1.08-1.14x faster than two row tiles a pass in two runs,
+// 0.92-1.07x in a third (benchmarks/README.md).
 constexpr int kAmxRows = 32;
 
 // 2^t for finite t <= 0, to the precision bfloat16 probabilities need: a
@@ -470,10 +470,7 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
         const E* key_tiles = keys + j / 16 * pairs * 32;
         float* s = scores.get() + j;
         for (int g = 0; g < 2; ++g) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
+          zero_pass_sums();
           for (int64_t d = 0; d < dim32; d += 32) {
             _tile_loadd(4, query.get() + g * 16 * dim32 + d, dim32 * 2);
             _tile_loadd(6, key_tiles + d * 16, 64);
@@ -496,10 +493,7 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       for (int64_t d = 0; d < dim_pad; d += 32) {
         const bool two = d + 16 < dim_pad;
         for (int g = 0; g < 2; ++g) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
+          zero_pass_sums();
           for (int64_t j = lo; j < hi; j += kKeys) {
             const E* value_tiles = values + (j / 2 * dim_pad + d) * 2;
             _tile_loadd(4, probs.get() + g * 16 * n_pad + j, n_pad * 2);
