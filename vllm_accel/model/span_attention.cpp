@@ -456,9 +456,10 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       const int64_t bh = task / blocks, r0 = task % blocks * kAmxRows;
       const int64_t b = bh / heads, h = bh % heads;
       const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, n - r0));
+      const int row_tiles = rows > 16 ? 2 : 1;  // a last block of 16 rows or fewer: one
       const RowSpans<kAmxRows> spans(ranges, causal, b, n, n_keys, r0, rows);
       const int64_t lo = spans.lo, hi = spans.hi;
-      for (int r = 0; r < kAmxRows; ++r)  // past dim: zeros since allocation
+      for (int r = 0; r < row_tiles * 16; ++r)  // past dim: zeros since allocation
         std::memcpy(query.get() + r * dim32,
                     q + b * q_batch_stride + (r0 + std::min(r, rows - 1)) * q_token_stride + h * dim,
                     dim * sizeof(E));
@@ -469,7 +470,7 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       for (int64_t j = lo; j < hi; j += kKeys) {
         const E* key_tiles = keys + j / 16 * pairs * 32;
         float* s = scores.get() + j;
-        for (int g = 0; g < 2; ++g) {
+        for (int g = 0; g < row_tiles; ++g) {
           zero_pass_sums();
           for (int64_t d = 0; d < dim32; d += 32) {
             _tile_loadd(4, query.get() + g * 16 * dim32 + d, dim32 * 2);
@@ -483,7 +484,7 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
         }
       }
       float inv_sum[kAmxRows];
-      for (int r = 0; r < kAmxRows; ++r)
+      for (int r = 0; r < row_tiles * 16; ++r)
         inv_sum[r] = 1.0f / softmax_row<BFloat16, exp2_for_bfloat16>(
             scores.get() + r * n_pad, lo, hi, spans.first[r], spans.last[r], scale,
             probs.get() + r * n_pad);
@@ -492,7 +493,7 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       // (16 pairs of keys x 16 of the head dimension).
       for (int64_t d = 0; d < dim_pad; d += 32) {
         const bool two = d + 16 < dim_pad;
-        for (int g = 0; g < 2; ++g) {
+        for (int g = 0; g < row_tiles; ++g) {
           zero_pass_sums();
           for (int64_t j = lo; j < hi; j += kKeys) {
             const E* value_tiles = values + (j / 2 * dim_pad + d) * 2;
