@@ -50,8 +50,8 @@ extern "C" double fma_gflops(double seconds) {
 // x and weights from L2 (x [512 rows][K = 1,024], rows 2 KB apart, and 16
 // blocks of weights: 1 MB each), every pass over K; 5 the same with x laid
 // out in 1 KB tiles. two_groups: 0 one group of 16 rows a pass, as the
-// kernel runs (tiles 0-1 sums, 4 x, 6-7 weights; 2-3 zeroed each pass, as
-// there); 1 two groups a pass (2 x 2: every tile), as it ran until the
+// kernel runs (tiles 0-1 sums, 4 x, 6-7 weights; zero_pass_sums each pass,
+// as there); 1 two groups a pass (2 x 2: every tile), as it ran until the
 // thirty-third session.
 extern "C" double amx_rate(double seconds, int mode, int two_groups) {
 #ifdef VLLM_ACCEL_AMX
@@ -89,10 +89,8 @@ extern "C" double amx_rate(double seconds, int mode, int two_groups) {
             if (mode == 2 || from_l2) {  // a store waits for its tile's multiplies to finish
               _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
               if (two_groups) { _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64); }
-              _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            } else if (!two_groups) {
-              _tile_zero(2); _tile_zero(3);
             }
+            if (mode == 2 || from_l2 || !two_groups) zero_pass_sums();  // as the kernels start a pass
             count += K / 32 * (two_groups ? 4 : 2);
           }
     }
