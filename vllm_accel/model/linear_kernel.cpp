@@ -502,11 +502,10 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
   // their rows' whole K): all the weights are read once a span.
   const int64_t spans = (groups * 16 * kp * 2 + kSpanBytes - 1) / kSpanBytes;
   const int64_t span_groups = (groups + spans - 1) / spans;
-  // The next block's lines, spread over this block's passes (one per group)
-  // and steps: the tiles multiply while DRAM streams.
+  // The next block's lines, spread over this block's passes (one per group
+  // of a span) and steps: the tiles multiply while DRAM streams.
   const int64_t block_lines = block_elements * 2 / 64;
-  const int64_t passes = std::min(groups, span_groups);
-  const int64_t lines_per_step = (block_lines + passes * steps - 1) / (passes * steps);
+  const int64_t lines_per_step = (block_lines + span_groups * steps - 1) / (span_groups * steps);
 #pragma omp parallel num_threads(num_threads)
   {
     configure_tiles();
