@@ -88,8 +88,9 @@ def test_amx_rows_copied_into_tiles_compute_what_rows_read_in_place_do(kernel, i
     """A call of an encoder MLP's size (1,037 rows into 2,048 packed
     columns) has the AMX kernel copy x into its tiles before multiplying:
     every row's output is, bit for bit, what the same row gives in calls of
-    fewer rows (x read in place, or a last partial group and a K not a
-    multiple of 32 copied as rows), and as accurate as oneDNN against
+    fewer rows (x read in place, a K not a multiple of 32 with its last step
+    copied into a tile a group, a last partial group copied as rows), and as
+    accurate as oneDNN against
     float64; a last partial group, K a multiple of 32 or not, each
     epilogue, a bias."""
     if not kernel.multiplies_on_amx:
@@ -115,6 +116,25 @@ def test_amx_rows_copied_into_tiles_compute_what_rows_read_in_place_do(kernel, i
     if epilogue == linear_kernel.PLAIN:
         ours, onednn = _errors(x.float(), weight.float(), bias.float(), torch.bfloat16)
         assert ours <= onednn * 1.01 + 1e-6
+
+
+def test_a_call_after_one_with_nan_inputs_is_unaffected(kernel):
+    """The AMX kernel copies the rows of x whose K is not a multiple of 32
+    into a buffer it keeps from call to call, K padded with zeros: a call
+    whose K is shorter than the last one's must find zeros past its K, not
+    the last call's inputs (NaN there times the packed weights' zeros would
+    be NaN). Other builds read x in place: the same must hold."""
+    if not linear_kernel.runs(torch.bfloat16):
+        pytest.skip("this CPU's kernel runs no bfloat16")
+    g = torch.Generator().manual_seed(0)
+    poisoned = torch.full((40, 62), float("nan"), dtype=torch.bfloat16)
+    linear_kernel.linear(poisoned, linear_kernel.pack(torch.ones(8, 62, dtype=torch.bfloat16)),
+                         None, 8)
+    x = torch.randn(40, 34, generator=g).to(torch.bfloat16)
+    weight = torch.randn(24, 34, generator=g).to(torch.bfloat16)
+    ours = linear_kernel.linear(x, linear_kernel.pack(weight), None, 24)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours.float(), x.float() @ weight.float().T, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 48, 300])

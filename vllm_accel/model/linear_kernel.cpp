@@ -42,11 +42,11 @@
 // loop (oneDNN blocks K for caches, this does not: at a K of 3,420-4,304 a
 // sweep holds ~150 rows), so encoders stayed oneDNN's but for their gated
 // MLPs and GELU (tanh) layers (the epilogues below). Since passes take one
-// group of rows (linear_amx), the towers' plain layers run 0.91-1.41x
-// oneDNN's (below 1 at SigLIP's fc2 and Qwen2.5-VL's down, K 4,304 and
-// 3,420 at 3,645-4,096 rows, the weights not in cache; Molmo's fc2, K 4,096
-// at 2,308 rows, 1.38x), so on AMX an encoder's layers are ours too
-// (packed_linear.py).
+// group of rows (linear_amx), and a K not a multiple of 32 is no longer a
+// copy of every row (SigLIP's fc2, K 4,304, and Qwen2.5-VL's down, K 3,420:
+// 1.32-1.40x oneDNN's, one layer's weights in cache; before, 0.91-0.94x),
+// the towers' plain layers run 1.05-1.41x oneDNN's, so on AMX an encoder's
+// layers are ours too (packed_linear.py).
 //
 // Gated (a gated MLP's gate and up projections as one weight, each block
 // half gate and half up columns): the sums are stored as silu(gate) * up, so
@@ -476,26 +476,36 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
   const int64_t blocks = (n_size + block_columns - 1) / block_columns;
   // x as tiles read it: whole groups of 16 rows, K a multiple of 32 (zeros).
   // From kTiledRows rows and kTiledColumns columns every group is copied
-  // tile by tile (in the parallel region below); else, where K is a
-  // multiple, x's whole groups are read in place, and only the rows of a
-  // last, partial group copied.
+  // tile by tile (in the parallel region below). Else x's whole groups are
+  // read in place, but for their last step where K is not a multiple of 32
+  // (it would run past each row's end): that step's x is copied first, a
+  // tile a group (16 rows x 32, zeros past K). The rows of a last, partial
+  // group are copied whole (zeros past K). Every row of a K not a multiple
+  // was copied whole before (one thread, into a vector zeroed each call):
+  // SigLIP's fc2 (3,645 x 4,304 -> 1,152) and Qwen2.5-VL's down (4,096 x
+  // 3,420 -> 1,280) now run 1.38x and 1.22x as fast, 1.12-1.32x with a
+  // tower's weights in turn (interleaved calls; benchmarks/README.md,
+  // thirty-fourth session).
   const bool tiled = amx_copies_x(m_size, n_size, epilogue);
-  const int64_t in_place = !tiled && kp == k_size ? m_size / 16 : 0;
-  std::vector<uint16_t> padded(tiled ? 0 : (groups - in_place) * 16 * kp, 0);
+  const int64_t in_place = tiled ? 0 : m_size / 16;
+  const bool tails = in_place > 0 && kp != k_size;
+  const int64_t tail_elements = tails ? in_place * 16 * kAmxStep : 0;
   // Kept from call to call (it only grows): a vector allocated (and zeroed)
   // each call ran the towers' MLP shapes 0.87-0.96x as fast (two runs).
   static thread_local std::vector<uint16_t> tile_buffer;
-  if (tiled && tile_buffer.size() < static_cast<size_t>(groups * 16 * kp))
-    tile_buffer.resize(groups * 16 * kp);
+  const int64_t copied = tiled ? groups * 16 * kp : tail_elements + (groups - in_place) * 16 * kp;
+  if (tile_buffer.size() < static_cast<size_t>(copied)) tile_buffer.resize(copied);
   uint16_t* const tiles = tiled ? tile_buffer.data() : nullptr;
-  for (int64_t r = in_place * 16; !tiled && r < m_size; ++r)
-    std::memcpy(padded.data() + (r - in_place * 16) * kp, x + r * k_size,
-                k_size * sizeof(uint16_t));
-  // A group's x tile at step s: a_step elements a step, rows a_row_bytes apart.
-  const int64_t a_step = tiled ? 16 * kAmxStep : kAmxStep, a_row_bytes = tiled ? 64 : kp * 2;
-  auto group_rows = [&](int64_t g) -> const uint16_t* {
-    if (tiled) return tiles + g * 16 * kp;
-    return g < in_place ? x + g * 16 * kp : padded.data() + (g - in_place) * 16 * kp;
+  uint16_t* const tail_tiles = tile_buffer.data();
+  uint16_t* const padded = tile_buffer.data() + tail_elements;
+  // Group g's x from step 0 (1 KB tiles of 16 rows x 32 along K, a_step
+  // elements a step; or rows, read in place or copied whole), and how far
+  // apart its rows are.
+  const int64_t a_step = tiled ? 16 * kAmxStep : kAmxStep;
+  auto group_x = [&](int64_t g, int64_t& row_bytes) -> const uint16_t* {
+    row_bytes = tiled ? 64 : g < in_place ? k_size * 2 : kp * 2;
+    if (tiled) return tiles + g * steps * 16 * kAmxStep;
+    return g < in_place ? x + g * 16 * k_size : padded + (g - in_place) * 16 * kp;
   };
   const int64_t block_elements = kp * kAmxBlock, step_elements = kAmxStep * kAmxBlock;
   // Rows in spans of groups whose x fits in L2 (every block's passes read
@@ -520,6 +530,22 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
             _mm512_storeu_si512(tiles + (g * steps + s) * 16 * kAmxStep + r * kAmxStep,
                                 _mm512_maskz_loadu_epi16(lanes, x + row * k_size + k0));
           }
+    } else {
+      if (tails) {  // each whole group's last step: its 16 rows' x from 32 (steps - 1) on
+        const int64_t k0 = (steps - 1) * kAmxStep;
+        const __mmask32 lanes = _cvtu32_mask32((1u << (k_size - k0)) - 1);
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < in_place * 16; ++r)
+          _mm512_storeu_si512(tail_tiles + r * kAmxStep,
+                              _mm512_maskz_loadu_epi16(lanes, x + r * k_size + k0));
+      }
+#pragma omp for schedule(static)
+      for (int64_t r = in_place * 16; r < groups * 16; ++r) {  // a last, partial group's
+        uint16_t* to = padded + (r - in_place * 16) * kp;
+        const int64_t n = r < m_size ? k_size : 0;
+        if (n) std::memcpy(to, x + r * k_size, n * sizeof(uint16_t));
+        std::fill(to + n, to + kp, uint16_t{0});
+      }
     }  // (the loop's barrier: every tile copied before any is read)
     // A pass's sums wait in one of two buffers while the thread's next pass
     // multiplies and stores them, a few rows a step: the stores (and the
@@ -559,7 +585,9 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
         const char* next = b + 1 < blocks ? reinterpret_cast<const char*>(wb + block_elements)
                                           : nullptr;
         for (int64_t g = span; g < span_end; ++g) {
-          const uint16_t* group_x = group_rows(g);
+          int64_t row_bytes;
+          const uint16_t* xg = group_x(g, row_bytes);
+          const int64_t in_place_steps = tails && g < in_place ? steps - 1 : steps;
           zero_pass_sums();
           for (int64_t s = 0; s < steps; ++s) {
             if (next) {
@@ -571,7 +599,10 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
             const uint16_t* ws = wb + s * step_elements;
             _tile_loadd(6, ws, kAmxBlock * 4);
             _tile_loadd(7, ws + 32, kAmxBlock * 4);
-            _tile_loadd(4, group_x + s * a_step, a_row_bytes);
+            if (s < in_place_steps)
+              _tile_loadd(4, xg + s * a_step, row_bytes);
+            else  // the last step of rows whose K is not a multiple of 32: its tile
+              _tile_loadd(4, tail_tiles + g * 16 * kAmxStep, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             if (pending.stored < pending.rows)

@@ -21,9 +21,8 @@ keeps).
 Our kernel is for the rows a decoder brings (a decode step's tens, a
 prompt chunk's hundreds); an encoder's calls of thousands of rows stay
 oneDNN's, whose cache blocking wins there in float32, but for bfloat16 on
-AMX tiles (since the kernel takes one row group a pass, 0.91-1.41x oneDNN's
-at the towers' plain shapes: below 1 at SigLIP's fc2 and Qwen2.5-VL's down)
-or widened (``linear_kernel.runs_encoders``).
+AMX tiles (1.05-1.41x oneDNN's at the towers' plain shapes) or widened
+(``linear_kernel.runs_encoders``).
 
 An FMS feed-forward block's activation (GELU, ReLU, SiLU) runs inside its
 first matmul as a oneDNN post-op: the [rows, hidden] activations are written
