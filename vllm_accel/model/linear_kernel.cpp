@@ -587,7 +587,8 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
         for (int64_t g = span; g < span_end; ++g) {
           int64_t row_bytes;
           const uint16_t* xg = group_x(g, row_bytes);
-          const int64_t in_place_steps = tails && g < in_place ? steps - 1 : steps;
+          // The step read from its own tile (rows in place, K not a multiple of 32), or none.
+          const int64_t tail_step = tails && g < in_place ? steps - 1 : -1;
           zero_pass_sums();
           for (int64_t s = 0; s < steps; ++s) {
             if (next) {
@@ -599,9 +600,9 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
             const uint16_t* ws = wb + s * step_elements;
             _tile_loadd(6, ws, kAmxBlock * 4);
             _tile_loadd(7, ws + 32, kAmxBlock * 4);
-            if (s < in_place_steps)
+            if (s != tail_step)
               _tile_loadd(4, xg + s * a_step, row_bytes);
-            else  // the last step of rows whose K is not a multiple of 32: its tile
+            else
               _tile_loadd(4, tail_tiles + g * 16 * kAmxStep, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
