@@ -119,11 +119,12 @@ def test_amx_rows_copied_into_tiles_compute_what_rows_read_in_place_do(kernel, i
 
 
 def test_a_call_after_one_with_nan_inputs_is_unaffected(kernel):
-    """The AMX kernel copies the rows of x whose K is not a multiple of 32
-    into a buffer it keeps from call to call, K padded with zeros: a call
-    whose K is shorter than the last one's must find zeros past its K, not
-    the last call's inputs (NaN there times the packed weights' zeros would
-    be NaN). Other builds read x in place: the same must hold."""
+    """The AMX kernel copies a last, partial group's rows of x (and, where K
+    is not a multiple of 32, each group's last step) into a buffer it keeps
+    from call to call, K padded with zeros: a call whose K is shorter than
+    the last one's must find zeros past its K, not the last call's inputs
+    (NaN there times the packed weights' zeros would be NaN). Other builds
+    read x in place: the same must hold."""
     if not linear_kernel.runs(torch.bfloat16):
         pytest.skip("this CPU's kernel runs no bfloat16")
     g = torch.Generator().manual_seed(0)

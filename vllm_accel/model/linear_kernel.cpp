@@ -507,6 +507,13 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
     if (tiled) return tiles + g * steps * 16 * kAmxStep;
     return g < in_place ? x + g * 16 * k_size : padded + (g - in_place) * 16 * kp;
   };
+  // A tile's row: x's row `row` from k0 on, 32 along K (zeros past K, and
+  // for rows past m: a masked load reads nothing there).
+  auto copy_tile_row = [&](uint16_t* to, int64_t row, int64_t k0) {
+    const int64_t n = row < m_size ? std::clamp<int64_t>(k_size - k0, 0, kAmxStep) : 0;
+    const __mmask32 lanes = _cvtu32_mask32(n == kAmxStep ? ~0u : (1u << n) - 1);
+    _mm512_storeu_si512(to, _mm512_maskz_loadu_epi16(lanes, x + row * k_size + k0));
+  };
   const int64_t block_elements = kp * kAmxBlock, step_elements = kAmxStep * kAmxBlock;
   // Rows in spans of groups whose x fits in L2 (every block's passes read
   // their rows' whole K): all the weights are read once a span.
@@ -519,25 +526,18 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
 #pragma omp parallel num_threads(num_threads)
   {
     configure_tiles();
-    if (tiled) {  // group g's tile s: its 16 rows' x[k] for k in [32 s, 32 s + 32), zeros past K
+    if (tiled) {  // group g's tile s: its 16 rows' x from 32 s on
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t s = 0; s < steps; ++s)
-          for (int64_t r = 0; r < 16; ++r) {
-            const int64_t row = g * 16 + r, k0 = s * kAmxStep;
-            const int64_t n = row < m_size ? std::clamp<int64_t>(k_size - k0, 0, kAmxStep) : 0;
-            const __mmask32 lanes = _cvtu32_mask32(n == kAmxStep ? ~0u : (1u << n) - 1);
-            _mm512_storeu_si512(tiles + (g * steps + s) * 16 * kAmxStep + r * kAmxStep,
-                                _mm512_maskz_loadu_epi16(lanes, x + row * k_size + k0));
-          }
+          for (int64_t r = 0; r < 16; ++r)
+            copy_tile_row(tiles + (g * steps + s) * 16 * kAmxStep + r * kAmxStep, g * 16 + r,
+                          s * kAmxStep);
     } else {
       if (tails) {  // each whole group's last step: its 16 rows' x from 32 (steps - 1) on
-        const int64_t k0 = (steps - 1) * kAmxStep;
-        const __mmask32 lanes = _cvtu32_mask32((1u << (k_size - k0)) - 1);
 #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < in_place * 16; ++r)
-          _mm512_storeu_si512(tail_tiles + r * kAmxStep,
-                              _mm512_maskz_loadu_epi16(lanes, x + r * k_size + k0));
+          copy_tile_row(tail_tiles + r * kAmxStep, r, (steps - 1) * kAmxStep);
       }
 #pragma omp for schedule(static)
       for (int64_t r = in_place * 16; r < groups * 16; ++r) {  // a last, partial group's
