@@ -44,8 +44,9 @@
 // MLPs and GELU (tanh) layers (the epilogues below). Since passes take one
 // group of rows (linear_amx), and a K not a multiple of 32 is no longer a
 // copy of every row (SigLIP's fc2, K 4,304, and Qwen2.5-VL's down, K 3,420:
-// 1.32-1.40x oneDNN's, one layer's weights in cache; before, 0.91-0.94x),
-// the towers' plain layers run 1.05-1.41x oneDNN's, so on AMX an encoder's
+// 1.32-1.40x oneDNN's, one layer's weights in cache, 1.26-1.47x with a
+// tower's weights in turn, where before they ran 0.91-0.94x that way),
+// the towers' plain layers run 1.05-1.47x oneDNN's, so on AMX an encoder's
 // layers are ours too (packed_linear.py).
 //
 // Gated (a gated MLP's gate and up projections as one weight, each block

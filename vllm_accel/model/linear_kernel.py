@@ -169,13 +169,13 @@ def runs_encoders(dtype: torch.dtype) -> bool:
     not only a decoder's: bfloat16 where it widens it to float32 (a CPU
     without bfloat16 instructions: oneDNN's own, if any, is emulated and
     slower than ours at every size), or multiplies it on AMX tiles (one row
-    group a pass: 1.05-1.38x oneDNN's packed matmul at the towers' plain
+    group a pass: 1.05-1.40x oneDNN's packed matmul at the towers' plain
     shapes, 2,308-4,096 rows, one layer's weights in cache; a tower's layers'
     weights in turn, 1.17-1.41x at a K of 1,152-1,280 and at Molmo's fc2 (K
     4,096, 2,308 rows); SigLIP's fc2 and Qwen2.5-VL's down (K 4,304 and
-    3,420, not multiples of 32) 1.32-1.40x since their rows are read in place
-    (0.91-0.94x before); benchmarks/README.md, thirty-third and thirty-fourth
-    sessions)."""
+    3,420, not multiples of 32) 1.26-1.47x since their rows are read in place
+    (0.91-0.94x before; 1.32-1.40x with one layer's weights in cache);
+    benchmarks/README.md, thirty-third and thirty-fourth sessions)."""
     return (runs(dtype) and dtype == torch.bfloat16
             and (_kernel.widens_bfloat16 or _kernel.multiplies_on_amx))
 

@@ -21,7 +21,7 @@ keeps).
 Our kernel is for the rows a decoder brings (a decode step's tens, a
 prompt chunk's hundreds); an encoder's calls of thousands of rows stay
 oneDNN's, whose cache blocking wins there in float32, but for bfloat16 on
-AMX tiles (1.05-1.41x oneDNN's at the towers' plain shapes) or widened
+AMX tiles (1.05-1.47x oneDNN's at the towers' plain shapes) or widened
 (``linear_kernel.runs_encoders``).
 
 An FMS feed-forward block's activation (GELU, ReLU, SiLU) runs inside its
