@@ -293,9 +293,9 @@ struct RowSpans {
 // a group share them), in parallel: [batch * kv_heads][key_size + value_size],
 // keys first; pack(b, h, keys, values) fills one.
 template <typename E, typename Pack>
-std::unique_ptr<E[]> pack_kv_heads(int64_t batch, int64_t kv_heads, int64_t key_size,
-                                   int64_t value_size, int num_threads, Pack pack) {
-  std::unique_ptr<E[]> packed(new E[batch * kv_heads * (key_size + value_size)]);
+AlignedArray<E> pack_kv_heads(int64_t batch, int64_t kv_heads, int64_t key_size,
+                              int64_t value_size, int num_threads, Pack pack) {
+  AlignedArray<E> packed = aligned_array<E>(batch * kv_heads * (key_size + value_size));
 #pragma omp parallel for num_threads(num_threads)
   for (int64_t bk = 0; bk < batch * kv_heads; ++bk) {
     E* keys = packed.get() + bk * (key_size + value_size);
@@ -449,8 +449,15 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
 #pragma omp parallel num_threads(num_threads)
   {
     configure_tiles();
-    std::unique_ptr<float[]> scores(new float[kAmxRows * n_pad]), o(new float[kAmxRows * dim_pad]);
-    std::unique_ptr<E[]> probs(new E[kAmxRows * n_pad]), query(new E[kAmxRows * dim32]());
+    // Each row of these a whole number of 64-byte lines from an aligned start,
+    // as the packed keys and values (amx_tiles.h): against new[]'s 16-byte
+    // alignment, SigLIP's and Molmo's shapes ran 1.12-1.21x faster, Qwen2.5-VL's
+    // full block 1.03-1.05x, a prompt's causal attention 1.26-1.32x (two runs
+    // of 30 interleaved calls, outputs equal).
+    const AlignedArray<float> scores = aligned_array<float>(kAmxRows * n_pad),
+                              o = aligned_array<float>(kAmxRows * dim_pad);
+    const AlignedArray<E> probs = aligned_array<E>(kAmxRows * n_pad),
+                          query = aligned_array<E>(kAmxRows * dim32, /*zeroed=*/true);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < batch * heads * blocks; ++task) {
       const int64_t bh = task / blocks, r0 = task % blocks * kAmxRows;
