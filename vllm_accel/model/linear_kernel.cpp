@@ -494,7 +494,8 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
   // each call ran the towers' MLP shapes 0.87-0.96x as fast (two runs). Its
   // tiles start on 64-byte lines (amx_tiles.h): against a std::vector's 16-byte
   // alignment, SigLIP's qkv and fc1 (x copied) ran 1.05-1.09x as fast in four
-  // runs, Qwen2.5-VL's gated MLP and qkv 0.98-1.09x (interleaved calls).
+  // runs, Qwen2.5-VL's gated MLP and qkv 0.98-1.09x (interleaved calls); in a
+  // LlavaNext engine, call by call (benchmarks/kernel_ab.py), 1.01-1.06x.
   static thread_local AlignedArray<uint16_t> tile_buffer;
   static thread_local int64_t tile_buffer_size = 0;
   const int64_t copied = tiled ? groups * 16 * kp : tail_elements + (groups - in_place) * 16 * kp;

@@ -30,8 +30,9 @@
 // seventeenth session, five runs): SigLIP's tiles 1.8-2.5x torch's flash
 // kernel, prompts' causal attention 2.6-3.8x, Molmo's crops 1.2-1.3x, a
 // Qwen2.5-VL full block 1.0-1.3x (its windows ~2x by SDPA window by window, a
-// scratch loop); errors against float64 as SDPA's. The softmax is now its
-// largest part.
+// scratch loop); errors against float64 as SDPA's. Where a SigLIP call's time
+// goes (phase timers in a scratch build, thirty-fifth session): scores ~1/3,
+// softmax and weighted values ~1/5 each, packing keys and values 1/10.
 //
 // Plain C ABI, no torch headers; built and called by span_attention.py.
 #include <immintrin.h>
@@ -453,7 +454,8 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
     // as the packed keys and values (amx_tiles.h): against new[]'s 16-byte
     // alignment, SigLIP's and Molmo's shapes ran 1.12-1.21x faster, Qwen2.5-VL's
     // full block 1.03-1.05x, a prompt's causal attention 1.26-1.32x (two runs
-    // of 30 interleaved calls, outputs equal).
+    // of 30 interleaved calls, outputs equal); in a LlavaNext engine, call by
+    // call (benchmarks/kernel_ab.py), SigLIP's 5 tiles 1.32-1.34x.
     const AlignedArray<float> scores = aligned_array<float>(kAmxRows * n_pad),
                               o = aligned_array<float>(kAmxRows * dim_pad);
     const AlignedArray<E> probs = aligned_array<E>(kAmxRows * n_pad),

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Two builds of our CPU kernels A/B inside one running engine, call by call.
+
+A kernel scratch harness times a layer's shape in isolation; in the engine the
+same call runs between other layers' work, with other caches and other memory
+than the harness gave it (the thirty-fifth session: aligning the linear
+kernel's tile buffer ran SigLIP's qkv 1.07x faster in the harness and 1.01x in
+the engine; aligning the span kernel's buffers 1.12x and 1.32x). Here one
+engine of this checkout runs a workload while every call of the linear and the
+span attention kernels alternates between this checkout's build and
+--baseline's (another checkout: its ``vllm_accel/model`` sources, built into a
+temporary cache), per call shape. Both builds see the same inputs, one after
+the other, minutes of machine drift hit both alike; the first call of each
+shape runs both builds and compares their outputs (a packing change between
+the builds makes the A/B meaningless: it says so).
+
+Workloads: image prompts (--model: a LlavaNext, Qwen2.5-VL or Molmo
+checkpoint; --sizes, --num-prompts, --batches) or, with --text, prompts of
+random tokens (--input-len, --output-len).
+
+    .venv/bin/python benchmarks/kernel_ab.py --baseline DIR --model MODEL [--batches 5]
+
+Per kernel and call shape: calls, median ms of each build, the median of
+baseline/this ratios of consecutive pairs with its quartiles, and the baseline's
+total seconds; then each kernel's totals. Figures above 1: this checkout faster.
+"""
+import argparse
+import collections
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _vision_worker import THROUGHPUT, chat_prompt, image, parse_sizes  # noqa: E402
+
+
+class Alternating:
+    """Calls go to this build and the baseline's in turn, per call shape."""
+
+    def __init__(self, this, baseline, shape_of):
+        self.builds, self.shape_of = (this, baseline), shape_of
+        self.turn = collections.Counter()
+        self.times = collections.defaultdict(lambda: ([], []))
+        self.mismatched: list = []
+
+    def __getattr__(self, name):  # dtypes, pack, ... come from this checkout's build
+        return getattr(self.builds[0], name)
+
+    def __call__(self, *args, **kwargs):
+        shape = self.shape_of(*args)
+        if self.turn[shape] == 0:  # first call of a shape: both builds, outputs compared
+            this = self.builds[0](*args, **kwargs).clone()
+            if not self.builds[1](*args, **kwargs).equal(this):
+                self.mismatched.append(shape)
+        which = self.turn[shape] % 2
+        self.turn[shape] += 1
+        start = time.perf_counter()
+        result = self.builds[which](*args, **kwargs)
+        self.times[shape][which].append(time.perf_counter() - start)
+        return result
+
+    def report(self, name):
+        totals = [0.0, 0.0]
+        for shape, (this, base) in sorted(self.times.items(), key=lambda kv: -sum(kv[1][1])):
+            n = min(len(this), len(base))
+            if n < 4:
+                continue
+            ratios = sorted(b / t for t, b in zip(this[:n], base[:n]))
+            totals[0] += sum(this[:n])
+            totals[1] += sum(base[:n])
+            quartiles = f"[{ratios[n // 4]:.3f}-{ratios[3 * n // 4]:.3f}]"
+            print(f"{name} {shape}: {n} pairs, baseline {statistics.median(base) * 1e3:.2f} ms, "
+                  f"this {statistics.median(this) * 1e3:.2f} ms, baseline/this "
+                  f"{statistics.median(ratios):.3f} {quartiles}, "
+                  f"baseline total {sum(base[:n]):.2f} s")
+        if totals[0]:
+            print(f"{name}, all shapes: baseline {totals[1]:.2f} s, this {totals[0]:.2f} s, "
+                  f"baseline/this {totals[1] / totals[0]:.3f}")
+        if self.mismatched:
+            print(f"{name}: OUTPUTS DIFFER between the builds at {self.mismatched}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--baseline", required=True, help="another checkout of vllm-accel")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batches", type=int, default=5)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--sizes", default="336x336,448x224", help="images, width x height")
+    p.add_argument("--text", action="store_true", help="random-token prompts, no images")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    a = p.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_accel.model import cpu_kernels, linear_kernel, span_attention
+
+    extra = {} if a.text else {"limit_mm_per_prompt": {"image": 1}}
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, seed=0,
+              max_num_seqs=a.num_prompts, trust_remote_code=True, **extra)
+    sources = Path(a.baseline) / "vllm_accel" / "model"
+    cache = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
+    kernels = []
+    for module, kernel_class, source, shape_of in (
+            (linear_kernel, linear_kernel.LinearKernel, "linear_kernel.cpp",
+             lambda x, w, b, n, e=0, *rest: (x.shape[0], x.shape[1], n, e)),
+            (span_attention, span_attention.SpanAttentionKernel, "span_attention.cpp",
+             lambda q, *rest: tuple(q.shape))):
+        if module._kernel is None:
+            print(f"{source}: not in use in this engine")
+            continue
+        baseline = cpu_kernels.load(kernel_class, sources / source, cache, "-")
+        baseline.dtypes = set(module._kernel.dtypes)
+        module._kernel = Alternating(module._kernel, baseline, shape_of)
+        kernels.append((source, module._kernel))
+
+    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
+    if a.text:
+        import random
+        rng = random.Random(0)
+        vocab = llm.get_tokenizer().vocab_size
+
+        def batch(k):
+            return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(a.input_len)]}
+                    for _ in range(a.num_prompts)]
+    else:
+        from transformers import AutoProcessor
+        processor = AutoProcessor.from_pretrained(a.model, trust_remote_code=True)
+        sizes = parse_sizes(a.sizes)
+
+        def batch(k):
+            return [{"prompt": chat_prompt(processor, f"Describe picture {i} in detail."),
+                     "multi_modal_data": {"image": image(THROUGHPUT, k * a.num_prompts + i,
+                                                         *sizes[i % len(sizes)])}}
+                    for i in range(a.num_prompts)]
+    for k in range(a.batches):
+        start = time.perf_counter()
+        llm.generate(batch(k), params, use_tqdm=False)
+        print(f"batch {k}: {time.perf_counter() - start:.2f} s", flush=True)
+    for source, kernel in kernels:
+        kernel.report(source)
+
+
+if __name__ == "__main__":
+    main()
