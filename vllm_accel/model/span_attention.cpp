@@ -30,9 +30,11 @@
 // seventeenth session, five runs): SigLIP's tiles 1.8-2.5x torch's flash
 // kernel, prompts' causal attention 2.6-3.8x, Molmo's crops 1.2-1.3x, a
 // Qwen2.5-VL full block 1.0-1.3x (its windows ~2x by SDPA window by window, a
-// scratch loop); errors against float64 as SDPA's. Where a SigLIP call's time
-// goes (phase timers in a scratch build, thirty-fifth session): scores ~1/3,
-// softmax and weighted values ~1/5 each, packing keys and values 1/10.
+// scratch loop); errors against float64 as SDPA's. Where a call of SigLIP's 5
+// tiles spends its time (phase timers in a scratch build of this kernel,
+// thirty-fifth session, three runs): the softmax ~1/3 (its largest part, its
+// maxima's pass included), scores ~1/4, weighted values ~1/5, packing keys and
+// values ~1/9.
 //
 // Plain C ABI, no torch headers; built and called by span_attention.py.
 #include <immintrin.h>
