@@ -37,7 +37,8 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _vision_worker import THROUGHPUT, chat_prompt, image, parse_sizes  # noqa: E402
+from _throughput_worker import make_prompts  # noqa: E402
+from _vision_worker import throughput_cases  # noqa: E402
 
 
 class Alternating:
@@ -98,6 +99,7 @@ def main():
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -125,23 +127,18 @@ def main():
 
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
     if a.text:
-        import random
-        rng = random.Random(0)
-        vocab = llm.get_tokenizer().vocab_size
+        vocab_size = llm.llm_engine.model_config.get_vocab_size()
 
         def batch(k):
-            return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(a.input_len)]}
-                    for _ in range(a.num_prompts)]
+            return [{"prompt_token_ids": ids} for ids in make_prompts(
+                llm.get_tokenizer(), vocab_size, a.num_prompts, a.input_len, a.seed, k)]
     else:
         from transformers import AutoProcessor
         processor = AutoProcessor.from_pretrained(a.model, trust_remote_code=True)
-        sizes = parse_sizes(a.sizes)
 
         def batch(k):
-            return [{"prompt": chat_prompt(processor, f"Describe picture {i} in detail."),
-                     "multi_modal_data": {"image": image(THROUGHPUT, k * a.num_prompts + i,
-                                                         *sizes[i % len(sizes)])}}
-                    for i in range(a.num_prompts)]
+            return [{"prompt": prompt, "multi_modal_data": {"image": img}}
+                    for prompt, img in throughput_cases(processor, a, k)]
     for k in range(a.batches):
         start = time.perf_counter()
         llm.generate(batch(k), params, use_tqdm=False)

@@ -1,6 +1,7 @@
 // AMX tiles as our CPU kernels use them (linear_kernel.cpp, span_attention.cpp):
-// eight tiles of 16 rows x 64 bytes, the process's permission asked of Linux
-// once; and bf16_on_amx(), which each such kernel's library exports. Included
+// 64-byte aligned arrays for what tiles load and store, eight tiles of 16 rows
+// x 64 bytes, the process's permission asked of Linux once; and bf16_on_amx(),
+// which each such kernel's library exports. Included
 // once per kernel (each is one source file); cpu_kernels.py rebuilds a kernel
 // when a header it includes changes.
 #pragma once
@@ -15,8 +16,9 @@ namespace {
 
 // Arrays that start on a 64-byte boundary, for what tiles load and store: a
 // tile's 64-byte row that straddles two cache lines loads about half as fast
-// (a scratch loop of span attention's score passes: ~200 ticks a pass aligned,
-// ~490 at 16 bytes off), and new[] and std::vector align to 16 bytes only.
+// (a scratch loop of span attention's score passes: ~200-330 ticks a pass
+// aligned, ~490-550 at 16 bytes off), and new[] and std::vector align to 16
+// bytes only.
 // Zeroed when asked (zeroing the span kernel's packed keys, megabytes, each
 // call would cost more than it saves).
 struct FreeAligned {
@@ -32,6 +34,24 @@ AlignedArray<T> aligned_array(int64_t n, bool zeroed = false) {
   if (zeroed) std::memset(p, 0, bytes);
   return AlignedArray<T>(p);
 }
+
+// An aligned array kept from call to call: reallocated (contents not kept)
+// only when a call asks for more than it holds.
+template <typename T>
+class KeptArray {
+ public:
+  T* at_least(int64_t n) {
+    if (size_ < n) {
+      array_ = aligned_array<T>(n);
+      size_ = n;
+    }
+    return array_.get();
+  }
+
+ private:
+  AlignedArray<T> array_;
+  int64_t size_ = 0;
+};
 
 }  // namespace
 

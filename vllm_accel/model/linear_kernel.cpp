@@ -495,17 +495,14 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
   // tiles start on 64-byte lines (amx_tiles.h): against a std::vector's 16-byte
   // alignment, SigLIP's qkv and fc1 (x copied) ran 1.05-1.09x as fast in four
   // runs, Qwen2.5-VL's gated MLP and qkv 0.98-1.09x (interleaved calls); in a
-  // LlavaNext engine, call by call (benchmarks/kernel_ab.py), 1.01-1.06x.
-  static thread_local AlignedArray<uint16_t> tile_buffer;
-  static thread_local int64_t tile_buffer_size = 0;
+  // LlavaNext engine, call by call (benchmarks/kernel_ab.py and its scratch
+  // version), qkv and fc1 1.01-1.06x in two runs, all shapes 0.98-1.04x in three.
+  static thread_local KeptArray<uint16_t> tile_buffer;
   const int64_t copied = tiled ? groups * 16 * kp : tail_elements + (groups - in_place) * 16 * kp;
-  if (tile_buffer_size < copied) {
-    tile_buffer = aligned_array<uint16_t>(copied);
-    tile_buffer_size = copied;
-  }
-  uint16_t* const tiles = tiled ? tile_buffer.get() : nullptr;
-  uint16_t* const tail_tiles = tile_buffer.get();
-  uint16_t* const padded = tile_buffer.get() + tail_elements;
+  uint16_t* const buffer = tile_buffer.at_least(copied);
+  uint16_t* const tiles = tiled ? buffer : nullptr;
+  uint16_t* const tail_tiles = buffer;
+  uint16_t* const padded = buffer + tail_elements;
   // Group g's x from step 0 (1 KB tiles of 16 rows x 32 along K, a_step
   // elements a step; or rows, read in place or copied whole), and how far
   // apart its rows are.
