@@ -68,12 +68,14 @@ def machine_text(m):
 
 def cpu_tag(panel):
     """ ', <its widest vector extension>' (AMX BF16, AVX-512 BF16, AVX2, ...), and the
-    CPU's model where recorded: entries measured on two CPUs are two rows (standard.py's
-    summary) and two titled panels (plot_figures.py)."""
+    CPU's family and model where recorded (a model number alone names two AMD EPYCs here:
+    Zen 1 is family 23 model 1, Zen 3 family 25 model 1): entries measured on two CPUs are
+    two rows (standard.py's summary) and two titled panels (plot_figures.py)."""
     m = panel.get("machine") or {}
     if not m.get("isa"):
         return ""
-    return f", {m['isa'].split(', ')[-1]}" + (f" (model {m['model']})" if "model" in m else "")
+    ident = ", ".join(f"{k} {m[k]}" for k in ("family", "model") if k in m)
+    return f", {m['isa'].split(', ')[-1]}" + (f" ({ident})" if ident else "")
 
 
 def binding_intent(name, env):
