@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from common import time_per_call
 
-from vllm_accel.model import decode_kernel
+from vllm_accel.kernels import decode_attention as decode_kernel
 from vllm_accel.model.paged_attention import PagedAttentionMetadata, _attend_decodes
 
 BLOCK_SIZE, NUM_BLOCKS, CONTEXT = 32, 2000, (96, 192)

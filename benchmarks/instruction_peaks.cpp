@@ -1,6 +1,6 @@
 // The scratch loops of benchmarks/instruction_peaks.py: what this machine's
 // cores do at most, by instruction. Built by the engine's own kernel build
-// (vllm_accel/model/cpu_kernels.py: the same compiler and flags).
+// (vllm_accel/kernels/build.py: the same compiler and flags).
 #include <immintrin.h>
 #include <omp.h>
 #include <chrono>

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from common import BENCH, CORES, machine, machine_text
 
-from vllm_accel.model import cpu_kernels
+from vllm_accel.kernels import build as cpu_kernels
 
 
 def build() -> ctypes.CDLL:

@@ -104,26 +104,37 @@ def main():
 
     from vllm import LLM, SamplingParams
 
-    from vllm_accel.model import cpu_kernels, linear_kernel, span_attention
+    import dataclasses
+
+    from vllm_accel.kernels import build as cpu_kernels
+    from vllm_accel.kernels import linear as linear_kernel
+    from vllm_accel.kernels import span_attention
 
     extra = {} if a.text else {"limit_mm_per_prompt": {"image": 1}}
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, seed=0,
               max_num_seqs=a.num_prompts, trust_remote_code=True, **extra)
-    sources = Path(a.baseline) / "vllm_accel" / "model"
+    # The baseline's sources: kernels/ since the package moved, model/ before.
+    sources = Path(a.baseline) / "vllm_accel" / "kernels"
+    if not (sources / "linear_kernel.cpp").exists():
+        sources = Path(a.baseline) / "vllm_accel" / "model"
     cache = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
     kernels = []
-    for module, kernel_class, source, shape_of in (
-            (linear_kernel, linear_kernel.LinearKernel, "linear_kernel.cpp",
+    for field, kernel_class, source, shape_of in (
+            ("linear", linear_kernel.LinearKernel, "linear_kernel.cpp",
              lambda x, w, b, n, e=0, *rest: (x.shape[0], x.shape[1], n, e)),
-            (span_attention, span_attention.SpanAttentionKernel, "span_attention.cpp",
+            ("span", span_attention.SpanAttentionKernel, "span_attention.cpp",
              lambda q, *rest: tuple(q.shape))):
-        if module._kernel is None:
+        ours = getattr(runner.kernels, field) if runner.kernels is not None else None
+        if ours is None:
             print(f"{source}: not in use in this engine")
             continue
         baseline = cpu_kernels.load(kernel_class, sources / source, cache, "-")
-        baseline.dtypes = set(module._kernel.dtypes)
-        module._kernel = Alternating(module._kernel, baseline, shape_of)
-        kernels.append((source, module._kernel))
+        baseline.dtypes = set(ours.dtypes)
+        alternating = Alternating(ours, baseline, shape_of)
+        runner.kernels = dataclasses.replace(runner.kernels, **{field: alternating})
+        kernels.append((source, alternating))
 
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
     if a.text:

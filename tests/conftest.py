@@ -31,7 +31,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 def with_bfloat16(monkeypatch):
     """``with_bfloat16(kernel)``: our linear or span-attention kernel runs
     bfloat16 for this test wherever its build does, AMX or not. The engine
-    leaves bfloat16 to torch on a CPU with AMX (cpu_kernels.py), but the
+    leaves bfloat16 to torch on a CPU with AMX (kernels/build.py), but the
     kernel's bfloat16 still serves every other AVX-512 BF16 CPU, so it is
     tested there too. Skips where the build runs no bfloat16."""
     import torch

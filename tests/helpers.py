@@ -171,3 +171,12 @@ def kill_a_worker_and_wait_for_exit(proc, log, num_workers: int) -> str:
     except subprocess.TimeoutExpired:
         pytest.fail(f"server still up 60 s after a worker died:\n{log.read_text()[-3000:]}")
     return log.read_text()
+
+
+def in_forward(attention=None, **kernels):
+    """Within: a forward's context with the step's ``attention`` layout (if
+    any) and these CPU kernels (linear=, span=, decode=; None: torch's path)."""
+    from vllm_accel.forward_context import ForwardContext, set_forward_context
+    from vllm_accel.kernels import CpuKernels
+
+    return set_forward_context(ForwardContext(attention=attention, kernels=CpuKernels(**kernels)))

@@ -61,7 +61,8 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compiled(tiny_models, cache_dir):
-    """One inductor engine, started cold (empty compile cache)."""
+    """One inductor engine, started cold (empty compile cache), cutting steps
+    by the forward times it measures at warmup (forward_plan=measured)."""
     # As under `vllm serve`: vLLM's TORCHINDUCTOR_COMPILE_THREADS=1 is read when
     # torch comes after vllm (in this process torch came first, so set it here).
     torch._inductor.config.compile_threads = 1
@@ -70,7 +71,8 @@ def compiled(tiny_models, cache_dir):
     valid_vec_isa_list.cache_clear()
     VecISA._VecISA__bool__impl.cache_clear()
     started = time.perf_counter()
-    with running_llm(tiny_models["llama"], additional_config=accel_config(cache_dir),
+    with running_llm(tiny_models["llama"],
+                     additional_config=accel_config(cache_dir, forward_plan="measured"),
                      **ENGINE) as llm:
         yield llm, time.perf_counter() - started
 
@@ -122,8 +124,8 @@ def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
     graphs_before = runner.compile_stats.graphs_compiled
     layer_forwards = [layer.forward for layer in runner.model.fms_model.base_model.layers]
     guarded_before = [forward.guarded_calls for forward in layer_forwards]
-    assert runner.decode_kernel is not None, "the cpu decode kernel did not build"
-    kernel_calls_before = runner.decode_kernel.calls
+    assert runner.kernels.decode is not None, "the cpu decode kernel did not build"
+    kernel_calls_before = runner.kernels.decode.calls
 
     # 1 request, then max_num_seqs at once, lengths across bucket boundaries up
     # to max_model_len; then a prefix hit; then n>1; then arrivals mid-decode.
@@ -168,7 +170,7 @@ def test_mixed_workload_compiles_nothing_and_matches_hf(compiled, tiny_models):
     # Warmup made every kind of layer call once: serving checks no dynamo guards.
     assert [forward.guarded_calls for forward in layer_forwards] == guarded_before
     # Decodes went through the CPU decode-attention kernel (not the PyTorch path).
-    assert runner.decode_kernel.calls > kernel_calls_before
+    assert runner.kernels.decode.calls > kernel_calls_before
 
 
 def test_inductor_equals_eager(compiled, tiny_models):
@@ -220,7 +222,7 @@ def test_compiled_graphs_are_kept_per_op_schemas(compiled, cache_dir, monkeypatc
     key on: the engine's graphs live in a folder named by them, and another
     schema names another folder (an old graph is not loaded to call an op
     whose arguments changed)."""
-    from vllm_accel.model import ops
+    from vllm_accel.kernels import ops
 
     graphs = model_runner(compiled[0]).compile_stats.cache_dir
     assert graphs == cache_dir / "inductor" / f"ops-{ops.fingerprint()}"
@@ -347,11 +349,12 @@ def test_a_layer_takes_its_hidden_states_row_by_row():
 
 
 def test_warming_up_runs_each_kind_of_call_in_one_layer_of_a_stack():
-    """compile.warming_up: the first layer to make a kind of call runs it;
+    """A forward context that is warming up: the first layer to make a kind of call runs it;
     the others of its stack get their graph from dynamo's guards and pass
     their input on, so after warmup every layer runs its graph unguarded.
     A layer whose output is not shaped as its input always runs."""
-    from vllm_accel.model.compile import compile_shared_forward, warming_up
+    from vllm_accel.forward_context import ForwardContext, set_forward_context
+    from vllm_accel.model.compile import compile_shared_forward
 
     class Residual(torch.nn.Module):
         def forward(self, x):
@@ -366,7 +369,7 @@ def test_warming_up_runs_each_kind_of_call_in_one_layer_of_a_stack():
     compile_shared_forward(shrinking, "eager", num_shapes=8)
     x, y = torch.randn(5, 4), torch.randn(6, 4)
     with torch.no_grad():
-        with warming_up(residual + shrinking):
+        with set_forward_context(ForwardContext(warming_up=True)):
             assert torch.equal(residual[2](residual[1](residual[0](x))), x * 2)
             assert [torch.equal(layer(y), y * (2 if i == 0 else 1))
                     for i, layer in enumerate(residual)] == [True] * 3

@@ -56,8 +56,9 @@ def hf_cuda_greedy(model_dir, prompts, max_tokens=MAX_TOKENS):
 def test_one_launch_attention_equals_the_pytorch_path(dtype):
     """One step (two decodes, a chunk with earlier context, a new prompt cut
     by the forward's end) laid out both ways: the same attention output."""
-    from vllm_accel.model.paged_attention import (TableShape, attention_context,
-                                                  paged_attention, register_paged_attention)
+    from helpers import in_forward
+    from vllm_accel.model.paged_attention import (TableShape, paged_attention,
+                                                  register_paged_attention)
     from vllm_accel.patches import exact_float32_dots
     from vllm_accel.worker.step_layout import pack_step
 
@@ -81,7 +82,7 @@ def test_one_launch_attention_equals_the_pytorch_path(dtype):
     for metadata in layouts:
         caches = [torch.randn(blocks, block, kv_heads, dim, generator=torch.Generator().manual_seed(1)
                               ).to("cuda", dtype) for _ in range(2)]
-        with attention_context(metadata):
+        with in_forward(metadata):
             out = paged_attention(query, key, value, *caches, dim ** -0.5)
         outputs.append(out[0].float())
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

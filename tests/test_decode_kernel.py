@@ -9,12 +9,9 @@ import subprocess
 import pytest
 import torch
 
-from vllm_accel.model import decode_kernel
-from vllm_accel.model.paged_attention import (
-    PagedAttentionMetadata,
-    attention_context,
-    paged_attention,
-)
+from helpers import in_forward
+from vllm_accel.kernels import decode_attention as decode_kernel
+from vllm_accel.model.paged_attention import PagedAttentionMetadata, paged_attention
 
 BLOCKS, BLOCK = 16, 4
 
@@ -44,7 +41,7 @@ def _decode_step(heads, kv_heads, dim, context_lens, width, dtype=torch.float32,
 
 def _run(kernel, query, new_kv, caches, metadata):
     caches = [c.clone() for c in caches]
-    with attention_context(metadata, kernel):
+    with in_forward(metadata, decode=kernel):
         return paged_attention(query, *new_kv, *caches, 0.125)
 
 
@@ -108,7 +105,7 @@ def test_kernel_is_cached_and_keeps_denormals(tmp_path):
 
 def test_header_change_rebuilds(tmp_path):
     """A kernel is keyed on the headers it includes too (vector_math.h)."""
-    from vllm_accel.model import cpu_kernels
+    from vllm_accel.kernels import build as cpu_kernels
 
     source, header = tmp_path / "k.cpp", tmp_path / "k.h"
     source.write_text('#include "k.h"\nextern "C" int value() { return VALUE; }\n')
@@ -125,7 +122,7 @@ def test_builds_started_in_the_background_are_waited_for_not_repeated(tmp_path, 
     compile) and gets its library, or its error."""
     import threading
 
-    from vllm_accel.model import cpu_kernels
+    from vllm_accel.kernels import build as cpu_kernels
 
     sources = []
     for value in (1, 2):
@@ -214,3 +211,29 @@ def test_kernel_refuses_a_context_past_its_block_table(tmp_path):
         lens[1] = 3 * BLOCK  # exactly full: runs
         kernel(query[0], *caches, metadata.decode_block_table, lens, 0.125, out)
         assert not torch.equal(out, torch.full_like(out, 7.0))
+
+
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_propagates_as_in_the_pytorch_path(tmp_path, where, dtype):
+    """A NaN in one row's query head, or in one cached key or value of one
+    row's context, makes exactly the outputs NaN that gather + SDPA makes NaN
+    (that row's heads over that KV head), on the vector path (head size 64)
+    and the portable one (24); every other output stays as it was."""
+    kernel = decode_kernel.load(tmp_path)
+    for heads, kv_heads, dim in ((8, 2, 64), (4, 2, 24)):
+        query, new_kv, caches, metadata = _decode_step(heads, kv_heads, dim,
+                                                       context_lens=[5, 7, 12, 4], width=3,
+                                                       dtype=dtype)
+        if where == "query":
+            query[0, 1, 3] = float("nan")
+        else:  # the second token of row 2's context, KV head 1
+            block = metadata.decode_block_table[2, 0]
+            caches[0 if where == "key" else 1][block, 1, 1] = float("nan")
+        expected = _run(None, query, new_kv, caches, metadata)
+        got = _run(kernel, query, new_kv, caches, metadata)
+        assert expected.isnan().any()
+        assert torch.equal(got.isnan(), expected.isnan())
+        finite = ~expected.isnan()
+        torch.testing.assert_close(got[finite].float(), expected[finite].float(),
+                                   rtol=1e-2, atol=1e-2)

@@ -8,8 +8,11 @@ import torch
 from torch import nn
 
 from vllm_accel import devices
-from vllm_accel.model import cpu_kernels, linear_kernel, span_attention
-from vllm_accel.model.live_rows import live_rows
+from vllm_accel.forward_context import ForwardContext, get_forward_context, set_forward_context
+from vllm_accel.kernels import CpuKernels
+from vllm_accel.kernels import build as cpu_kernels
+from vllm_accel.kernels import linear as linear_kernel
+from vllm_accel.kernels import span_attention
 from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
 
 CPU_FLAGS = cpu_kernels.cpu_flags() or set()
@@ -29,14 +32,14 @@ def kernel_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def kernel(kernel_cache, monkeypatch):
-    """The kernel loaded for this test only (layers packed outside it use
-    oneDNN), running every dtype its build runs (AMX or not)."""
-    monkeypatch.setattr(linear_kernel, "_kernel", None)
-    kernel = linear_kernel.enable(kernel_cache)
+def kernel(kernel_cache):
+    """The kernel, running every dtype its build runs (AMX or not), in the
+    forward context for the whole test (as an engine's forwards have it)."""
+    kernel = linear_kernel.load(kernel_cache)
     assert kernel is not None
-    monkeypatch.setattr(kernel, "dtypes", set(kernel.runs))
-    return kernel
+    kernel.dtypes = set(kernel.runs)
+    with set_forward_context(ForwardContext(kernels=CpuKernels(linear=kernel))):
+        yield kernel
 
 
 def _errors(x, weight, bias, dtype):
@@ -48,7 +51,8 @@ def _errors(x, weight, bias, dtype):
                                            None if bias is None else bias.double())
     x, weight = x.to(dtype), weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
-    ours = linear_kernel.linear(x, linear_kernel.pack(weight), bias, weight.shape[0])
+    kernel = get_forward_context().kernels.linear
+    ours = linear_kernel.linear(x, kernel.pack(weight), bias, weight.shape[0])
     if compat.onednn_packs_dtype(dtype):
         onednn = compat.onednn_linear(x, compat.onednn_pack_linear_weight(weight), bias)
     else:
@@ -102,11 +106,11 @@ def test_amx_rows_copied_into_tiles_compute_what_rows_read_in_place_do(kernel, i
               / in_features ** 0.5).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
     if epilogue == linear_kernel.GATED_SILU:
-        packed, packed_bias = linear_kernel.pack_gated(*weight.split(out_features // 2),
+        packed, packed_bias = kernel.pack_gated(*weight.split(out_features // 2),
                                                        *bias.split(out_features // 2))
         outputs = out_features // 2
     else:
-        packed, packed_bias, outputs = linear_kernel.pack(weight), bias, out_features
+        packed, packed_bias, outputs = kernel.pack(weight), bias, out_features
     assert kernel.copies_x_into_tiles(rows, outputs, epilogue)
     assert not kernel.copies_x_into_tiles(500, outputs, epilogue)
     whole = linear_kernel.linear(x, packed, packed_bias, outputs, epilogue)
@@ -125,15 +129,15 @@ def test_a_call_after_one_with_nan_inputs_is_unaffected(kernel):
     the last one's must find zeros past its K, not the last call's inputs
     (NaN there times the packed weights' zeros would be NaN). Other builds
     read x in place: the same must hold."""
-    if not linear_kernel.runs(torch.bfloat16):
+    if not linear_kernel.runs(kernel, torch.bfloat16):
         pytest.skip("this CPU's kernel runs no bfloat16")
     g = torch.Generator().manual_seed(0)
     poisoned = torch.full((40, 62), float("nan"), dtype=torch.bfloat16)
-    linear_kernel.linear(poisoned, linear_kernel.pack(torch.ones(8, 62, dtype=torch.bfloat16)),
+    linear_kernel.linear(poisoned, kernel.pack(torch.ones(8, 62, dtype=torch.bfloat16)),
                          None, 8)
     x = torch.randn(40, 34, generator=g).to(torch.bfloat16)
     weight = torch.randn(24, 34, generator=g).to(torch.bfloat16)
-    ours = linear_kernel.linear(x, linear_kernel.pack(weight), None, 24)
+    ours = linear_kernel.linear(x, kernel.pack(weight), None, 24)
     assert torch.isfinite(ours).all()
     torch.testing.assert_close(ours.float(), x.float() @ weight.float().T, rtol=2e-2, atol=2e-2)
 
@@ -154,9 +158,9 @@ def test_gated_is_silu_of_gate_times_up(kernel, rows, out_features, dtype):
     for bias in (None, torch.randn(2 * out_features, generator=g).to(dtype)):
         gate_up_biases = (None, None) if bias is None else bias.split(out_features)
         ours = linear_kernel.linear(
-            x, *linear_kernel.pack_gated(*weight.split(out_features), *gate_up_biases),
+            x, *kernel.pack_gated(*weight.split(out_features), *gate_up_biases),
             out_features, linear_kernel.GATED_SILU)
-        halves = linear_kernel.linear(x, linear_kernel.pack(weight), bias,
+        halves = linear_kernel.linear(x, kernel.pack(weight), bias,
                                       2 * out_features).float()
         expected = (torch.nn.functional.silu(halves[:, :out_features])
                     * halves[:, out_features:]).to(dtype)
@@ -184,7 +188,7 @@ def test_gelu_tanh_is_the_layers_output_through_gelu(kernel, rows, out_features,
     in_features = 96
     x = (2 * torch.randn(rows, in_features, generator=g)).to(dtype)  # GELU's both sides
     weight = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(dtype)
-    packed = linear_kernel.pack(weight)
+    packed = kernel.pack(weight)
     for bias in (None, torch.randn(out_features, generator=g).to(dtype)):
         ours = linear_kernel.linear(x, packed, bias, out_features, linear_kernel.GELU_TANH)
         plain = linear_kernel.linear(x, packed, bias, out_features)
@@ -201,7 +205,7 @@ def test_gelu_tanh_is_the_layers_output_through_gelu(kernel, rows, out_features,
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_op_takes_any_leading_shape_and_strides(kernel, dtype):
     weight = torch.randn(48, 32).to(dtype)
-    packed = linear_kernel.pack(weight)
+    packed = kernel.pack(weight)
     x = torch.randn(3, 40, 5).to(dtype).transpose(1, 2)[..., :32]  # not contiguous
     out = linear_kernel.linear(x, packed, None, 48)
     assert out.shape == (3, 5, 48)
@@ -213,18 +217,18 @@ def test_op_takes_any_leading_shape_and_strides(kernel, dtype):
                          ids=["plain", "gated"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_padding_rows_are_not_multiplied(kernel, dtype, gated):
-    """Under live_rows(48, 37) a tensor of 48 rows gets its first 37 as ever
+    """With 37 live rows of 48 a tensor of 48 rows gets its first 37 as ever
     (bit for bit) and zeros after (not computed); other row counts run
     whole, and so does everything once it is left."""
     torch.manual_seed(0)
     gate, up = torch.randn(40, 64).to(dtype), torch.randn(40, 64).to(dtype)
-    packed = (linear_kernel.pack_gated(gate, up)[0] if gated
-              else linear_kernel.pack(torch.cat([gate, up])))
+    packed = (kernel.pack_gated(gate, up)[0] if gated
+              else kernel.pack(torch.cat([gate, up])))
     out_features = 40 if gated else 80
     x = torch.randn(1, 48, 64).to(dtype)
     whole = linear_kernel.linear(x, packed, None, out_features, gated)
     assert whole[:, 37:].abs().amin() > 0  # rows a computation would fill
-    with live_rows(48, 37):
+    with set_forward_context(get_forward_context().padded(48, 37)):
         padded = linear_kernel.linear(x, packed, None, out_features, gated)
         other = linear_kernel.linear(x[:, :40], packed, None, out_features, gated)
     assert torch.equal(padded[:, :37], whole[:, :37])
@@ -240,7 +244,7 @@ def test_compiled_graph_shared_by_two_layers(kernel, dtype):
     for seed in (1, 2):
         torch.manual_seed(seed)
         layers.append(nn.Linear(64, 100).to(dtype))
-    packed = [PackedLinear(layer) for layer in layers]
+    packed = [PackedLinear(layer, kernel) for layer in layers]
     assert all(p.by_kernel for p in packed)
 
     def block(module, x):
@@ -274,7 +278,7 @@ def test_a_fused_activation_runs_by_the_kernel_only_where_it_has_it(kernel, appr
                                  use_bias=True).eval()
         with torch.inference_mode():
             expected = block(x)
-            assert pack_linear_layers(block, decoder=decoder) == 2
+            assert pack_linear_layers(block, kernel, decoder=decoder) == 2
             assert block.w1.by_kernel == w1_by_kernel
             assert block.w1.post_op == ("gelu", approximate)
             assert block.w2.by_kernel == w2_by_kernel and block.w2.post_op[0] == "none"
@@ -289,9 +293,9 @@ def test_odd_bfloat16_inputs_stay_onednn(kernel):
     if torch.bfloat16 not in kernel.dtypes:
         pytest.skip("bfloat16 needs AVX-512 BF16")
     model = nn.Sequential(nn.Linear(33, 8), nn.Linear(8, 4)).to(torch.bfloat16)
-    assert pack_linear_layers(model) == (2 if compat.onednn_packs_dtype(torch.bfloat16) else 1)
+    assert pack_linear_layers(model, kernel) == (2 if compat.onednn_packs_dtype(torch.bfloat16) else 1)
     assert not getattr(model[0], "by_kernel", False) and model[1].by_kernel
-    assert PackedLinear(nn.Linear(33, 8)).by_kernel  # float32 takes any size
+    assert PackedLinear(nn.Linear(33, 8), kernel).by_kernel  # float32 takes any size
 
 
 def _encoder_and_decoder(encoder_gelu: str):
@@ -328,7 +332,7 @@ def test_bfloat16_where_onednn_packs_none_runs_by_the_kernel_alone(kernel, monke
     with torch.inference_mode():
         expected = run()
         # all but Linear(33, 32)
-        assert pack_linear_layers(model, decoder=model["decoder"]) == 5
+        assert pack_linear_layers(model, kernel, decoder=model["decoder"]) == 5
         tanh_block, exact_block = model["encoder"][0], model["decoder"][1]
         assert tanh_block.w1.by_kernel and tanh_block.w1.post_op == ("gelu", "tanh")
         assert isinstance(tanh_block.a, nn.Identity) and tanh_block.w2.by_kernel
@@ -358,7 +362,7 @@ def test_bfloat16_widened_or_on_amx_runs_by_the_kernel_wherever_it_can(kernel, m
     model, run = _encoder_and_decoder("none")
     with torch.inference_mode():
         expected = run()
-        assert pack_linear_layers(model, decoder=model["decoder"]) == 6  # oneDNN packs the rest
+        assert pack_linear_layers(model, kernel, decoder=model["decoder"]) == 6  # oneDNN packs the rest
         encoder_block, decoder_block = model["encoder"][0], model["decoder"][1]
         assert model["encoder"][1].by_kernel == everywhere  # an encoder's plain layer
         assert not model["decoder"][0].by_kernel  # odd input size: oneDNN's
@@ -379,8 +383,7 @@ def test_bfloat16_on_amx_only_by_kernels_that_multiply_on_its_tiles(tmp_path, mo
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
     kernels = []
     for module in (linear_kernel, span_attention):
-        monkeypatch.setattr(module, "_kernel", None)
-        kernels.append(module.enable(tmp_path))
+        kernels.append(module.load(tmp_path))
         if kernels[-1] is None or torch.bfloat16 not in kernels[-1].runs:
             pytest.skip("the kernels' bfloat16 needs AVX-512 BF16")
     linear, span = kernels
@@ -388,10 +391,12 @@ def test_bfloat16_on_amx_only_by_kernels_that_multiply_on_its_tiles(tmp_path, mo
     linear_tiles, span_tiles = (not amx or kernel.multiplies_on_amx for kernel in kernels)
     assert linear.dtypes == (both if linear_tiles else f32)
     assert span.dtypes == (both if span_tiles else f32)
-    assert PackedLinear(nn.Linear(64, 8).to(torch.bfloat16)).by_kernel == linear_tiles
-    assert PackedLinear(nn.Linear(64, 8)).by_kernel
-    assert span_attention.supported(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)) == span_tiles
-    assert span_attention.supported(torch.zeros(1, 4, 2, 64))
+    assert PackedLinear(nn.Linear(64, 8).to(torch.bfloat16), linear).by_kernel == linear_tiles
+    assert PackedLinear(nn.Linear(64, 8), linear).by_kernel
+    with set_forward_context(ForwardContext(kernels=CpuKernels(span=span))):
+        assert (span_attention.supported(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16))
+                == span_tiles)
+        assert span_attention.supported(torch.zeros(1, 4, 2, 64))
 
     class DotProductsOnly(span_attention.SpanAttentionKernel):
         def __init__(self, library):
@@ -427,7 +432,7 @@ def test_an_encoders_layers_stay_onednn(kernel):
 
     with torch.inference_mode():
         expected = run()
-        assert pack_linear_layers(model, decoder=model["decoder"]) == 4
+        assert pack_linear_layers(model, kernel, decoder=model["decoder"]) == 4
         assert [layer.by_kernel for layer in model["encoder"]] == [False, False]
         assert [layer.by_kernel for layer in model["decoder"]] == [True, True]
         assert (run() - expected).abs().max() <= 1e-5 * expected.abs().max()
@@ -443,9 +448,56 @@ def test_with_avx2_alone_float32_stays_onednn(tmp_path, monkeypatch):
         kernel.vector_lanes = 8
         return kernel
 
-    monkeypatch.setattr(linear_kernel, "_kernel", None)
     monkeypatch.setattr(cpu_kernels, "load", load_as_avx2)
-    kernel = linear_kernel.enable(tmp_path)
+    kernel = linear_kernel.load(tmp_path)
     assert torch.float32 in kernel.runs and torch.float32 not in kernel.dtypes
-    assert not PackedLinear(nn.Linear(64, 8)).by_kernel
-    assert linear_kernel.runs(torch.bfloat16) == (torch.bfloat16 in kernel.runs)
+    assert not PackedLinear(nn.Linear(64, 8), kernel).by_kernel
+    assert linear_kernel.runs(kernel, torch.bfloat16) == (torch.bfloat16 in kernel.runs)
+
+
+@pytest.mark.parametrize("epilogue", [linear_kernel.PLAIN, linear_kernel.GATED_SILU,
+                                      linear_kernel.GELU_TANH], ids=["plain", "gated", "gelu"])
+@pytest.mark.parametrize("where", ["x", "weight"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_in_x_or_weight_propagates_as_in_torch(kernel, dtype, where, epilogue):
+    """A NaN in one input row (or one weight row) makes exactly the outputs
+    torch's linear and activation make NaN: that row's (that column's), with
+    every epilogue, rows and columns past the kernel's blocks included."""
+    rows, in_features, out_features = 37, 96, 80
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    weight = (torch.randn(out_features, in_features, generator=g) / 10).to(dtype)
+    if where == "x":
+        x[5, 7] = float("nan")
+    else:
+        weight[11, 3] = float("nan")
+    sums = torch.nn.functional.linear(x.double(), weight.double())
+    if epilogue == linear_kernel.GATED_SILU:
+        gate, up = weight.split(out_features // 2)
+        packed, outputs = kernel.pack_gated(gate, up)[0], out_features // 2
+        gate_sums, up_sums = sums.split(out_features // 2, dim=1)
+        expected = torch.nn.functional.silu(gate_sums) * up_sums
+    else:
+        packed, outputs = kernel.pack(weight), out_features
+        expected = (torch.nn.functional.gelu(sums, approximate="tanh")
+                    if epilogue == linear_kernel.GELU_TANH else sums)
+    ours = linear_kernel.linear(x, packed, None, outputs, epilogue)
+    assert expected.isnan().any()
+    assert torch.equal(ours.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    torch.testing.assert_close(ours.double()[finite], expected[finite], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inf_in_x_gives_what_torch_gives(kernel, dtype):
+    """An infinite input gives infinite (or NaN, where +inf meets -inf or a
+    zero weight) outputs exactly where torch's linear does."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 64, generator=g).to(dtype)
+    weight = torch.randn(48, 64, generator=g).to(dtype)
+    x[2, 10], x[4, 3], x[4, 20] = float("inf"), float("inf"), float("-inf")
+    ours = linear_kernel.linear(x, kernel.pack(weight), None, 48)
+    expected = torch.nn.functional.linear(x.double(), weight.double())
+    assert torch.equal(ours.isnan(), expected.isnan())
+    assert torch.equal(ours.isinf(), expected.isinf())
+    assert torch.equal(ours[ours.isinf()].sign().double(), expected[expected.isinf()].sign())

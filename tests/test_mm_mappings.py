@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm_accel.architectures import Architecture, by_model_type, load_object
-from vllm_accel.model import live_rows
+from vllm_accel.forward_context import get_forward_context
 from vllm_accel.multimodal.mm_mappings import vision_adapter_class
 from vllm_accel.multimodal.encoder import (VisionEncoder, merge_embeddings, pack_first_fit,
                                            pack_least_padding)
@@ -342,7 +342,7 @@ class _RowsSeen(torch.nn.Module):
         self.seen, self.fail = [], False
 
     def forward(self, x):
-        self.seen.append(live_rows.count(x.shape[0]))
+        self.seen.append(get_forward_context().rows_to_compute(x.shape[0]))
         if self.fail:
             raise RuntimeError("a failing call")
         return self.layer(x) + 1
@@ -365,20 +365,22 @@ def test_ops_skip_the_padding_rows_during_the_call_only(rows_last):
     (out,) = encoder.encode([torch.zeros(5, 2)])
     assert torch.equal(out, torch.ones(5, 2))
     assert tower.seen == [5 if rows_last else 8]
-    assert live_rows.count(8) == 8
+    assert get_forward_context().rows_to_compute(8) == 8
     tower.fail = True
     with pytest.raises(RuntimeError, match="a failing call"):
         encoder.encode([torch.zeros(3, 2)])
-    assert tower.seen[-1] == (3 if rows_last else 4) and live_rows.count(4) == 4
+    assert tower.seen[-1] == (3 if rows_last else 4)
+    assert get_forward_context().rows_to_compute(4) == 4
 
 
 def test_bfloat16_tower_attends_by_the_kernel(ckpt, hf_config, utils, tmp_path, monkeypatch,
                                              with_bfloat16):
     """In bfloat16 on the CPU SigLIP's layers attend by our kernel, compiled
     too; against the float32 tower as close as with FMS's SDPA."""
-    from vllm_accel.model import span_attention
+    from helpers import in_forward
+    from vllm_accel.kernels import span_attention
 
-    kernel = with_bfloat16(span_attention.enable(tmp_path))
+    kernel = with_bfloat16(span_attention.load(tmp_path))
     half = vision_adapter_class(hf_config)(_model_config(hf_config, ckpt),
                                            _fms_model(ckpt).to(torch.bfloat16))
     items = utils.warmup_items([(80, 50), (128, 128)])
@@ -388,10 +390,10 @@ def test_bfloat16_tower_attends_by_the_kernel(ckpt, hf_config, utils, tmp_path, 
         reference = torch.cat(utils.encode_items(items))
         calls = kernel.calls
         compiled = VisionEncoder(half, "inductor", "3,5")
-        by_kernel = torch.cat(compiled.encode(half_items)).float()
+        with in_forward(span=kernel):
+            by_kernel = torch.cat(compiled.encode(half_items)).float()
         assert kernel.calls - calls == layers * compiled.calls
-        monkeypatch.setattr(span_attention, "_kernel", None)
-        by_sdpa = torch.cat(half.encode_items(half_items)).float()
+        by_sdpa = torch.cat(half.encode_items(half_items)).float()  # no kernel outside a forward
     kernel_error, sdpa_error = ((out - reference).abs() for out in (by_kernel, by_sdpa))
     assert kernel_error.mean() <= 1.2 * sdpa_error.mean()
     assert kernel_error.max() < 0.1 * reference.abs().max()

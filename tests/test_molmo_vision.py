@@ -155,18 +155,19 @@ def test_bfloat16_attention_as_accurate_as_sdpa(vllm_model, ours, items, monkeyp
     backbone as close as bfloat16 SDPA is."""
     import copy
 
-    from vllm_accel.model import span_attention
+    from helpers import in_forward
+    from vllm_accel.kernels import span_attention
 
-    kernel = with_bfloat16(span_attention.enable(tmp_path))
+    kernel = with_bfloat16(span_attention.load(tmp_path))
     calls = kernel.calls
     item = items[(640, 480)]
     half = copy.deepcopy(ours).to(torch.bfloat16)
     with torch.no_grad():
         reference = vllm_model.vision_backbone(item["images"][None], item["image_masks"][None])[0]
-        error = (half(item["images"], item["image_masks"]).float() - reference).abs()
+        with in_forward(span=kernel):
+            error = (half(item["images"], item["image_masks"]).float() - reference).abs()
         # one call per ViT layer
         assert kernel.calls - calls == len(half.image_vit.transformer.resblocks)
-        monkeypatch.setattr(span_attention, "_kernel", None)
         sdpa_error = (half(item["images"], item["image_masks"]).float() - reference).abs()
     assert error.max() < 0.1 * reference.abs().max()
     assert error.mean() <= 1.2 * sdpa_error.mean()

@@ -5,6 +5,7 @@ linear layer of a served model packed (our kernel's own: test_linear_kernel.py).
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 from helpers import hf_greedy, model_runner, running_llm
 from test_generation import random_prompts
 from vllm_accel import compat
-from vllm_accel.model import linear_kernel
+from vllm_accel.kernels import linear as linear_kernel
 from vllm_accel.model.packed_linear import GatedUnit, PackedLinear, pack_linear_layers
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -22,13 +23,6 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # AVX-NE-CONVERT): with AVX2 alone our kernel runs it (test_linear_kernel.py).
 ONEDNN_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not compat.onednn_packs_dtype(torch.bfloat16), reason="oneDNN packs no bfloat16 here"))]
-
-
-@pytest.fixture(autouse=True)
-def onednn_only(monkeypatch):
-    """Layers packed here are oneDNN's, whatever kernel an earlier test loaded
-    (a served model loads its own, restored after)."""
-    monkeypatch.setattr(linear_kernel, "_kernel", None)
 
 
 def linear(in_features, out_features, bias, dtype, seed):
@@ -48,7 +42,7 @@ def close(actual, expected, dtype):
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_nn_linear(dtype, bias):
     layer = linear(96, 160, bias, dtype, seed=0)
-    packed = PackedLinear(layer)
+    packed = PackedLinear(layer, None)
     for shape in [(1, 96), (37, 96), (1, 19, 96)]:
         x = torch.randn(shape).to(dtype)
         with torch.inference_mode():
@@ -62,7 +56,7 @@ def test_compiled_graph_shared_by_two_packed_layers(dtype):
     """One inductor graph, the packed weight a graph input (as compile.py
     shares one graph between layers): each layer gets its own result."""
     layers = [linear(64, 128, True, dtype, seed) for seed in (1, 2)]
-    packed = [PackedLinear(layer) for layer in layers]
+    packed = [PackedLinear(layer, None) for layer in layers]
 
     def block(module, x):
         return torch.relu(module(x)) * 2
@@ -96,7 +90,7 @@ def test_pack_linear_layers_keeps_read_weights_and_tied_embeddings():
     ids = torch.randint(0, 50, (1, 7))
     with torch.inference_mode():
         expected = model(ids)
-    assert pack_linear_layers(model) == 3  # mlp's two and the head, not out_proj
+    assert pack_linear_layers(model, None) == 3  # mlp's two and the head, not out_proj
     assert isinstance(model.attention.out_proj, nn.Linear)  # MHA reads its weight
     assert model.alias is model.mlp[0] and isinstance(model.alias, PackedLinear)
     assert isinstance(model.embedding.weight, nn.Parameter)  # still dense for the lookup
@@ -121,7 +115,7 @@ def test_feed_forward_activation_runs_in_the_matmul(activation, dtype):
     x = torch.randn(2, 13, 48).to(dtype)
     with torch.inference_mode():
         expected = block(x)
-        assert pack_linear_layers(block) == 2
+        assert pack_linear_layers(block, None) == 2
         assert isinstance(block.a, nn.Identity) and block.w1.post_op[0] != "none"
         assert close(block(x), expected, dtype)
         torch._dynamo.reset()
@@ -134,7 +128,7 @@ def test_unmapped_activation_stays_outside():
     from fms.modules.feedforward import FeedForwardBlock
 
     block = FeedForwardBlock(16, activation_fn=nn.Tanh(), use_bias=True).eval()
-    pack_linear_layers(block)
+    pack_linear_layers(block, None)
     assert isinstance(block.a, nn.Tanh) and block.w1.post_op == ("none", "")
 
 
@@ -146,13 +140,13 @@ def test_activation_stays_where_its_layer_is_not_packed():
     block = FeedForwardBlock(16, activation_fn=nn.GELU(), use_bias=True).eval()
     block.w1.half()
     model = nn.Sequential(nn.Linear(16, 16), block)  # a float32 model
-    assert pack_linear_layers(model) == 2  # its first layer and the block's second
+    assert pack_linear_layers(model, None) == 2  # its first layer and the block's second
     assert type(block.w1) is nn.Linear and isinstance(block.a, nn.GELU)
 
 
 def test_pack_linear_layers_leaves_float16():
     model = nn.Sequential(nn.Linear(8, 8)).half()
-    assert pack_linear_layers(model) == 0
+    assert pack_linear_layers(model, None) == 0
     assert type(model[0]) is nn.Linear
 
 
@@ -170,7 +164,7 @@ def test_served_model_runs_packed_linears(tiny_models, dtype, monkeypatch):
         # where our kernel runs the dtype, gate/up with its SiLU * up as one GatedUnit
         packed = [m for m in modules if isinstance(m, PackedLinear)]
         gated = [m for m in modules if isinstance(m, GatedUnit)]
-        by_kernel = linear_kernel.runs(getattr(torch, dtype))
+        by_kernel = linear_kernel.runs(runner.kernels.linear, getattr(torch, dtype))
         assert len(gated) == (runner.model.num_layers if by_kernel else 0)
         assert len(packed) + len(gated) == 4 * runner.model.num_layers + 1
         # Llama fuses no activation into oneDNN, so every layer runs by our kernel
@@ -181,7 +175,7 @@ def test_served_model_runs_packed_linears(tiny_models, dtype, monkeypatch):
             from vllm import SamplingParams
             from vllm.inputs import TokensPrompt
 
-            kernel, rows = linear_kernel._kernel, collections.Counter()
+            kernel, rows = runner.kernels.linear, collections.Counter()
 
             class RowsSeen:
                 def __call__(self, x, *args, **kwargs):
@@ -189,7 +183,8 @@ def test_served_model_runs_packed_linears(tiny_models, dtype, monkeypatch):
                     return kernel(x, *args, **kwargs)
 
             if by_kernel:
-                monkeypatch.setattr(linear_kernel, "_kernel", RowsSeen())
+                monkeypatch.setattr(runner, "kernels",
+                                    dataclasses.replace(runner.kernels, linear=RowsSeen()))
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                 SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
             assert [list(o.outputs[0].token_ids) for o in outs] == \

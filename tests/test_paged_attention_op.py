@@ -8,13 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_accel.model import decode_kernel
-from vllm_accel.model.paged_attention import (
-    PagedAttentionMetadata,
-    PrefillChunk,
-    attention_context,
-    paged_attention,
-)
+from helpers import in_forward
+from vllm_accel.kernels import decode_attention as decode_kernel
+from vllm_accel.model.paged_attention import PagedAttentionMetadata, PrefillChunk, paged_attention
 
 BLOCKS, BLOCK, KV_HEADS, HEADS, DIM = 4, 4, 2, 4, 16
 
@@ -57,7 +53,7 @@ def test_compiled_reads_after_the_op_see_its_writes(by_kernel, tmp_path):
     results = {}
     for name, fn in (("eager", _attend_then_read_caches), ("inductor", compiled)):
         caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
-        with attention_context(metadata, kernel):
+        with in_forward(metadata, decode=kernel):
             results[name] = fn(query, key, value, *caches)
         # The caches passed in hold the new entries (written in place).
         torch.testing.assert_close(caches[0].view(-1, KV_HEADS, DIM)[[5, 9]], key[0])
@@ -83,7 +79,7 @@ def test_padding_rows_are_zero(with_prompt, tmp_path, monkeypatch):
     filled = 4 if with_prompt else 2
     assert metadata.tokens == filled
     caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
-    with torch.inference_mode(), attention_context(metadata, decode_kernel.load(tmp_path)):
+    with torch.inference_mode(), in_forward(metadata, decode=decode_kernel.load(tmp_path)):
         torch.use_deterministic_algorithms(True)
         try:
             out = paged_attention(pad(query), pad(key), pad(value), *caches, 0.25)
@@ -110,7 +106,7 @@ def test_a_prompt_start_attends_causally_to_its_own_keys():
     outputs = []
     for chunk in (PrefillChunk(0, tokens), cached):
         caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
-        with attention_context(PagedAttentionMetadata(slots, 0, prefills=[chunk])):
+        with in_forward(PagedAttentionMetadata(slots, 0, prefills=[chunk])):
             outputs.append(paged_attention(query, key, value, *caches, 0.25))
         torch.testing.assert_close(caches[0].view(-1, KV_HEADS, DIM)[slots], key[0])
     torch.testing.assert_close(outputs[0], outputs[1])
@@ -121,10 +117,10 @@ def test_bfloat16_prompts_attend_by_the_kernel(tmp_path, with_bfloat16):
     """bfloat16 on a CPU with AVX-512 BF16: each prompt-start chunk of a forward
     (two prompts packed one after the other) attends by our span kernel,
     causally over its own keys, as SDPA does."""
-    from vllm_accel.model import span_attention
+    from vllm_accel.kernels import span_attention
     from vllm_accel.model.paged_attention import PrefillChunk
 
-    kernel = with_bfloat16(span_attention.enable(tmp_path))
+    kernel = with_bfloat16(span_attention.load(tmp_path))
     g = torch.Generator().manual_seed(2)
     lengths = (7, 5)
     tokens = sum(lengths)
@@ -133,7 +129,7 @@ def test_bfloat16_prompts_attend_by_the_kernel(tmp_path, with_bfloat16):
     chunks = [PrefillChunk(0, lengths[0]), PrefillChunk(lengths[0], tokens)]
     caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in range(2)]
     calls = kernel.calls
-    with attention_context(PagedAttentionMetadata(torch.arange(tokens), 0, prefills=chunks)):
+    with in_forward(PagedAttentionMetadata(torch.arange(tokens), 0, prefills=chunks), span=kernel):
         out = paged_attention(query, key, value, *caches, 0.25)
     assert kernel.calls == calls + 2
     for chunk in chunks:
@@ -152,7 +148,7 @@ def test_bfloat16_prompts_attend_by_the_kernel(tmp_path, with_bfloat16):
     table = torch.tensor([[0, 1, 2]])
     chunk = PrefillChunk(0, 3, table, causal_context_mask(positions[None], torch.tensor([10]),
                                                           3 * BLOCK), context_len=10)
-    with attention_context(PagedAttentionMetadata(positions, 0, prefills=[chunk])):
+    with in_forward(PagedAttentionMetadata(positions, 0, prefills=[chunk]), span=kernel):
         got = paged_attention(*more, *caches, 0.25)
     assert kernel.calls == calls + 3
     keys, values = (c.view(1, -1, KV_HEADS, DIM)[:, :10] for c in caches)

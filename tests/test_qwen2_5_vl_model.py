@@ -19,7 +19,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vllm_accel.model import span_attention
+from helpers import in_forward
+from vllm_accel.kernels import span_attention
 from vllm_accel.model.fms_causal_lm import _check_all_weights_loaded, _load_with_nan_fill
 from port_helpers import merge_image_features, register_qwen2
 from vllm_accel.model.ports import register_port
@@ -201,7 +202,7 @@ def test_bfloat16_tower_attends_by_the_kernel(fms, tmp_path, monkeypatch, with_b
     """In bfloat16 on the CPU every block attends by our kernel (spans of
     rows: windows, frames; images packed with padding): against the float32
     tower (masked SDPA) as close as the masked SDPA path in bfloat16."""
-    kernel = with_bfloat16(span_attention.enable(tmp_path))
+    kernel = with_bfloat16(span_attention.load(tmp_path))
     tower = fms.visual
     half = copy.deepcopy(tower).to(torch.bfloat16)
     grid = [[1, 10, 14], [1, 6, 6]]
@@ -209,9 +210,9 @@ def test_bfloat16_tower_attends_by_the_kernel(fms, tmp_path, monkeypatch, with_b
                          generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         calls = kernel.calls
-        by_kernel = half(pixels.bfloat16(), grid).float()
+        with in_forward(span=kernel):
+            by_kernel = half(pixels.bfloat16(), grid).float()
         assert kernel.calls - calls == len(tower.layers)
-        monkeypatch.setattr(span_attention, "_kernel", None)
         reference = tower(pixels, grid)
         by_sdpa = half(pixels.bfloat16(), grid).float()
     kernel_error, sdpa_error = ((out - reference).abs() for out in (by_kernel, by_sdpa))
@@ -335,8 +336,8 @@ def test_paged_attention_plugs_in(hf, fms):
     """The interface the runner uses: base_model(..., use_cache=True,
     attn_name=paged) with [3, 1, T] positions gives the SDPA result."""
     from vllm_accel.model.paged_attention import (
-        ATTN_NAME, PagedAttentionMetadata, PrefillChunk, attention_context,
-        causal_context_mask, register_paged_attention,
+        ATTN_NAME, PagedAttentionMetadata, PrefillChunk, causal_context_mask,
+        register_paged_attention,
     )
 
     register_paged_attention()
@@ -365,7 +366,7 @@ def test_paged_attention_plugs_in(hf, fms):
                 torch.arange(tokens)[None], torch.tensor([tokens]), len(blocks) * block_size),
                 context_len=tokens)],
         )
-        with attention_context(metadata):
+        with in_forward(metadata):
             paged, _ = base(embeds, position_ids=positions[:, None],
                             past_key_value_states=caches, use_cache=True, attn_name=ATTN_NAME)
     torch.testing.assert_close(paged, reference, atol=1e-5, rtol=0)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_accel.model import cpu_kernels, span_attention
+from helpers import in_forward
+from vllm_accel.kernels import build as cpu_kernels
+from vllm_accel.kernels import span_attention
 
 CPU_FLAGS = cpu_kernels.cpu_flags() or set()
 # bfloat16: by AVX-512 BF16 dot products (or AMX), or widened to float32 with AVX-512 BW.
@@ -17,12 +19,14 @@ DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 
 
 @pytest.fixture
-def kernel(tmp_path_factory, monkeypatch):
-    """The kernel, running every dtype its build runs (AMX or not)."""
-    kernel = span_attention.enable(tmp_path_factory.mktemp("kernels"))
+def kernel(tmp_path_factory):
+    """The kernel, running every dtype its build runs (AMX or not), in the
+    forward context for the whole test."""
+    kernel = span_attention.load(tmp_path_factory.mktemp("kernels"))
     assert kernel is not None
-    monkeypatch.setattr(kernel, "dtypes", set(kernel.runs))
-    return kernel
+    kernel.dtypes = set(kernel.runs)
+    with in_forward(span=kernel):
+        yield kernel
 
 
 def _errors(q, k, v, scale, ranges=None, causal=False, dtype=torch.bfloat16):
@@ -120,13 +124,13 @@ def test_kernel_runs_only_where_it_applies(kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_spans_by_sdpa_where_the_kernel_does_not_run(monkeypatch, dtype):
+def test_spans_by_sdpa_where_the_kernel_does_not_run(dtype):
     """Without the kernel for the dtype (bfloat16 on a CPU with AMX, a CPU
     without AVX-512) ``attend`` runs torch's SDPA over each run of rows with
     one span: the masked SDPA's result, runs of one shape batched (windows of
     4 rows, a partial one, images of 9 and 7; grouped query heads; in the
-    second batch entry runs whose keys are not their own rows)."""
-    monkeypatch.setattr(span_attention, "_kernel", None)
+    second batch entry runs whose keys are not their own rows). Outside a
+    forward's context no kernel runs."""
     g = torch.Generator().manual_seed(3)
     bounds = [0, 4, 8, 12, 14, 23, 30, 34]
     own = [(s, e) for s, e in zip(bounds, bounds[1:]) for _ in range(s, e)]
@@ -145,3 +149,22 @@ def test_spans_by_sdpa_where_the_kernel_does_not_run(monkeypatch, dtype):
     after = span_attention.attend(q, k, v, 0.25, ranges)
     changed = (after != got).flatten(2).any(-1)
     assert changed[0, 14:23].all() and not changed[0, :14].any() and not changed[0, 23:].any()
+
+
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_propagates_as_in_sdpa(kernel, where, causal, dtype):
+    """A NaN in one query row, key or value makes exactly the outputs NaN
+    that SDPA makes NaN (a key or value: every row that attends to it, in
+    its heads' group; causal: the rows at and after it), and no other."""
+    g = torch.Generator().manual_seed(4)
+    tokens, heads, kv_heads, dim = 40, 4, 2, 64
+    q = torch.randn(1, tokens, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(1, tokens, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    target = {"query": (q, 1), "key": (k, 0), "value": (v, 0)}[where]
+    target[0][0, 17, target[1], 5] = float("nan")
+    got = span_attention.attend(q, k, v, dim ** -0.5, causal=causal)
+    expected = span_attention.reference(q, k, v, dim ** -0.5, causal=causal)
+    assert expected.isnan().any() and not expected.isnan().all()
+    assert torch.equal(got.isnan(), expected.isnan())

@@ -49,7 +49,10 @@ def tp_llm(request, tiny_models):
     model_dir = tiny_models[request.param]
     with tensor_parallel_workers():
         started = time.perf_counter()
-        with running_llm(model_dir, tensor_parallel_size=2, **ENGINE_OPTIONS) as llm:
+        # Steps cut by measured forward times: every rank must take the driver's.
+        with running_llm(model_dir, tensor_parallel_size=2,
+                         additional_config={"accel": {"forward_plan": "measured"}},
+                         **ENGINE_OPTIONS) as llm:
             print(f"TP=2 {request.param} engine ready in {time.perf_counter() - started:.1f} s")
             yield request.param, model_dir, llm
 

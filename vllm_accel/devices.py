@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_accel.log import get_logger
-from vllm_accel.model.cpu_kernels import cpu_flags
+from vllm_accel.kernels.build import cpu_flags
 from vllm_accel.settings import AccelSettings, env_var_name, resolve_device
 
 logger = get_logger(__name__)

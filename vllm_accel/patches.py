@@ -55,10 +55,12 @@ them all. None edits a file on disk; each is idempotent.
 6. ``raise_recompile_limit`` (compiling): dynamo keeps 8 graphs per function
    by default, then silently runs eager; we compile one graph per bucket.
 
-7. ``inductor_cache_dir`` (each step of an engine that compiles): inductor
-   reads ``TORCHINDUCTOR_CACHE_DIR`` at each compile; it points at the
-   engine's compile cache only while that engine's model runs, so other code
-   in the process (another engine, a test) keeps its own.
+7. ``inductor_cache_dir`` (a forward whose context names a compile cache:
+   while an engine may still compile, i.e. during warmup or without it):
+   inductor reads ``TORCHINDUCTOR_CACHE_DIR`` at each compile; it points at
+   the engine's compile cache only during such a forward, so other code in the
+   process (another engine, a test) keeps its own, and a warmed-up engine's
+   steps never touch the environment.
 
 8. ``nan_for_unloaded_weights`` (loading): torch's deterministic mode fills
    memory FMS leaves uninitialised (weights it did not load) with NaN, for
@@ -119,10 +121,10 @@ them all. None edits a file on disk; each is idempotent.
    takes) and the heap keeps what is freed: memory stays at its peak, as a
    device's memory pool does.
 
-Not a patch but process-wide all the same: ``model/paged_attention.py`` keeps
-the current step's attention layout in a module variable while a forward runs
-(``attention_context``): the attention op is opaque to the compiler and takes
-only tensors, so the per-step layout cannot be one of its arguments.
+The forward's context (``forward_context.py``) is process-wide too while a
+forward runs: the ops are opaque to the compiler and take only tensors, so
+what steers them is set around each forward by ``set_forward_context``, which
+is also the only caller of patch 7.
 
 Patches 1 and 2 act only when torchvision is unavailable (by transformers' own
 test, so they agree with the image-processor backend transformers picks), 9

@@ -63,7 +63,7 @@ class AccelSettings:
     # crops for Molmo); a step's images are packed into calls up to the largest.
     # "" derives them from the model and its processor.
     multimodal_buckets: str = ""
-    # Where compiled graphs and the cpu decode kernel persist between starts
+    # Where compiled graphs and the cpu kernels persist between starts
     # ("" = the user's cache dir).
     compile_cache_dir: str = ""
     # Threads the worker's torch ops may use; 0 leaves torch's default.
@@ -77,6 +77,15 @@ class AccelSettings:
     # nothing overlaps; "on" keeps it on any device (tests use it on cpu);
     # "off" never. vLLM's --no-async-scheduling always wins.
     async_scheduling: str = "auto"
+    # cpu: our C++ kernels (linear layers, decode and span attention); false
+    # runs oneDNN's packed matmul and torch's attention instead.
+    cpu_kernels: bool = True
+    # How a step is cut into bucketed forwards: "tokens" by padded token
+    # counts (the same cut on every start, so the same outputs); "measured" by
+    # each bucket's forward time measured at warmup (can pick fewer, larger
+    # forwards, but two starts can cut a step differently and float32's last
+    # bits then differ).
+    forward_plan: str = "tokens"
 
     @property
     def cache_dir(self) -> Path:
@@ -91,6 +100,7 @@ _ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "compile_backend": ("auto", "eager", "inductor", "hpu_backend"),
     "async_scheduling": ("auto", "on", "off"),
     "bucket_graphs": ("auto", "per_bucket", "shared"),
+    "forward_plan": ("tokens", "measured"),
 }
 
 _DESCRIPTIONS: dict[str, str] = {
@@ -98,6 +108,7 @@ _DESCRIPTIONS: dict[str, str] = {
     "num_threads": "worker torch threads (an integer >= 0, 0 = torch default)",
     "skip_warmup": "true or false",
     "cuda_graphs": "true or false",
+    "cpu_kernels": "true or false",
 }
 
 _TRUE = ("1", "true", "yes", "on")

@@ -17,15 +17,15 @@ With a ``SavedGraphs`` store (the cpu backend), a kind of call's graph and
 the code dynamo wrote to call it come from a file instead (saved_graphs.py):
 a warm start traces nothing.
 
-Warmup only needs each kind of call to reach a graph once: while
-``warming_up``, the other layers of the stack find their graph by dynamo's
-guards without running it and pass their input on (a full-size vision tower
-ran every layer of every bucket at each start, most of a warm start).
+Warmup only needs each kind of call to reach a graph once: while the
+forward's context says ``warming_up``, the other layers of the stack find
+their graph by dynamo's guards without running it and pass their input on (a
+full-size vision tower ran every layer of every bucket at each start, most of
+a warm start).
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import types
 from collections.abc import Callable
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from vllm_accel.compat import any_size_along, dynamo_code_for
+from vllm_accel.forward_context import get_forward_context
 from vllm_accel.model.saved_graphs import PLAIN_TYPES, SavedGraphs, compile_ahead_of_time
 from vllm_accel.patches import raise_recompile_limit
 
@@ -91,35 +92,16 @@ def compile_shared_forward(layers: list[nn.Module], backend: str, num_shapes: in
 class LayerStack:
     """What the layers sharing one compiled function share: for each kind of
     call one of them ran, whether its output had its first input's shape and
-    dtype (a residual layer's), whether warmup is on, where graphs are saved
-    (None: in dynamo's own cache only) and their bucket axis, if shared."""
+    dtype (a residual layer's), where graphs are saved (None: in dynamo's own
+    cache only) and their bucket axis, if shared."""
 
     def __init__(self, saved: SavedGraphs | None = None,
                  ahead_of_time: Callable | None = None,
                  bucket_axis: BucketAxis | None = None):
         self.passes_input_shape: dict[tuple, bool] = {}
-        self.warming_up = False
         self.saved = saved
         self.ahead_of_time = ahead_of_time  # the compiled function that saved graphs use
         self.bucket_axis = bucket_axis
-
-
-@contextlib.contextmanager
-def warming_up(layers: list[nn.Module]):
-    """Within: a layer whose kind of call another layer of its stack has run,
-    with an output shaped as its input, takes the graph dynamo picks for it
-    (as its first call would) and returns its input without computing. For
-    warmup only: outputs are meaningless, but each kind of call it made has
-    its graph in every layer afterwards."""
-    forwards = [layer.forward for layer in layers if isinstance(layer.forward, LayerForward)]
-    stacks = {id(f.stack): f.stack for f in forwards}.values()
-    for stack in stacks:
-        stack.warming_up = True
-    try:
-        yield
-    finally:
-        for stack in stacks:
-            stack.warming_up = False
 
 
 class LayerForward:
@@ -129,7 +111,13 @@ class LayerForward:
     it compiles one); later calls of that kind run the code dynamo ran then:
     the same graph, without the guards. What a kind leaves out is what does
     not change while an engine serves: the layer's own attributes and weights'
-    shapes, and global state other than grad and inference mode."""
+    shapes, and global state other than grad and inference mode.
+
+    While the forward's context says ``warming_up``, a layer whose kind of call
+    another layer of its stack has run, with an output shaped as its input,
+    takes the graph dynamo picks for it (as its first call would) and returns
+    its input without computing: each kind of call then has its graph in every
+    layer afterwards."""
 
     def __init__(self, layer: nn.Module, function: Callable, compiled: Callable,
                  stack: LayerStack):
@@ -165,7 +153,7 @@ class LayerForward:
                 self._function, self.stack.ahead_of_time, self._layer, saved_kind, args, kwargs)
             if direct is not None:
                 return self._first_saved_call(kind, direct, args, kwargs)
-        if self.stack.warming_up and self.stack.passes_input_shape.get(kind):
+        if get_forward_context().warming_up and self.stack.passes_input_shape.get(kind):
             if direct is None:
                 direct = self._code_dynamo_ran(arguments or self._arguments(args, kwargs))
             if direct is not None:
@@ -184,8 +172,8 @@ class LayerForward:
 
     def _first_saved_call(self, kind, direct, args, kwargs):
         self._direct[kind] = direct
-        if self.stack.warming_up and self.stack.passes_input_shape.get(kind):
-            return args[0]  # as below: another layer of the stack ran this kind
+        if get_forward_context().warming_up and self.stack.passes_input_shape.get(kind):
+            return args[0]  # as in __call__: another layer of the stack ran this kind
         self.guarded_calls += 1  # as dynamo's first call would be
         outputs = direct(self._layer, *args, **kwargs)
         self.stack.passes_input_shape.setdefault(

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from fms.distributed.strategy import DistributedStrategy, NoOpStrategy
 from fms.utils.config import ModelConfig
 
-from vllm_accel.model import span_attention
+from vllm_accel.kernels import span_attention
 from vllm_accel.model.ports import FmsPort
 from vllm_accel.model.qwen2 import Qwen2Config, Qwen2VisionLanguageModel
 

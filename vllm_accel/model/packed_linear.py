@@ -47,7 +47,9 @@ from fms.modules.head import LinearClassificationHead
 from torch import nn
 
 from vllm_accel import compat
-from vllm_accel.model import linear_kernel, ops
+from vllm_accel.kernels import linear as linear_kernel
+from vllm_accel.kernels import ops
+from vllm_accel.kernels.linear import LinearKernel
 
 
 def _packed_linear_shape(x, packed_weight, bias, activation="none", algorithm=""):
@@ -86,11 +88,12 @@ _KERNEL_EPILOGUES = {("gelu", "tanh"): linear_kernel.GELU_TANH}
 _PACKABLE = (nn.Linear, LinearClassificationHead)
 
 
-def _by_kernel(linear: nn.Module, post_op: tuple[str, str], kernel_allowed: bool) -> bool:
-    """Whether our kernel runs ``linear`` (with ``post_op`` fused)."""
+def _by_kernel(kernel: LinearKernel | None, linear: nn.Module, post_op: tuple[str, str],
+               kernel_allowed: bool) -> bool:
+    """Whether ``kernel`` runs ``linear`` (with ``post_op`` fused)."""
     fused_by_kernel = post_op in _KERNEL_EPILOGUES
     wanted = fused_by_kernel or (kernel_allowed and post_op[0] == "none")
-    return wanted and linear_kernel.packs(linear.weight)
+    return wanted and linear_kernel.packs(kernel, linear.weight)
 
 
 class PackedLinear(nn.Module):
@@ -100,14 +103,14 @@ class PackedLinear(nn.Module):
     ours only those in ``_KERNEL_EPILOGUES``). ``kernel_allowed``: whether
     our kernel may run it without an activation."""
 
-    def __init__(self, linear: nn.Linear, post_op: tuple[str, str] = ("none", ""),
-                 kernel_allowed: bool = True):
+    def __init__(self, linear: nn.Linear, kernel: LinearKernel | None = None,
+                 post_op: tuple[str, str] = ("none", ""), kernel_allowed: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.post_op = post_op
         self.epilogue = _KERNEL_EPILOGUES.get(post_op, linear_kernel.PLAIN)
-        self.by_kernel = _by_kernel(linear, post_op, kernel_allowed)
-        weight = (linear_kernel.pack(linear.weight) if self.by_kernel
+        self.by_kernel = _by_kernel(kernel, linear, post_op, kernel_allowed)
+        weight = (kernel.pack(linear.weight) if self.by_kernel
                   else compat.onednn_pack_linear_weight(linear.weight))
         self.register_buffer("packed_weight", weight, persistent=False)
         self.bias = linear.bias
@@ -131,10 +134,10 @@ class GatedUnit(nn.Module):
 
     by_kernel = True  # always our kernel's (as PackedLinear.by_kernel says of a layer)
 
-    def __init__(self, glu: GatedLinearUnit):
+    def __init__(self, glu: GatedLinearUnit, kernel: LinearKernel):
         super().__init__()
         self.hidden_dim = glu.hidden_dim
-        weight, bias = linear_kernel.pack_gated(*self.gate_and_up_weights(glu))
+        weight, bias = kernel.pack_gated(*self.gate_and_up_weights(glu))
         self.register_buffer("packed_weight", weight, persistent=False)
         self.register_buffer("packed_bias", bias, persistent=False)
         self.w2 = glu.w2
@@ -155,7 +158,7 @@ class GatedUnit(nn.Module):
         return layer.weight[:h], layer.weight[h:], *biases
 
     @staticmethod
-    def fits(module: nn.Module) -> bool:
+    def fits(module: nn.Module, kernel: LinearKernel | None) -> bool:
         """An FMS gated MLP this replaces: SiLU, no dropout, gate and up by
         plain nn.Linears our kernel runs (both with a bias or neither), and
         GatedLinearUnit's own forward (not the tensor-parallel one's, which
@@ -165,7 +168,7 @@ class GatedUnit(nn.Module):
                 and type(module.a) is nn.SiLU and not module.p_dropout):
             return False
         layers = GatedUnit.gate_and_up(module)
-        return (all(type(layer) is nn.Linear and linear_kernel.packs(layer.weight)
+        return (all(type(layer) is nn.Linear and linear_kernel.packs(kernel, layer.weight)
                     for layer in layers)
                 and len({layer.bias is None for layer in layers}) == 1)
 
@@ -178,11 +181,12 @@ class GatedUnit(nn.Module):
         return f"hidden_dim={self.hidden_dim}, silu(gate) * up by the kernel"
 
 
-def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> int:
+def pack_linear_layers(model: nn.Module, kernel: LinearKernel | None,
+                       decoder: nn.Module | None = None) -> int:
     """Replace every linear layer of ``model`` (text, vision and head) by a
     ``PackedLinear``, each FMS ``FeedForwardBlock``'s activation fused into
-    its first, and each gated MLP (SiLU) a ``GatedUnit`` where our kernel
-    runs it; returns how many layers. Our kernel may run the layers of ``decoder``
+    its first, and each gated MLP (SiLU) a ``GatedUnit`` where ``kernel``
+    (ours; None: none) runs it; returns how many layers. Our kernel may run the layers of ``decoder``
     (a part of ``model``; None: all of it), the others stay oneDNN's (see the
     module's docstring). Where oneDNN does not pack the model's dtype
     (bfloat16 on a CPU with AVX2 alone), only the layers our kernel runs are
@@ -195,15 +199,16 @@ def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> in
     where it multiplies bfloat16 on AMX tiles (``linear_kernel.runs_encoders``)."""
     dtype = next(model.parameters()).dtype
     onednn = compat.onednn_packs_dtype(dtype)
-    if not onednn and not linear_kernel.runs(dtype):
+    if not onednn and not linear_kernel.runs(kernel, dtype):
         return 0
-    kernel_first = not onednn or linear_kernel.runs_encoders(dtype)
+    kernel_first = not onednn or linear_kernel.runs_encoders(kernel, dtype)
     # Gated MLPs, an encoder's too: silu(gate) * up by our kernel (GatedUnit).
     gated = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if GatedUnit.fits(child) and GatedUnit.gate_and_up(child)[0].weight.dtype == dtype:
-                setattr(parent, name, GatedUnit(child))
+            if (GatedUnit.fits(child, kernel)
+                    and GatedUnit.gate_and_up(child)[0].weight.dtype == dtype):
+                setattr(parent, name, GatedUnit(child, kernel))
                 gated += 1
     # a(w1(x)) -> w1(x) with a post-op, where oneDNN has the activation.
     post_ops, fused = {}, []
@@ -224,9 +229,10 @@ def pack_linear_layers(model: nn.Module, decoder: nn.Module | None = None) -> in
                 if id(child) not in packed:
                     post_op = post_ops.get(id(child), ("none", ""))
                     allowed = id(child) in decoder_layers or kernel_first
-                    if not onednn and not _by_kernel(child, post_op, allowed):
+                    if not onednn and not _by_kernel(kernel, child, post_op, allowed):
                         continue  # neither packs it: torch's own
-                    packed[id(child)] = PackedLinear(child, post_op, kernel_allowed=allowed)
+                    packed[id(child)] = PackedLinear(child, kernel, post_op,
+                                                     kernel_allowed=allowed)
                 setattr(parent, name, packed[id(child)])
     for block in fused:
         if isinstance(block.w1, PackedLinear):  # not a layer of another dtype, left dense

@@ -9,16 +9,17 @@ The runner packs all tokens of a step into one sequence: decode tokens first
 ``[1, tokens]``, padded up to a token bucket. Attention is one opaque custom op, like vLLM's own attention
 ops: compiled graphs see only ``[1, tokens]`` tensors, so their shapes depend
 on the token bucket alone, while the op reads the per-step layout (slots, block
-tables, masks) from ``attention_context``. Per layer it
+tables, masks) from the forward's context (``ForwardContext.attention``). Per layer it
 
 1. writes the new keys/values into their slots (padding writes go to block 0,
    which vLLM never hands to a request; on the CPU by the decode kernel's
    library, a copy per token row);
 2. attends: all decodes at once, over block tables padded to a context bucket
-   (on the CPU with our kernel that reads the blocks in place, decode_kernel.py);
+   (on the CPU with our kernel that reads the blocks in place,
+   kernels/decode_attention.py);
    each prefill chunk over its own context (a chunk that starts its prompt:
    causally over its own new keys, nothing read from the cache; on the CPU
-   with AVX-512 by our kernel, span_attention.py).
+   with AVX-512 by our kernel, kernels/span_attention.py).
 
 On a GPU the layout comes as one ``SequenceTable`` instead (decodes and
 chunks alike are sequences of queries over their blocks), and one launch of
@@ -28,7 +29,6 @@ over chunks, and tensors of fixed shapes that a CUDA graph can capture.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from fms.modules.attention import register_attention_op
 
 from vllm_accel import compat
-from vllm_accel.model import ops, span_attention
-from vllm_accel.model.decode_kernel import DecodeAttentionKernel
+from vllm_accel.forward_context import get_forward_context
+from vllm_accel.kernels import ops, span_attention
 
 ATTN_NAME = "vllm_accel_paged"
 
@@ -122,27 +122,6 @@ class PagedAttentionMetadata:
         )
 
 
-# The layout of the forward now running, and the decode kernel to use (None:
-# PyTorch): the op takes only tensors, so it reads these here (see patches.py,
-# "process-wide all the same").
-_current: PagedAttentionMetadata | None = None
-_decode_kernel: DecodeAttentionKernel | None = None
-
-
-@contextlib.contextmanager
-def attention_context(metadata: PagedAttentionMetadata,
-                      decode_kernel: DecodeAttentionKernel | None = None):
-    """Make ``metadata`` the layout attention reads during one forward, and
-    attend decodes with ``decode_kernel`` where it supports the tensors."""
-    global _current, _decode_kernel
-    previous = _current, _decode_kernel
-    _current, _decode_kernel = metadata, decode_kernel
-    try:
-        yield
-    finally:
-        _current, _decode_kernel = previous
-
-
 def causal_context_mask(
     positions: torch.Tensor, context_lens: torch.Tensor, context_len: int
 ) -> torch.Tensor:
@@ -164,10 +143,12 @@ def _paged_attention(
 ) -> torch.Tensor:
     """query [1, tokens, heads, dim], key/value [1, tokens, kv_heads, dim] ->
     [1, tokens, heads, dim]; writes key/value into their cache slots."""
-    md = _current
-    assert md is not None, "paged_attention runs only inside attention_context()"
-    if _decode_kernel is None or not _decode_kernel.store(key[0], value[0], key_cache,
-                                                           value_cache, md.slot_mapping):
+    context = get_forward_context()
+    md = context.attention
+    assert md is not None, "paged_attention runs inside set_forward_context with a layout"
+    decode_kernel = context.kernels.decode if context.kernels is not None else None
+    if decode_kernel is None or not decode_kernel.store(key[0], value[0], key_cache,
+                                                         value_cache, md.slot_mapping):
         kv_heads, head_dim = key_cache.shape[-2:]
         key_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, key[0])
         value_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0])
@@ -184,7 +165,7 @@ def _paged_attention(
     out[0, md.tokens:].zero_()
     if md.num_decodes:
         _attend_decodes(query[0, : md.num_decodes], key_cache, value_cache, md, scale,
-                        out[0, : md.num_decodes])
+                        out[0, : md.num_decodes], decode_kernel)
     by_kernel = span_attention.supported(query)
     for chunk in md.prefills:
         # One request's chunk: its tokens are the query rows of one sequence.
@@ -217,11 +198,12 @@ def _paged_attention(
     return out
 
 
-def _attend_decodes(query, key_cache, value_cache, md, scale, out):
-    """query [rows, heads, dim], one decode token per row -> out [rows, heads, dim]."""
+def _attend_decodes(query, key_cache, value_cache, md, scale, out, kernel):
+    """query [rows, heads, dim], one decode token per row -> out [rows, heads, dim]
+    (by ``kernel``, the decode kernel, where it supports the tensors)."""
     block_table, context_lens = md.decode_block_table, md.decode_context_lens
-    if _decode_kernel is not None and _decode_kernel.supports(query, key_cache):
-        _decode_kernel(query, key_cache, value_cache, block_table, context_lens, scale, out)
+    if kernel is not None and kernel.supports(query, key_cache):
+        kernel(query, key_cache, value_cache, block_table, context_lens, scale, out)
         return
     # PyTorch: the query heads that share a KV head are that row's queries (one
     # SDPA without repeating keys/values), over the gathered context.

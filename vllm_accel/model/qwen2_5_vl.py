@@ -47,7 +47,7 @@ from fms.modules.feedforward import GatedLinearUnit
 from fms.utils.activation import str_to_activation
 from fms.utils.config import ModelConfig
 
-from vllm_accel.model import span_attention
+from vllm_accel.kernels import span_attention
 from vllm_accel.model.half_split_rope import rotate_halves
 from vllm_accel.model.ports import FmsPort
 from vllm_accel.model.qwen2 import (

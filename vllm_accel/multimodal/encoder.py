@@ -5,15 +5,13 @@ into the text embeddings. What differs per architecture comes from its
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from vllm_accel.buckets import find_bucket, fit_bucket, make_buckets
 from vllm_accel.compat import map_tensors
 from vllm_accel.model.compile import BucketAxis, compile_shared_forward
+from vllm_accel.forward_context import get_forward_context, set_forward_context
 from vllm_accel.model.saved_graphs import SavedGraphs
-from vllm_accel.model.live_rows import live_rows
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.settings import env_var_name
 
@@ -63,8 +61,8 @@ class VisionEncoder:
     larger calls. Compiled, the util's
     ``vision_module`` sees its first input's leading axis zero-padded to the
     smallest vision bucket that fits (one graph per bucket, or one for all
-    of them; outputs sliced back to the real rows), through forward hooks on
-    the module.
+    of them; outputs sliced back to the real rows): its forward is wrapped by
+    ``_padded_forward``.
     """
 
     def __init__(self, adapter: VisionAdapter, compile_backend: str | None = None,
@@ -90,8 +88,6 @@ class VisionEncoder:
         self.batch_rows = max([b for b in self.buckets if b <= budget], default=self.buckets[0])
         self.images_encoded = 0
         self.calls = 0  # vision module calls: images_encoded / calls per call
-        self._real_rows: int | None = None
-        self._live_rows = contextlib.nullcontext()  # entered by the padding hook
         if compile_backend is not None:
             axis = (BucketAxis(adapter.vision_bucket_axis, self.buckets[-1])
                     if shared_graphs and adapter.vision_bucket_axis else None)
@@ -99,8 +95,8 @@ class VisionEncoder:
                                    len(self.buckets) * adapter.vision_graphs_per_bucket, saved,
                                    axis)
             module = adapter.vision_module
-            module.register_forward_pre_hook(self._pad_to_bucket, with_kwargs=True)
-            module.register_forward_hook(self._slice_to_real_rows, always_call=True)
+            # An instance attribute wins over the class's forward in nn.Module.__call__.
+            module.forward = self._padded_forward(module.forward)
 
     @torch.inference_mode()
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -125,29 +121,28 @@ class VisionEncoder:
             groups.append([largest] * (bucket // rows))
         return groups
 
-    def _pad_to_bucket(self, module, args, kwargs):
-        count = self.adapter.vision_padded_args
-        padded, rest = list(args[:count]), args[count:]
-        rows = padded[0].shape[0]
-        if len(padded) != count or any(t.shape[0] != rows for t in padded):
-            raise ValueError(f"the vision module's first {count} inputs must share their "
-                             f"leading axis, got {[tuple(t.shape) for t in padded]}")
-        bucket = fit_bucket(self.buckets, rows, "vision rows of one encoder call",
-                            env_var_name("multimodal_buckets"))
-        self._real_rows = rows
-        if bucket > rows:
-            padded = [torch.cat([t, t.new_zeros(bucket - rows, *t.shape[1:])]) for t in padded]
-        if self.adapter.vision_padding_rows_last:
-            # Until the call returns (or raises), linears skip the padding rows.
-            self._live_rows = live_rows(bucket, rows)
-            self._live_rows.__enter__()
-        return (*padded, *rest), kwargs
-
-    def _slice_to_real_rows(self, module, args, output):
-        self._live_rows.__exit__(None, None, None)
-        self._live_rows = contextlib.nullcontext()
-        rows, self._real_rows = self._real_rows, None
-        return map_tensors(lambda t: t[:rows], output)
+    def _padded_forward(self, forward):
+        """``forward`` (the vision module's) with its first inputs padded to a
+        vision bucket and its outputs sliced back to the real rows."""
+        def padded_forward(*args, **kwargs):
+            count = self.adapter.vision_padded_args
+            padded, rest = list(args[:count]), args[count:]
+            rows = padded[0].shape[0]
+            if len(padded) != count or any(t.shape[0] != rows for t in padded):
+                raise ValueError(f"the vision module's first {count} inputs must share their "
+                                 f"leading axis, got {[tuple(t.shape) for t in padded]}")
+            bucket = fit_bucket(self.buckets, rows, "vision rows of one encoder call",
+                                env_var_name("multimodal_buckets"))
+            if bucket > rows:
+                padded = [torch.cat([t, t.new_zeros(bucket - rows, *t.shape[1:])])
+                          for t in padded]
+            context = get_forward_context()
+            if self.adapter.vision_padding_rows_last:  # linears skip the padding rows
+                context = context.padded(bucket, rows)
+            with set_forward_context(context):
+                output = forward(*padded, *rest, **kwargs)
+            return map_tensors(lambda t: t[:rows], output)
+        return padded_forward
 
 
 def merge_embeddings(inputs_embeds: torch.Tensor, mm_embeds: torch.Tensor,

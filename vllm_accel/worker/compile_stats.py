@@ -12,7 +12,8 @@ from pathlib import Path
 
 from vllm_accel.compat import dynamo_graph_count, inductor_cache_counts, last_compiled_functions
 from vllm_accel.log import get_logger
-from vllm_accel.model import ops, saved_graphs
+from vllm_accel.kernels import ops
+from vllm_accel.model import saved_graphs
 
 logger = get_logger(__name__)
 

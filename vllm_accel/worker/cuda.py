@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from vllm_accel.model.paged_attention import TableShape
-from vllm_accel.patches import inductor_cache_dir
 from vllm_accel.worker.cuda_graphs import ForwardGraphs
 from vllm_accel.worker.in_flight import NO_TOKENS_IN_FLIGHT
 from vllm_accel.worker.kv_cache import allocate_kv_caches
@@ -65,7 +64,7 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
     torch.cuda.reset_peak_memory_stats(device)
     serving_caches, runner.kv_caches = runner.kv_caches, kv_caches
     try:
-        with torch.inference_mode(), inductor_cache_dir(runner.compile_stats.cache_dir):
+        with torch.inference_mode():
             runner.model_call(inputs, sent.positions, sent.metadata, sent.logit_rows)
     finally:
         runner.kv_caches = serving_caches
@@ -79,13 +78,12 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
 def capture_graphs(runner: AccelModelRunner) -> ForwardGraphs:
     """One graph per token bucket, after warmup compiled every bucket."""
     graphs = ForwardGraphs()
-    with inductor_cache_dir(runner.compile_stats.cache_dir):
-        for bucket in runner.token_buckets:
-            staged = runner.forward_inputs[bucket]
-            # A vision model runs on embeddings, computed before the graph.
-            inputs = staged.input_ids if runner.vision is None \
-                else dummy_embeddings(runner, bucket)
-            graphs.capture(bucket, inputs, staged, runner.model_call)
+    for bucket in runner.token_buckets:
+        staged = runner.forward_inputs[bucket]
+        # A vision model runs on embeddings, computed before the graph.
+        inputs = staged.input_ids if runner.vision is None \
+            else dummy_embeddings(runner, bucket)
+        graphs.capture(bucket, inputs, staged, runner.model_call)
     runner.compile_stats.after_step("capturing CUDA graphs")
     return graphs
 

@@ -40,32 +40,18 @@ from vllm_accel.buckets import (
 )
 from vllm_accel.compat import compile_sampler_logprob_ranks
 from vllm_accel.devices import DeviceBackend
+from vllm_accel.forward_context import ForwardContext, set_forward_context
+from vllm_accel.kernels import CpuKernels
 from vllm_accel.log import get_logger
-from vllm_accel.model import (
-    cpu_kernels,
-    decode_kernel,
-    half_split_rope,
-    linear_kernel,
-    span_attention,
-)
-from vllm_accel.model.live_rows import live_rows
-from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
-from vllm_accel.model.packed_linear import pack_linear_layers
-from vllm_accel.model.saved_graphs import SavedGraphs
-from vllm_accel.model.paged_attention import (
-    PagedAttentionMetadata,
-    TableShape,
-    attention_context,
-)
-from vllm_accel.multimodal.encoder import VisionEncoder, merge_embeddings
-from vllm_accel.multimodal.inputs import item_tensors
-from vllm_accel.multimodal.mm_mappings import vision_adapter_class
+from vllm_accel.model.fms_causal_lm import FmsCausalLM
+from vllm_accel.model.paged_attention import PagedAttentionMetadata, TableShape
+from vllm_accel.multimodal.encoder import VisionEncoder
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
-from vllm_accel.patches import inductor_cache_dir
 from vllm_accel.settings import AccelSettings, env_var_name
 from vllm_accel.worker.compile_stats import CompileStats
 from vllm_accel.worker.cuda_graphs import ForwardGraphs
 from vllm_accel.worker.forward_inputs import ForwardInputs, device_forward
+from vllm_accel.worker.images import MultimodalRows, StepImages
 from vllm_accel.worker.in_flight import (
     NO_TOKENS_IN_FLIGHT,
     PLACEHOLDER,
@@ -73,25 +59,12 @@ from vllm_accel.worker.in_flight import (
     tokens_in_flight,
 )
 from vllm_accel.worker.kv_cache import allocate_kv_caches, kv_cache_bytes, zero_blocks
-from vllm_accel.worker.prompt_logprobs import plan_chunk
+from vllm_accel.worker.model_loader import load_model
+from vllm_accel.worker.prompt_logprobs import compute_prompt_logprobs
 from vllm_accel.worker.request_state import RequestStates
-from vllm_accel.worker.step_layout import (
-    BucketedForward,
-    StepLayout,
-    pack_step,
-    placeholder_rows,
-)
+from vllm_accel.worker.step_layout import BucketedForward, pack_step
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class MultimodalRows:
-    """A step's image rows in packed order."""
-
-    is_mm: np.ndarray  # [tokens] bool: the packed token takes an image row
-    before: np.ndarray  # [tokens + 1]: image rows before each packed token
-    rows: torch.Tensor | None  # [image rows, hidden]
 
 
 @dataclass
@@ -146,15 +119,15 @@ class AccelModelRunner:
         )
 
         self.model: FmsCausalLM | None = None
-        self.decode_kernel: decode_kernel.DecodeAttentionKernel | None = None  # cpu only
+        self.kernels: CpuKernels | None = None  # cpu: our C++ kernels, after load_model
         self.graphs: ForwardGraphs | None = None  # cuda only, after warmup
         # Each token bucket's inputs in one device buffer (cuda, after load_model).
         self.forward_inputs: dict[int, ForwardInputs] | None = None
-        # Vision-language models only: the architecture's adapter and the encoder.
+        # Vision-language models only: the architecture's adapter, the encoder
+        # and the step's images.
         self.vision: VisionAdapter | None = None
         self.vision_encoder: VisionEncoder | None = None
-        self.encoder_cache: dict[str, torch.Tensor] = {}  # image identifier -> embeddings
-        self.images_scheduled = 0  # new images so far: whose turn to encode (TP)
+        self.images: StepImages | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         compile_sampler_logprob_ranks(self.model_config.get_vocab_size())  # before counting ours
         self.compile_stats = CompileStats()
@@ -179,60 +152,24 @@ class AccelModelRunner:
     # ---- start-up -----------------------------------------------------------
 
     def load_model(self) -> None:
-        hf_config = self.model_config.hf_config
         tp_group = None
         if self.tp_size > 1:
             from vllm.distributed import get_tp_group
 
             tp_group = get_tp_group().device_group
-        if self.backend.device == "cpu":  # our kernels build while the weights load
-            cpu_kernels.build_in_background(
-                [linear_kernel.SOURCE, decode_kernel.SOURCE, span_attention.SOURCE],
-                self.settings.cache_dir / "kernels")
-        fms_model = load_fms_model(self.model_config.model, hf_config, self.dtype,
-                                   self.backend.device,
-                                   trust_remote_code=self.model_config.trust_remote_code,
-                                   tp_group=tp_group)
-        rotated = half_split_rope.install(fms_model, self.model_config.max_model_len)
-        logger.info("vllm_accel rotary embedding on head halves: %d attention layers", rotated)
-        adapter_class = vision_adapter_class(hf_config)
-        if adapter_class is not None:
-            self.vision = adapter_class(self.model_config, fms_model)
-            self.requests.vision = self.vision
-        text_model = fms_model if self.vision is None else self.vision.text_model
-        if self.backend.device == "cpu":
-            linear_kernel.enable(self.settings.cache_dir / "kernels")  # before packing for it
-            packed = pack_linear_layers(fms_model, decoder=text_model)
-            by_kernel = sum(getattr(m, "by_kernel", False) for m in fms_model.modules())
-            logger.info("vllm_accel linear layers packed: %d (%s), %d by our kernel, the rest "
-                        "by oneDNN", packed, self.dtype, by_kernel)
-        fms_model = text_model
-        self.model = FmsCausalLM(fms_model)
+        loaded = load_model(self.model_config, self.backend, self.settings, self.token_buckets,
+                            self.compile_stats, tp_group)
+        self.model, self.kernels = loaded.model, loaded.kernels
         if self.tp_size > 1 and not self.model.head_replicated:
             # Only the driver computes logits: a sharded head would need every rank.
             raise ValueError(
                 f"vllm-accel tensor parallelism needs the LM head replicated on every "
-                f"rank; {type(fms_model).__name__}'s is sharded.")
-        # The kernel is the cpu device's own (the graphs stay device-neutral).
-        self.decode_kernel = (decode_kernel.load(self.settings.cache_dir / "kernels")
-                              if self.backend.device == "cpu" else None)
-        if self.backend.device == "cpu":  # the towers' and the prompts' attention
-            span_attention.enable(self.settings.cache_dir / "kernels")
-        compile_backend = self.backend.compile_backend if self.backend.compiles else None
-        saved = None
-        if compile_backend is not None:
-            self.compile_stats.configure(self.settings.cache_dir)
-            # Graphs saved whole (a warm start without dynamo): inductor on the
-            # cpu, one rank (untried with the collectives of tensor parallelism).
-            if compile_backend == "inductor" and self.backend.device == "cpu" \
-                    and self.tp_size == 1:
-                saved = SavedGraphs(self.compile_stats.saved_graphs_dir)
-            self.model.compile_layers(compile_backend, self.token_buckets, saved,
-                                      self.backend.shared_bucket_graphs)
-        if self.vision is not None:
-            self.vision_encoder = VisionEncoder(self.vision, compile_backend,
-                                                self.settings.multimodal_buckets, saved,
-                                                self.backend.shared_bucket_graphs)
+                f"rank; {type(self.model.fms_model).__name__}'s is sharded.")
+        if loaded.vision is not None:
+            self.vision, self.vision_encoder = loaded.vision, loaded.vision_encoder
+            self.requests.vision = self.vision
+            self.images = StepImages(self.vision, self.vision_encoder, self.tp_size,
+                                     self.device, self.dtype, self.model.hidden_size)
         if self.table_shape is not None:
             axes = 3 if self.vision is not None and self.vision.uses_3d_positions else 1
             self.forward_inputs = {
@@ -296,14 +233,14 @@ class AccelModelRunner:
         keep_hidden = any(self.requests[r].prompt_logprobs_pending is not None
                           for r in scheduler_output.num_scheduled_tokens)
         multimodal = None
-        with inductor_cache_dir(self.compile_stats.cache_dir):
-            if self.vision is not None:
-                self._encode_scheduled_images(scheduler_output)
-                multimodal = self._multimodal_rows(step)
-            run = self._run_forward if self.forward_times is None else self._timed_forward
-            outputs = [run(fwd, in_flight, multimodal, keep_hidden,
-                           copy_outputs=len(step.forwards) > 1)
-                       for fwd in step.forwards]
+        if self.images is not None:
+            with set_forward_context(self.forward_context()):
+                self.images.encode_scheduled(scheduler_output, self.requests)
+            multimodal = self.images.rows(step, self.requests)
+        run = self._run_forward if self.forward_times is None else self._timed_forward
+        outputs = [run(fwd, in_flight, multimodal, keep_hidden,
+                       copy_outputs=len(step.forwards) > 1)
+                   for fwd in step.forwards]
         hidden = None
         if keep_hidden:
             parts = [h for h, _ in outputs]
@@ -316,7 +253,9 @@ class AccelModelRunner:
                 by_row = torch.from_numpy(np.argsort(step.rows))
                 logits = logits[by_row.to(self.device, non_blocking=True)]
             if keep_hidden:
-                prompt_logprobs = self._prompt_logprobs(step, hidden, scheduler_output)
+                prompt_logprobs = compute_prompt_logprobs(
+                    step, hidden, scheduler_output, self.requests, self.input_batch,
+                    self.model.compute_logits, self.sampler, self.model_config.logprobs_mode)
 
         self.pending = PendingSample(
             scheduler_output=scheduler_output,
@@ -350,8 +289,8 @@ class AccelModelRunner:
                 0, inputs.in_flight_sources[:n])
             inputs.input_ids[0].index_copy_(0, inputs.in_flight_targets[:n], sampled)
         model_inputs = inputs.input_ids
-        if self.vision is not None:
-            model_inputs = self._embeddings(forward, model_inputs, multimodal)
+        if self.images is not None:
+            model_inputs = self.images.embeddings(forward, model_inputs, multimodal)
         count = forward.end - forward.begin
         graphs = self.graphs
         replayed = graphs is not None and forward.bucket in graphs.graphs
@@ -386,46 +325,22 @@ class AccelModelRunner:
         ``tokens``: the bucket's rows that hold the forward's tokens (linears
         skip the rest, padding); None: every row (a capture)."""
         bucket = inputs.shape[1]
-        with attention_context(metadata, self.decode_kernel), \
-                live_rows(bucket, bucket if tokens is None else tokens):
+        context = self.forward_context(attention=metadata, padded_rows=bucket,
+                                       live_rows=bucket if tokens is None else tokens)
+        with set_forward_context(context):
             hidden = self.model(inputs, positions, self.kv_caches)
         logits = self.model.compute_logits(hidden[0, logit_rows]) if self.is_driver else None
         return hidden, logits
 
-    def _prompt_logprobs(self, step: StepLayout, hidden: torch.Tensor,
-                         scheduler_output: SchedulerOutput) -> dict[str, LogprobsTensors]:
-        """Prompt logprobs filled in chunk by chunk (prompt_logprobs.py);
-        returned for a request once its whole prompt is done. Driver only."""
-        finished = {}
-        for req_id, count in scheduler_output.num_scheduled_tokens.items():
-            state = self.requests[req_id]
-            num_logprobs = state.prompt_logprobs_pending
-            if num_logprobs is None:
-                continue
-            prompt = state.prompt_token_ids
-            if state.in_progress_prompt_logprobs_cpu is None:
-                state.in_progress_prompt_logprobs_cpu = LogprobsTensors.empty_cpu(
-                    len(prompt) - 1, num_logprobs + 1)
-            tensors = state.in_progress_prompt_logprobs_cpu
-            chunk = plan_chunk(prompt, state.num_computed_tokens, count)
-            if chunk.finished:
-                finished[req_id] = tensors
-                state.prompt_logprobs_pending = None
-                state.in_progress_prompt_logprobs_cpu = None
-            if chunk.num_logits == 0:
-                continue
-            row = self.input_batch.req_id_to_index[req_id]
-            first = int(step.first_tokens[np.flatnonzero(step.rows == row)[0]])
-            logits = self.model.compute_logits(hidden[0, first : first + chunk.num_logits])
-            if self.model_config.logprobs_mode not in ("raw_logits", "processed_logits"):
-                logits = self.sampler.compute_logprobs(logits)
-            targets = torch.tensor(chunk.targets, device=logits.device)
-            token_ids, logprobs, ranks, *_ = self.sampler.gather_logprobs(
-                logits, num_logprobs, targets)
-            tensors.logprob_token_ids[chunk.positions] = token_ids.cpu()
-            tensors.logprobs[chunk.positions] = logprobs.cpu()
-            tensors.selected_token_ranks[chunk.positions] = ranks.cpu()
-        return finished
+    def forward_context(self, **fields) -> ForwardContext:
+        """The context of a forward of this engine (``fields``: the forward's
+        own, e.g. its attention layout): its kernels, and its compile cache
+        while it may still compile (before warmup finished, or without it)."""
+        stats = self.compile_stats
+        compiling = stats.cache_dir is not None and not stats.warmed_up
+        return ForwardContext(kernels=self.kernels,
+                              compile_cache_dir=stats.cache_dir if compiling else None,
+                              **fields)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None
@@ -505,77 +420,17 @@ class AccelModelRunner:
             batch.generators[i].set_state(state)
         return output
 
-    # ---- multimodal ---------------------------------------------------------
-
-    def _encode_scheduled_images(self, scheduler_output: SchedulerOutput) -> None:
-        """Encode the images whose placeholders this step reaches (prefill only),
-        each once: vLLM schedules an image again only after freeing it."""
-        for image_id in scheduler_output.free_encoder_mm_hashes:
-            self.encoder_cache.pop(image_id, None)
-        features = {}  # identifier -> feature, each new image once, in schedule order
-        for req_id, indices in scheduler_output.scheduled_encoder_inputs.items():
-            for index in indices:
-                feature = self.requests[req_id].mm_features[index]
-                if feature.identifier not in self.encoder_cache:
-                    features.setdefault(feature.identifier, feature)
-        if not features:
-            return
-        if self.tp_size == 1:
-            items = [item_tensors(f.data) for f in features.values()]
-            self.encoder_cache.update(zip(features, self.vision_encoder.encode(items)))
-            return
-        # Tensor parallel: every rank holds the whole vision side; each image
-        # is encoded on one rank (the ranks take turns, image by image, so a
-        # step's images encode in parallel) and broadcast to the others, which
-        # know its size from its placeholder. Every rank sees the same
-        # schedules, so all agree on whose turn it is.
-        from vllm.distributed import get_tp_group
-
-        group = get_tp_group()
-        rank, size = group.rank_in_group, group.world_size
-        owners = [(self.images_scheduled + i) % size for i in range(len(features))]
-        self.images_scheduled += len(features)
-        mine = iter(self.vision_encoder.encode(
-            [item_tensors(f.data) for f, owner in zip(features.values(), owners) if owner == rank]))
-        for feature, owner in zip(features.values(), owners):
-            if owner == rank:
-                embeds = next(mine).to(self.device, self.dtype).contiguous()
-            else:
-                embeds = torch.empty((feature.mm_position.get_num_embeds(), self.model.hidden_size),
-                                     dtype=self.dtype, device=self.device)
-            self.encoder_cache[feature.identifier] = group.broadcast(embeds, src=owner)
-
-    def _multimodal_rows(self, step: StepLayout) -> MultimodalRows:
-        """Which of the step's packed tokens take image rows, and those rows
-        (see step_layout.placeholder_rows)."""
-        placeholders = [s.placeholders for s in self.requests.in_batch_order()]
-        is_mm, slices = placeholder_rows(step, placeholders)
-        rows = (torch.cat([self.encoder_cache[key][lo:hi] for key, lo, hi in slices])
-                if slices else None)
-        return MultimodalRows(is_mm, np.concatenate([[0], np.cumsum(is_mm)]), rows)
-
-    def _embeddings(self, forward: BucketedForward, input_ids: torch.Tensor,
-                    multimodal: MultimodalRows) -> torch.Tensor:
-        """The forward's text embeddings with image rows at its placeholder
-        positions."""
-        embeds = self.vision.embed_tokens(input_ids)
-        first, last = multimodal.before[forward.begin], multimodal.before[forward.end]
-        if first == last:
-            return embeds
-        is_mm = np.zeros(forward.bucket, dtype=bool)
-        is_mm[: forward.end - forward.begin] = multimodal.is_mm[forward.begin : forward.end]
-        return merge_embeddings(embeds, multimodal.rows[first:last], torch.from_numpy(is_mm))
-
     def reset_encoder_cache(self) -> None:
-        self.encoder_cache.clear()
+        if self.images is not None:
+            self.images.cache.clear()
 
     def state_sizes(self) -> dict[str, int]:
         """Sizes of the per-request and per-image state; counters: run-time
         compiles, decode inputs taken from the device (async scheduling)."""
         return {
             **self.requests.sizes(),
-            "encoder_cache_entries": len(self.encoder_cache),
-            "encoder_cache_rows": sum(int(t.shape[0]) for t in self.encoder_cache.values()),
+            **(self.images.sizes() if self.images is not None
+               else {"encoder_cache_entries": 0, "encoder_cache_rows": 0}),
             "runtime_compiles": self.compile_stats.runtime_compiles,
             "tokens_from_device": self.tokens_from_device,
         }

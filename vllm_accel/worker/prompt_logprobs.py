@@ -1,4 +1,4 @@
-"""Prompt logprobs, chunk by chunk (pure: no engine, no model).
+"""Prompt logprobs, chunk by chunk (``plan_chunk`` is pure: no engine, no model).
 
 vLLM's semantics: the logprob of each prompt token given the ones before it,
 top-k alternatives included, returned once the whole prompt is done (a request
@@ -12,6 +12,10 @@ predicts prompt tokens; ``plan_chunk`` says which.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.v1.outputs import LogprobsTensors
 
 
 @dataclass(frozen=True)
@@ -36,3 +40,41 @@ def plan_chunk(prompt_token_ids: list[int], num_computed: int,
         targets=list(prompt_token_ids[start + 1 : start + 1 + num_logits]),
         finished=num_scheduled > predicting,
     )
+
+
+def compute_prompt_logprobs(step, hidden: torch.Tensor, scheduler_output, requests,
+                            input_batch, compute_logits, sampler, logprobs_mode: str
+                            ) -> dict[str, LogprobsTensors]:
+    """Prompt logprobs of the step's requests that asked for them, filled in
+    chunk by chunk from the step's ``hidden`` states [1, tokens, hidden] (in
+    the step's packed order); returned for a request once its whole prompt is
+    done. Driver only."""
+    finished = {}
+    for req_id, count in scheduler_output.num_scheduled_tokens.items():
+        state = requests[req_id]
+        num_logprobs = state.prompt_logprobs_pending
+        if num_logprobs is None:
+            continue
+        prompt = state.prompt_token_ids
+        if state.in_progress_prompt_logprobs_cpu is None:
+            state.in_progress_prompt_logprobs_cpu = LogprobsTensors.empty_cpu(
+                len(prompt) - 1, num_logprobs + 1)
+        tensors = state.in_progress_prompt_logprobs_cpu
+        chunk = plan_chunk(prompt, state.num_computed_tokens, count)
+        if chunk.finished:
+            finished[req_id] = tensors
+            state.prompt_logprobs_pending = None
+            state.in_progress_prompt_logprobs_cpu = None
+        if chunk.num_logits == 0:
+            continue
+        row = input_batch.req_id_to_index[req_id]
+        first = int(step.first_tokens[np.flatnonzero(step.rows == row)[0]])
+        logits = compute_logits(hidden[0, first : first + chunk.num_logits])
+        if logprobs_mode not in ("raw_logits", "processed_logits"):
+            logits = sampler.compute_logprobs(logits)
+        targets = torch.tensor(chunk.targets, device=logits.device)
+        token_ids, logprobs, ranks, *_ = sampler.gather_logprobs(logits, num_logprobs, targets)
+        tensors.logprob_token_ids[chunk.positions] = token_ids.cpu()
+        tensors.logprobs[chunk.positions] = logprobs.cpu()
+        tensors.selected_token_ranks[chunk.positions] = ranks.cpu()
+    return finished

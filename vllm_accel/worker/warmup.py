@@ -6,8 +6,9 @@ then a decode step for the same requests, then the requests finish. This is
 vLLM's own scheduler-output format, so warmup exercises input packing,
 attention, the compiled layers and the sampler exactly as serving does. A
 vision model then encodes one real image per vision bucket. Last, with every
-graph compiled (and captured, on cuda), each bucket's forward is timed: those
-times decide how a step is cut into forwards (``buckets.plan_forwards``).
+graph compiled (and captured, on cuda), with ``forward_plan=measured`` each
+bucket's forward is timed, and those times decide how a step is cut into
+forwards (``buckets.plan_forwards``; else the padded token counts do).
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 from vllm_accel.buckets import ForwardCosts
+from vllm_accel.forward_context import set_forward_context
 from vllm_accel.log import get_logger
-from vllm_accel.model.compile import warming_up
-from vllm_accel.patches import inductor_cache_dir
 
 if TYPE_CHECKING:
     from vllm_accel.worker.model_runner import AccelModelRunner
@@ -117,8 +117,8 @@ def warm_up(runner: AccelModelRunner) -> None:
         encoder_start = time.perf_counter()
         sizes = vision.warmup_image_sizes(encoder.image_buckets)
         # Each bucket's layer graphs load (or compile) in the tower's first
-        # layers; the rest pass their input on (model.compile.warming_up).
-        with inductor_cache_dir(stats.cache_dir), warming_up(vision.vision_compile_units()):
+        # layers; the rest pass their input on (model/compile.py).
+        with set_forward_context(runner.forward_context(warming_up=True)):
             for group in encoder.warmup_groups(vision.warmup_items(sizes)):
                 encoder.encode(group)
         logger.info(

@@ -200,7 +200,8 @@ class AccelWorker(WorkerBase):
                 logger.info("vllm_accel captured %d CUDA graphs (one per token bucket) in %.1f s",
                             len(self.model_runner.token_buckets),
                             time.perf_counter() - captured)
-            measure_forward_costs(self.model_runner)
+            if self.settings.forward_plan == "measured":  # opt-in: see settings.py
+                measure_forward_costs(self.model_runner)
         # Warmup sampled with seeds: start serving from the configured seed.
         set_random_seed(self.model_config.seed)
         warmup_s = time.perf_counter() - started

@@ -47,7 +47,7 @@ class VisionAdapter(ABC):
     vision_padded_args: int = 1
     # Whether every tensor inside ``vision_module`` with as many rows as its
     # padded input keeps the padding rows last (row-wise work may then skip
-    # them: model/live_rows.py). Not where rows are tiles or crops of patches.
+    # them: ForwardContext.live_rows). Not where rows are tiles or crops of patches.
     vision_padding_rows_last: bool = False
     # Graphs each vision bucket compiles: one, or one per kind of block whose
     # inputs differ in shape (Qwen2.5-VL's window and full-attention blocks).

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from vllm_accel.buckets import thin_buckets
-from vllm_accel.model import span_attention
+from vllm_accel.kernels import span_attention
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 DEFAULT_VISION_BUCKETS = 3

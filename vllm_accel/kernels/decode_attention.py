@@ -1,7 +1,8 @@
-"""Build and call the CPU decode-attention kernel (decode_attention.cpp).
+"""The CPU decode-attention kernel (decode_attention.cpp): each decode row's
+query over its KV blocks read in place, and the step's KV writes.
 
-Built by cpu_kernels.py into the compile cache. If it cannot be built,
-attention stays on the PyTorch path (a warning says why).
+Built by build.py into the compile cache. If it cannot be built, attention
+stays on the PyTorch path (a warning gives the compiler's message).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 from vllm_accel.log import get_logger
-from vllm_accel.model import cpu_kernels
+from vllm_accel.kernels import build as kernel_build
 
 logger = get_logger(__name__)
 
@@ -98,16 +99,18 @@ class DecodeAttentionKernel:
 
 def build(cache_dir: Path) -> Path:
     """The kernel's shared library under ``cache_dir``, built if missing."""
-    return cpu_kernels.build(SOURCE, cache_dir)
+    return kernel_build.build(SOURCE, cache_dir)
 
 
 def load(cache_dir: Path) -> DecodeAttentionKernel | None:
-    """The kernel, or None (with a warning) when it cannot be built here."""
+    """The kernel, or None (with a warning giving the compiler's message) when
+    it cannot be built here. It runs on every CPU (a scalar path without
+    AVX-512)."""
     try:
         return DecodeAttentionKernel(build(cache_dir))
     except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        logger.warning("vllm_accel: decode attention kernel unavailable, using the PyTorch "
-                       "path (slower): %s", detail)
+        detail = (getattr(error, "stderr", "") or str(error)).strip()
+        logger.warning("vllm_accel: the decode attention kernel could not be built, decode "
+                       "attention stays on the PyTorch path (slower): %s", detail)
         return None
 

@@ -1,22 +1,18 @@
-"""Build our C++ CPU kernels (decode_attention.cpp, span_attention.cpp,
-linear_kernel.cpp).
+"""Building our C++ CPU kernels (decode_attention.cpp, span_attention.cpp,
+linear_kernel.cpp) on the user's machine, and loading them.
 
-The kernels ``load`` serves (linear layers, span attention) are matmuls: where
-the CPU has AMX they run bfloat16 only if they multiply on its tiles (both
-do where built with AMX). AVX-512 BF16 dot products reach ~230 GFLOP/s on two
-cores of a Xeon with AMX, where oneDNN's matmul on AMX tiles reaches
-1,100-3,000 and torch's flash attention was 1.0-3.7x our dot products
-(benchmarks/README.md, fourteenth session); a kernel without tiles leaves such
-work to torch.
-(The decode kernel, which reads the KV cache more than it multiplies, is
-built by ``build`` alone and runs bfloat16 on every AVX-512 BF16 CPU.)
+Each kernel is plain C++ with OpenMP and a C ABI. The compiler inductor
+already needs builds it in one to four seconds, into the compile cache's
+``kernels/`` folder, once per source, headers, compiler flags and CPU;
+``build_in_background`` starts the builds while the model loads. It links
+the OpenMP runtime torch has already loaded (same soname), so it shares
+torch's threads instead of adding a pool.
 
-Each kernel is plain C++ with OpenMP and a C ABI: the same compiler inductor
-already needs builds it in one to four seconds, into the compile cache, once
-per source, compiler flags and CPU; ``build_in_background`` starts the
-builds while the model loads (a cold start of the tiny Llama built its three
-one after another in 6.0 s). It links the OpenMP runtime torch has already
-loaded (same soname), so it shares torch's threads instead of adding a pool.
+Where the CPU has AMX, the matmul kernels (linear layers, span attention)
+run bfloat16 only if they multiply on its tiles: AVX-512 BF16 dot products
+lose to oneDNN's matmul and torch's flash attention on such a CPU
+(benchmarks/README.md). The decode kernel, which reads the KV cache more than
+it multiplies, runs bfloat16 on every AVX-512 BF16 CPU.
 """
 
 from __future__ import annotations
@@ -40,10 +36,13 @@ from vllm_accel.log import get_logger
 
 logger = get_logger(__name__)
 
-# -ffast-math lets the softmax's exp vectorize. It is given to the compile step
-# only: linked with it, GCC adds start-up code that flushes denormals to zero
-# for the whole process (and every model with it).
-COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17"]
+# -ffast-math without its finite-math part: reassociated sums vectorize, but
+# NaN and Inf keep their meaning (with -ffinite-math-only GCC may swap a max's
+# operands, and a NaN score then vanished from a softmax). Never linked with
+# it either: GCC would add start-up code flushing denormals for the process.
+COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+                 "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-fPIC",
+                 "-std=c++17"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
@@ -114,27 +113,31 @@ def _compile(cxx: list[str], source: Path, library: Path) -> Path:
 
 def load(kernel_class, source: Path, cache_dir: Path, instead: str):
     """``kernel_class`` over the library of ``source`` (built into ``cache_dir``
-    if missing), or None where it cannot be built or runs no dtype here (a CPU
-    without AVX-512): logged at info with what runs ``instead``, since such a
-    CPU is not a fault. Sets the kernel's ``dtypes`` (what the engine runs by
+    if missing), or None. A failed build is a fault of the machine (no
+    compiler, a broken one): it warns with the compiler's message and what
+    runs ``instead``. A CPU the kernel has no instructions for is not a fault:
+    logged at info. Sets the kernel's ``dtypes`` (what the engine runs by
     it) to its ``runs`` (what its build runs here) but bfloat16 where the CPU
     has AMX and the kernel does not multiply on its tiles (``multiplies_on_amx``;
     see the module's docstring)."""
     try:
         kernel = kernel_class(build(source, cache_dir))
-        if not kernel.runs:
-            raise RuntimeError("this CPU has no AVX-512")
-        kernel.dtypes = set(kernel.runs)
-        if (torch.bfloat16 in kernel.dtypes and "amx_bf16" in (cpu_flags() or ())
-                and not kernel.multiplies_on_amx):
-            kernel.dtypes.discard(torch.bfloat16)
-            logger.info("vllm_accel: %s kernel in float32 only, bfloat16 %s (AMX)",
-                        source.stem, instead)
-        return kernel
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        logger.info("vllm_accel: %s kernel unavailable, %s: %s", source.stem, instead, detail)
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = (getattr(error, "stderr", "") or str(error)).strip()
+        logger.warning("vllm_accel: the %s kernel could not be built, %s: %s", source.stem,
+                       instead, detail)
         return None
+    if not kernel.runs:
+        logger.info("vllm_accel: %s kernel unavailable (no AVX-512 or AVX2 it runs), %s",
+                    source.stem, instead)
+        return None
+    kernel.dtypes = set(kernel.runs)
+    if (torch.bfloat16 in kernel.dtypes and "amx_bf16" in (cpu_flags() or ())
+            and not kernel.multiplies_on_amx):
+        kernel.dtypes.discard(torch.bfloat16)
+        logger.info("vllm_accel: %s kernel in float32 only, bfloat16 %s (AMX)",
+                    source.stem, instead)
+    return kernel
 
 
 @functools.cache

@@ -4,23 +4,16 @@ or widened to float32 in registers where it has neither) or with AVX2 alone
 (bfloat16 widened too).
 
 oneDNN's packed matmul leaves DRAM idle while it computes a block's rows
-after the first; ours streams the weights in meanwhile. The ~90M Llama's
-decoder linears (8 layers, weights from DRAM) at 32 rows: 18.0 -> 13.6 ms in
-float32, 9.3 -> 7.4 ms in bfloat16; 1.03-1.33x at 1-64 rows, 1.03-1.06x at 512
-(``benchmarks/linear.py --layers 8``, an AMD EPYC). Since each block is
-walked along K in chunks that stay in L1 (up to 128 rows: linear_kernel.cpp),
-float32 on a Xeon runs 1.17-1.40x oneDNN's at 8-64 rows, 0.97-0.99x at 512;
-on a Xeon with AMX, bfloat16 on tiles,
-1.06-1.32x at 1-64 rows, 1.01-1.14x at 512, slower at thousands (linear_kernel.cpp).
-A layer runs by it where ``packs`` says yes, it has no activation to fuse (those
-keep oneDNN's post-ops) and it is not an encoder's: see packed_linear.py; a
-gated MLP's (SiLU), an encoder's too, runs gate and up in one call that
-stores silu(gate) * up (``pack_gated``), and a layer followed by GELU's tanh
-approximation (SigLIP's fc1), an encoder's too, stores its GELU
-(``GELU_TANH``). Rows that only pad a bucket are
-not multiplied (``live_rows``: a forward's tokens past the step's, a Qwen2.5-VL
-encoder call's patches past its images'). Loaded once per process by
-``enable`` (the cpu device).
+after the first; ours streams the weights in meanwhile, which is what a
+decode step's few rows are bound by (figures: benchmarks/README.md).
+A layer runs by it where ``packs`` says yes, it has no activation to fuse
+(those keep oneDNN's post-ops) and it is not an encoder's (see
+model/packed_linear.py); a gated MLP's (SiLU), an encoder's too, runs gate
+and up in one call that stores silu(gate) * up (``LinearKernel.pack_gated``),
+and a layer followed by GELU's tanh approximation (SigLIP's fc1) stores its
+GELU (``GELU_TANH``). Rows that only pad a bucket are not multiplied
+(``ForwardContext.live_rows``: a forward's tokens past the step's, a
+Qwen2.5-VL encoder call's patches past its images').
 """
 
 from __future__ import annotations
@@ -31,7 +24,8 @@ from pathlib import Path
 import torch
 
 from vllm_accel.log import get_logger
-from vllm_accel.model import cpu_kernels, live_rows, ops
+from vllm_accel.forward_context import get_forward_context
+from vllm_accel.kernels import build, ops
 
 logger = get_logger(__name__)
 
@@ -49,7 +43,7 @@ PLAIN, GATED_SILU, GELU_TANH = 0, 1, 2
 class LinearKernel:
     """The kernel's entry points, loaded from a built shared library;
     ``runs``: the dtypes its build runs on this CPU, ``dtypes``: those layers
-    run by it (set by ``cpu_kernels.load``); ``multiplies_on_amx``: bfloat16
+    run by it (set by ``build.load``); ``multiplies_on_amx``: bfloat16
     on AMX tiles (its own layout: ``layout``)."""
 
     def __init__(self, library: Path):
@@ -139,78 +133,54 @@ class LinearKernel:
         return y
 
 
-_kernel: LinearKernel | None = None
+def load(cache_dir: Path) -> LinearKernel | None:
+    """The kernel (built into ``cache_dir`` if missing), or None where it
+    cannot be built or this CPU has neither AVX-512 nor AVX2 (logged): linear
+    layers then stay oneDNN's."""
+    kernel = build.load(LinearKernel, SOURCE, cache_dir, "linear layers stay oneDNN's")
+    if kernel is not None and kernel.vector_lanes == 8:
+        # AVX2 alone: ours runs bfloat16 (which oneDNN cannot pack there);
+        # float32 stays oneDNN's, faster than ours at every row count there.
+        kernel.dtypes.discard(torch.float32)
+        logger.info("vllm_accel: linear kernel in bfloat16 only (AVX2), float32 stays oneDNN's")
+    return kernel
 
 
-def enable(cache_dir: Path) -> LinearKernel | None:
-    """Load the kernel for this process (built into ``cache_dir`` if missing).
-    None where it cannot be built or this CPU has neither AVX-512 nor AVX2 (logged);
-    linear layers then stay oneDNN's."""
-    global _kernel
-    if _kernel is None:
-        _kernel = cpu_kernels.load(LinearKernel, SOURCE, cache_dir,
-                                   "linear layers stay oneDNN's")
-        if _kernel is not None and _kernel.vector_lanes == 8:
-            # AVX2 alone: ours runs bfloat16 (which oneDNN cannot pack there);
-            # float32 stays oneDNN's, ~1.1x ours at 48 rows and 1.7-2.5x at 512 there
-            # (linear_kernel.cpp).
-            _kernel.dtypes.discard(torch.float32)
-            logger.info("vllm_accel: linear kernel in bfloat16 only (AVX2), float32 stays oneDNN's")
-    return _kernel
+def runs(kernel: LinearKernel | None, dtype: torch.dtype) -> bool:
+    """Whether ``kernel`` (None: no kernel) runs layers of ``dtype``."""
+    return kernel is not None and dtype in kernel.dtypes
 
 
-def runs(dtype: torch.dtype) -> bool:
-    """Whether the loaded kernel runs layers of ``dtype``."""
-    return _kernel is not None and dtype in _kernel.dtypes
+def runs_encoders(kernel: LinearKernel | None, dtype: torch.dtype) -> bool:
+    """Whether ``kernel`` runs an encoder's layers of ``dtype`` too, not only a
+    decoder's: bfloat16 where it widens it to float32 (a CPU without bfloat16
+    instructions: oneDNN's own, if any, is emulated and slower than ours at
+    every size), or multiplies it on AMX tiles (one row group a pass beat
+    oneDNN's packed matmul at the vision towers' shapes: benchmarks/README.md)."""
+    return (runs(kernel, dtype) and dtype == torch.bfloat16
+            and (kernel.widens_bfloat16 or kernel.multiplies_on_amx))
 
 
-def runs_encoders(dtype: torch.dtype) -> bool:
-    """Whether the loaded kernel runs an encoder's layers of ``dtype`` too,
-    not only a decoder's: bfloat16 where it widens it to float32 (a CPU
-    without bfloat16 instructions: oneDNN's own, if any, is emulated and
-    slower than ours at every size), or multiplies it on AMX tiles (one row
-    group a pass: 1.05-1.40x oneDNN's packed matmul at the towers' plain
-    shapes, 2,308-4,096 rows, one layer's weights in cache; a tower's layers'
-    weights in turn, 1.17-1.41x at a K of 1,152-1,280 and at Molmo's fc2 (K
-    4,096, 2,308 rows); SigLIP's fc2 and Qwen2.5-VL's down (K 4,304 and
-    3,420, not multiples of 32) 1.26-1.47x since their rows are read in place
-    (0.91-0.94x before; 1.32-1.40x with one layer's weights in cache);
-    benchmarks/README.md, thirty-third and thirty-fourth sessions)."""
-    return (runs(dtype) and dtype == torch.bfloat16
-            and (_kernel.widens_bfloat16 or _kernel.multiplies_on_amx))
-
-
-def packs(weight: torch.Tensor) -> bool:
-    """Whether the loaded kernel runs a layer of this weight [out, in]."""
-    return (runs(weight.dtype) and weight.device.type == "cpu"
+def packs(kernel: LinearKernel | None, weight: torch.Tensor) -> bool:
+    """Whether ``kernel`` runs a layer of this weight [out, in]."""
+    return (runs(kernel, weight.dtype) and weight.device.type == "cpu"
             and weight.shape[1] % _PAIRED[weight.dtype] == 0)
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] -> the loaded kernel's layout (``LinearKernel.pack``)."""
-    assert _kernel is not None, "linear_kernel.enable() first"
-    return _kernel.pack(weight)
-
-
-def pack_gated(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None = None,
-               up_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gate and up weights [out, in] (and biases) -> the loaded kernel's
-    gated layout (``LinearKernel.pack_gated``)."""
-    assert _kernel is not None, "linear_kernel.enable() first"
-    return _kernel.pack_gated(gate, up, gate_bias, up_bias)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             out_features: int, epilogue: int = PLAIN) -> torch.Tensor:
-    assert _kernel is not None, "linear_kernel.enable() first"
+    context = get_forward_context()
+    kernel = context.kernels.linear if context.kernels else None
+    assert kernel is not None, \
+        "a layer packed for the linear kernel runs inside set_forward_context with that kernel"
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     bias = None if bias is None else bias.contiguous()
-    live = live_rows.count(rows.shape[0])
+    live = context.rows_to_compute(rows.shape[0])
     if live == rows.shape[0]:
-        y = _kernel(rows, weight, bias, out_features, epilogue)
-    else:  # padding rows (live_rows: a bucket's) are not multiplied, left zero
+        y = kernel(rows, weight, bias, out_features, epilogue)
+    else:  # padding rows (a bucket's: ForwardContext.live_rows) are not multiplied, left zero
         y = rows.new_empty(rows.shape[0], out_features)
-        _kernel(rows[:live], weight, bias, out_features, epilogue, out=y[:live])
+        kernel(rows[:live], weight, bias, out_features, epilogue, out=y[:live])
         y[live:].zero_()
     return y.view(*x.shape[:-1], out_features)
 

@@ -2,28 +2,21 @@
 (span_attention.cpp): each query row attends to a span of the keys (all of its
 image, its frame or window, or, causal, the tokens up to its own).
 
-torch's CPU flash kernel runs a vision tower's attention at ~150-190 GFLOP/s
-on an AMD EPYC with AVX-512 BF16 (SigLIP's 729 tokens x 16 heads x 72, Molmo's
-577 x 16 x 64, Qwen2.5-VL's 1024 x 16 x 80), while its matmuls run at ~1,000;
-it was 37 % of the SigLIP so400m tower's time. In bfloat16 the kernel runs
-the same shapes 3.3-3.6x faster with the same error against float64, and a
-prompt's causal attention (grouped query heads) 4.6-5.9x faster; in float32
-(AVX-512 without BF16 suffices) 1.1-1.7x and 2.5-3.1x, a few ulps from SDPA
-(``benchmarks/span_attention.py``). A CPU with AVX-512 but no BF16 runs
-bfloat16 widened to float32 in registers (span_attention.cpp).
-
-Where the build has AMX, bfloat16 multiplies on its tiles instead (on such
-a CPU torch's flash kernel beat the dot products above): see
-span_attention.cpp for its figures.
+torch's CPU flash kernel runs a vision tower's attention far below its
+matmuls' rate; the kernel runs the towers' shapes and a prompt's causal
+attention several times faster in bfloat16, as accurately, and faster in
+float32 too (``benchmarks/span_attention.py``). A CPU with AVX-512 but no
+BF16 runs bfloat16 widened to float32 in registers; where the build has AMX,
+bfloat16 multiplies on its tiles.
 
 SigLIP, Molmo's ViT and the paged attention op for prompts call ``attend``
 where ``supported`` says yes and keep their own attention otherwise (CUDA, a
 CPU without AVX-512, a head size above 128, bfloat16 on a CPU with AMX where
-the kernel was built without AMX: cpu_kernels.py). Qwen2.5-VL's tower calls it
-on every CPU: where the kernel does not run, ``attend`` runs torch's SDPA span
-by span, not masked over the whole call. The kernel is loaded once per
-process by ``enable`` (the runner's cpu device); the op is opaque to inductor,
-so every compiled graph calls it.
+the kernel was built without AMX: build.py, or no kernel in the forward's
+context). Qwen2.5-VL's tower calls it on every CPU: where the kernel does not
+run, ``attend`` runs torch's SDPA span by span, not masked over the whole
+call. The op is opaque to inductor, so every compiled graph calls it; which
+kernel it runs is the forward context's (``ForwardContext.kernels``).
 """
 
 from __future__ import annotations
@@ -36,7 +29,8 @@ import torch.nn.functional as F
 from fms.modules import attention as fms_attention
 
 from vllm_accel.log import get_logger
-from vllm_accel.model import cpu_kernels, ops
+from vllm_accel.forward_context import get_forward_context
+from vllm_accel.kernels import build, ops
 
 logger = get_logger(__name__)
 
@@ -49,13 +43,13 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 class SpanAttentionKernel:
     """The kernel's entry points (bfloat16, float32), loaded from a built
     shared library; ``runs``: the dtypes its build runs on this CPU,
-    ``dtypes``: those attention runs by it (set by ``cpu_kernels.load``);
+    ``dtypes``: those attention runs by it (set by ``build.load``);
     ``multiplies_on_amx``: bfloat16 on AMX tiles (span_attention.cpp)."""
 
     def __init__(self, library: Path):
         loaded = ctypes.CDLL(str(library))
         # bfloat16 on AMX tiles where built with them (AVX-512 BF16 dot
-        # products alone lose to torch's SDPA on such a CPU: cpu_kernels.load).
+        # products alone lose to torch's SDPA on such a CPU: build.py).
         self.multiplies_on_amx = bool(loaded.bf16_on_amx())
         self._functions = {torch.bfloat16: loaded.span_attention_bf16,
                            torch.float32: loaded.span_attention_f32}
@@ -91,27 +85,27 @@ class SpanAttentionKernel:
         return out
 
 
-_kernel: SpanAttentionKernel | None = None
+def load(cache_dir: Path) -> SpanAttentionKernel | None:
+    """The kernel (built into ``cache_dir`` if missing), or None where it
+    cannot be built or this CPU lacks AVX-512 (logged): attention stays
+    torch's. Without AVX-512 BF16 or BW, or on a CPU with AMX where the build
+    has no AMX tiles, only float32 runs by it."""
+    kernel = build.load(SpanAttentionKernel, SOURCE, cache_dir, "attention stays torch's")
+    if kernel is not None and torch.bfloat16 not in kernel.runs:
+        logger.info("vllm_accel: span attention kernel in float32 only (no AVX-512 BF16 or BW)")
+    return kernel
 
 
-def enable(cache_dir: Path) -> SpanAttentionKernel | None:
-    """Load the kernel for this process (built into ``cache_dir`` if missing).
-    None where it cannot be built or this CPU lacks AVX-512 (logged):
-    attention stays torch's. Without AVX-512 BF16 or BW, or on a CPU with AMX
-    where the build has no AMX tiles, only float32 runs by it."""
-    global _kernel
-    if _kernel is None:
-        _kernel = cpu_kernels.load(SpanAttentionKernel, SOURCE, cache_dir,
-                                   "attention stays torch's")
-        if _kernel is not None and torch.bfloat16 not in _kernel.runs:
-            logger.info("vllm_accel: span attention kernel in float32 only (no AVX-512 BF16 or BW)")
-    return _kernel
+def _kernel() -> SpanAttentionKernel | None:
+    """The span kernel of the forward running now (None: torch's SDPA)."""
+    kernels = get_forward_context().kernels
+    return kernels.span if kernels is not None else None
 
 
 def supported(q: torch.Tensor) -> bool:
     """Whether ``attend`` runs the kernel for queries like ``q``."""
-    dim = q.shape[-1]
-    return (_kernel is not None and q.device.type == "cpu" and q.dtype in _kernel.dtypes
+    kernel, dim = _kernel(), q.shape[-1]
+    return (kernel is not None and q.device.type == "cpu" and q.dtype in kernel.dtypes
             and dim <= MAX_HEAD_DIM and (dim % 2 == 0 or q.dtype == torch.float32))
 
 
@@ -193,7 +187,7 @@ def _span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v = (_rows_contiguous(t) for t in (q, k, v))
     if ranges is not None:
         ranges = ranges.to(torch.int32).contiguous()  # what the kernel reads
-    return _kernel(q, k, v, ranges, scale, causal)
+    return _kernel()(q, k, v, ranges, scale, causal)
 
 
 def _span_attention_shape(q, k, v, ranges, scale, causal=False):

@@ -1,5 +1,5 @@
 // Vector arithmetic our CPU kernels share (span_attention.cpp,
-// decode_attention.cpp, linear_kernel.cpp). Header-only; cpu_kernels.py
+// decode_attention.cpp, linear_kernel.cpp). Header-only; build.py
 // rebuilds a kernel when a header it includes changes.
 #pragma once
 
@@ -12,8 +12,9 @@ namespace {
 
 constexpr float kLog2E = 1.44269504089f;
 
-// float32 -> bfloat16 bits, to nearest even (finite x).
+// float32 -> bfloat16 bits, to nearest even (NaN stays a quiet NaN).
 inline uint16_t bf16_bits(float x) {
+  if (x != x) return 0x7fc0;
   uint32_t bits;
   __builtin_memcpy(&bits, &x, sizeof bits);
   bits += 0x7fff + ((bits >> 16) & 1);
@@ -41,11 +42,12 @@ inline V exp2_fraction(V f) {
 
 // 2^t for t <= 0 (callers fold log2(e) into their scale: exp(x) = 2^(x log2 e)):
 // 2^(t - n) for the nearest integer n (exp2_fraction), then times 2^n; t
-// below -126 gives about 0. Nine instructions where Cephes' expf, used before, took
-// fourteen (with masks only at a span's edges, the span kernel's softmax on
-// SigLIP's 5 tiles ran 4.5 -> 3.3 ms).
+// below -126 gives about 0, NaN gives NaN: max_ps returns its second operand
+// when either is NaN, so the clamp keeps a NaN score (a NaN key or query then
+// makes the output NaN, as in torch's softmax). Nine instructions where
+// Cephes' expf took fourteen.
 inline __m512 exp2_nonpositive(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  t = _mm512_max_ps(_mm512_set1_ps(-126.0f), t);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return _mm512_scalef_ps(exp2_fraction(_mm512_sub_ps(t, n)), n);
 }
@@ -92,7 +94,7 @@ inline __mmask16 first_lanes(int64_t n) {
 // The same on 8 lanes, for CPUs with AVX2 alone (linear_kernel.cpp): 2^n
 // from its exponent bits, as AVX2 has no scalef.
 inline __m256 exp2_nonpositive(__m256 t) {
-  t = _mm256_max_ps(t, _mm256_set1_ps(-126.0f));
+  t = _mm256_max_ps(_mm256_set1_ps(-126.0f), t);  // NaN stays NaN (as above)
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256i two_to_n =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
