@@ -31,7 +31,7 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 HEADLINE_ENTRIES = (
     "tiny-float32", "tiny-bfloat16", "medium-float32", "medium-bfloat16",
     "128m-float32", "128m-bfloat16",
-    "vision-llava_next-full", "vision-qwen2_5_vl-full", "vision-molmo-full",
+    "vision-molmo-full", "vision-llava_next-full", "vision-qwen2_5_vl-full",
 )
 HEADER = ["workload", "dtype", "machine", "vllm-accel", "peer", "peer's figure",
           "ratio", "date"]
@@ -98,12 +98,16 @@ def select(figures, every=False):
         chosen = newest([p for p in panels if p["entry"] in HEADLINE_ENTRIES],
                         key=lambda p: (p["entry"], cpu_kind(p)))
         group = cpu_kind
-    order = {n: i for i, n in enumerate(HEADLINE_ENTRIES)}
+    # the standard order (figures.json's, standard.py's entries())
+    order = {}
+    for p in figures["panels"]:
+        order.setdefault(p["entry"], len(order))
+    chosen = sorted(chosen, key=lambda p: order[p["entry"]])
     latest = {}
     for p in chosen:
         latest[group(p)] = max(latest.get(group(p), ""), p["date"])
-    return sorted(chosen, key=lambda p: (tuple(-ord(c) for c in latest[group(p)]), group(p),
-                                         order.get(p["entry"], len(order)), p["entry"]))
+    # stable: the standard order holds within each CPU
+    return sorted(chosen, key=lambda p: (latest[group(p)], group(p)), reverse=True)
 
 
 def number(value, unit):
