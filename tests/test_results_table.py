@@ -78,3 +78,11 @@ def test_check_compares_the_table_between_the_markers(capsys, tmp_path):
     unmarked = tmp_path / "unmarked.md"
     unmarked.write_text(table)
     assert rt.main(["--figures", str(FIGURES), "--check", str(unmarked)]) == 2
+
+
+def test_the_readmes_tables_are_current():
+    """The root README's and the results page's tables are what the script
+    makes of figures.json now: regenerate them when a figure lands."""
+    rt = load_script()
+    for readme in (ROOT / "README.md", ROOT / "benchmarks" / "README.md"):
+        assert rt.main(["--figures", str(FIGURES), "--check", str(readme)]) == 0, readme
