@@ -4,20 +4,17 @@ One runner does it all (continuous batching, chunked prefill, prefix caching):
 vLLM's scheduler and KV cache manager decide what runs and where its KV lives;
 ``request_state`` mirrors the requests into vLLM's own ``InputBatch`` (which
 also builds the sampling metadata and runs logits processors); the runner packs
-the step's tokens into
-one sequence, run it through the FMS model as one or more forwards padded to
-token buckets (``step_layout``) and sample with vLLM's ``Sampler``.
+the step's tokens into one sequence, runs it through the FMS model as one or
+more forwards padded to token buckets (``step_layout``), each under its own
+forward context, and samples with vLLM's ``Sampler`` (``sampling``).
 
 A vision-language model always runs on embeddings: images scheduled this step
-are encoded (once each, on one rank under tensor parallelism, cached by their
-identifier until vLLM frees them) and their rows merged at the placeholder
-positions the step covers.
+are encoded and merged at their placeholder positions (``images``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,10 +22,9 @@ from vllm.config import VllmConfig
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
-from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
 from vllm_accel.buckets import (
@@ -62,19 +58,10 @@ from vllm_accel.worker.kv_cache import allocate_kv_caches, kv_cache_bytes, zero_
 from vllm_accel.worker.model_loader import load_model
 from vllm_accel.worker.prompt_logprobs import compute_prompt_logprobs
 from vllm_accel.worker.request_state import RequestStates
+from vllm_accel.worker.sampling import PendingSample, sample
 from vllm_accel.worker.step_layout import BucketedForward, pack_step
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class PendingSample:
-    """What execute_model leaves for sample_tokens."""
-
-    scheduler_output: SchedulerOutput
-    logits: torch.Tensor | None  # [num_reqs, vocab], InputBatch order; driver only
-    discard: np.ndarray  # [num_reqs] bool: partial prefill, token not kept
-    prompt_logprobs: dict[str, LogprobsTensors]  # requests whose prompt is done
 
 
 class AccelModelRunner:
@@ -351,7 +338,7 @@ class AccelModelRunner:
         batch = self.input_batch
         output = None
         if self.is_driver:
-            output = self._sample(pending, grammar_output)
+            output = sample(self.sampler, self.input_batch, pending, grammar_output)
             sampled_ids = output.sampled_token_ids.to(torch.int64)
         else:
             sampled_ids = torch.empty((batch.num_reqs, 1), dtype=torch.int64, device=self.device)
@@ -378,47 +365,17 @@ class AccelModelRunner:
             batch.prev_req_id_to_index = (
                 dict(result.req_id_to_index) if len(kept) == batch.num_reqs
                 else {batch.req_ids[i]: i for i in kept})
-            self._append_tokens(kept, [PLACEHOLDER] * len(kept))
+            self.requests.append_tokens(kept, [PLACEHOLDER] * len(kept))
             in_flight = InFlightOutput(result, sampled_ids, logprobs, pending.discard)
             batch.set_async_sampled_token_ids(in_flight.sampled_cpu, in_flight.ready)
             return in_flight
         sampled = [token_ids[0] for token_ids in sampled_ids.tolist()]
-        self._append_tokens(kept, [sampled[i] for i in kept])
+        self.requests.append_tokens(kept, [sampled[i] for i in kept])
         result.sampled_token_ids = [[token] for token in sampled]
         for i in np.flatnonzero(pending.discard):
             result.sampled_token_ids[i] = []
         result.logprobs = logprobs.tolists() if logprobs is not None else None
         return result
-
-    def _append_tokens(self, rows: list[int], tokens: list[int]) -> None:
-        """Batch row ``rows[i]``'s new token ``tokens[i]`` onto its sequence."""
-        if not rows:
-            return
-        batch = self.input_batch
-        ends = batch.num_tokens_no_spec[rows]
-        batch.token_ids_cpu[rows, ends] = tokens
-        batch.is_token_ids[rows, ends] = True
-        batch.num_tokens_no_spec[rows] = ends + 1
-        req_ids, states = batch.req_ids, self.requests
-        for row, token in zip(rows, tokens):
-            states[req_ids[row]].output_token_ids.append(token)
-
-    def _sample(self, pending: PendingSample, grammar_output: GrammarOutput | None):
-        batch = self.input_batch
-        if grammar_output is not None:
-            apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, pending.logits)
-
-        # A seeded request whose token is thrown away (a prefill chunk that does
-        # not end the prompt) must not advance its generator.
-        saved_rng = {
-            i: g.get_state() for i, g in batch.generators.items() if pending.discard[i]
-        }
-        # Async scheduling: penalties need last step's tokens, now on the host.
-        batch.update_async_output_token_ids()
-        output = self.sampler(logits=pending.logits, sampling_metadata=batch.sampling_metadata)
-        for i, state in saved_rng.items():
-            batch.generators[i].set_state(state)
-        return output
 
     def reset_encoder_cache(self) -> None:
         if self.images is not None:

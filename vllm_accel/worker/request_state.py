@@ -123,6 +123,19 @@ class RequestStates:
                 new.prompt_token_ids, [item_tensors(f.data) for f in new.mm_features]))
         return state
 
+    def append_tokens(self, rows: list[int], tokens: list[int]) -> None:
+        """Batch row ``rows[i]``'s new token ``tokens[i]`` onto its sequence."""
+        if not rows:
+            return
+        batch = self.batch
+        ends = batch.num_tokens_no_spec[rows]
+        batch.token_ids_cpu[rows, ends] = tokens
+        batch.is_token_ids[rows, ends] = True
+        batch.num_tokens_no_spec[rows] = ends + 1
+        req_ids = batch.req_ids
+        for row, token in zip(rows, tokens):
+            self[req_ids[row]].output_token_ids.append(token)
+
     def sizes(self) -> dict[str, int]:
         """How much state is held (a soak test checks it drains)."""
         states = self.requests.values()
