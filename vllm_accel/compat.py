@@ -1,9 +1,37 @@
-"""Every use of a private vLLM, FMS or torch API, in one file.
+"""Every use of a private vLLM, FMS or torch API, in one file, or named here.
 
 Pinned to what ``scripts/install.sh`` installs: vLLM 0.33.0, ibm-fms 1.13.1,
-torch 2.13.0. An upgrade of any of them audits this file (and ``patches.py``,
-which changes their behaviour); the rest of the package uses public names.
+torch 2.13.0 (each read from that version's source). An upgrade of any of
+them audits this file (and ``patches.py``, which changes their behaviour).
 Imports are local to each function: importing this module costs nothing.
+
+The functions below wrap the private calls. One private surface is used in
+place instead, because the runner is built on it: vLLM's GPU runner's
+``InputBatch`` and ``CachedRequestState`` (``vllm.v1.worker.gpu_input_batch``,
+vLLM 0.33.0; vLLM's own V1 runners use them the same way), which hold every
+request's tokens, block table, generators and sampling metadata. Read or
+written by ``worker/model_runner.py``, ``worker/request_state.py``,
+``worker/in_flight.py`` and ``worker/sampling.py``:
+
+- methods: ``add_request``, ``remove_request``, ``condense``,
+  ``refresh_metadata``, ``update_async_output_token_ids``,
+  ``set_async_sampled_token_ids``, ``block_table[0].get_numpy_array()``;
+- attributes: ``req_ids``, ``req_id_to_index``, ``num_reqs``, ``vocab_size``,
+  ``token_ids_cpu``, ``is_token_ids``, ``num_tokens_no_spec``,
+  ``num_computed_tokens_cpu``, ``generators``, ``sampling_metadata``,
+  ``prev_sampled_token_ids``, ``prev_req_id_to_index``;
+- ``CachedRequestState`` fields (subclassed as ``RequestState``):
+  ``prompt_token_ids``, ``mm_features``, ``num_computed_tokens``,
+  ``output_token_ids``, ``in_progress_prompt_logprobs_cpu``.
+
+torch's private APIs (torch 2.13.0) are wrapped below (dynamo's graph counts
+and code cache, ``mark_dynamic``/``mark_unbacked``, inductor's cache
+counters, ``torch.ops.mkldnn``'s packed linear), set in patches.py 5 and 6
+(``torch._inductor.config.compile_threads``,
+``torch._dynamo.config.recompile_limit``), or used by ``model/saved_graphs.py``
+in place: ``torch._dynamo.guards.CheckFunctionManager`` and the
+``aot_compile`` of a ``torch.compile``'d function (graphs saved whole),
+``torch._mkldnn`` (the layout of oneDNN-packed weights).
 """
 
 from __future__ import annotations

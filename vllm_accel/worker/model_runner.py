@@ -392,8 +392,6 @@ class AccelModelRunner:
             "tokens_from_device": self.tokens_from_device,
         }
 
-    # ---- helpers ------------------------------------------------------------
-
     def _plan_forwards(self, num_tokens: int) -> list[int]:
         return plan_forwards(num_tokens, self.token_buckets, self.forward_costs)
 
