@@ -33,14 +33,25 @@ DEFAULT_BLOCK_SIZE = 32
 WORKER_CLS = "vllm_accel.worker.worker.AccelWorker"
 
 
+class _FollowsBackend:
+    """A platform attribute that names the device backend the settings select
+    (read on the class or on vLLM's ``current_platform`` alike): the
+    simulated accelerator computes on the host CPU, so its tensors live on
+    "cpu"; the cuda backend's on "cuda"."""
+
+    def __init__(self, values: dict[str, str]):
+        self.values = values
+
+    def __get__(self, instance, owner) -> str:
+        return self.values[owner._device()]
+
+
 class AccelPlatform(Platform):
     _enum = PlatformEnum.OOT
-    # The simulated accelerator computes on the host CPU, so tensors live on
-    # "cpu"; vLLM builds torch devices from both names.
-    device_name: str = "cpu"
-    device_type: str = "cpu"
-    dispatch_key: str = "CPU"
-    dist_backend: str = "gloo"
+    device_name = _FollowsBackend({"cpu": "cpu", "hpu": "hpu", "cuda": "cuda"})
+    device_type = _FollowsBackend({"cpu": "cpu", "hpu": "hpu", "cuda": "cuda"})
+    dispatch_key = _FollowsBackend({"cpu": "CPU", "hpu": "HPU", "cuda": "CUDA"})
+    dist_backend = _FollowsBackend(devices.DIST_BACKENDS)
     simple_compile_backend: str = "eager"
 
     @property
@@ -53,9 +64,12 @@ class AccelPlatform(Platform):
 
     @classmethod
     def _device(cls) -> str:
-        from vllm.config import get_current_vllm_config_or_none
+        import sys
 
-        config = get_current_vllm_config_or_none()
+        config = None
+        module = sys.modules.get("vllm.config.vllm")  # vLLM reads dispatch_key importing it
+        if hasattr(module, "get_current_vllm_config_or_none"):
+            config = module.get_current_vllm_config_or_none()
         return resolve_device(load_settings(config.additional_config if config else None))
 
     @classmethod
