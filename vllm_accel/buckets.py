@@ -34,18 +34,16 @@ _STRATEGIES = {"exp": ("min", "max", "limit"), "lin": ("min", "step", "max")}
 DEFAULT_LIMIT = 8
 
 # Default token buckets, each warmed up at start-up and, where each has a
-# graph of its own (settings.bucket_graphs), one more graph to compile (~3-6 s
-# cold on 2 cores). Small steps are mostly decodes, one row per running request: they
-# double from 8 to 64 so that a decode batch pads at most 2x, with 48 between
-# 32 and 64 (48 running requests padded to 64 computed a third more rows than
-# needed: the ~128M Llama at 48 concurrent ran 1.32x faster with it; 24 would
-# cost one more graph); a lone decode keeps its own bucket (padded to 8 rows it
-# took twice as long). Bigger steps are mostly prompts: 256 and 384 between 64
-# and 512 run a prompt of 129-384 tokens as one forward padded by at most half,
-# not as forwards of 64 or padded to 512 (time to first token 14-41 % lower,
-# for 3.5-4.7 s more cold start on the tiny fixtures). Steps beyond 512 run as
-# forwards of 512 and a smaller one (plan_forwards). Measurements:
-# benchmarks/README.md.
+# graph of its own (settings.bucket_graphs), one more graph to compile. Small
+# steps are mostly decodes, one row per running request: they double from 8
+# to 64 so that a decode batch pads at most 2x, with 48 between 32 and 64 (48
+# running requests padded to 64 computed a third more rows than needed); a
+# lone decode keeps its own bucket (padded to 8 rows it took twice as long).
+# Bigger steps are mostly prompts: 256 and 384 between 64 and 512 run a
+# prompt of 129-384 tokens as one forward padded by at most half, not as
+# forwards of 64 or padded to 512 (a shorter time to first token for a longer
+# cold start). Steps beyond 512 run as forwards of 512 and a smaller one
+# (plan_forwards). Measurements: benchmarks/README.md.
 DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 48, 64, 256, 384, 512)
 # What one more forward costs, in padded tokens (its fixed per-call work:
 # Python, one pass over the weights, attention set-up), for cutting a step into

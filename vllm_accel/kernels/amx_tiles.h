@@ -1,9 +1,8 @@
 // AMX tiles as our CPU kernels use them (linear_kernel.cpp, span_attention.cpp):
 // 64-byte aligned arrays for what tiles load and store, eight tiles of 16 rows
 // x 64 bytes, the process's permission asked of Linux once; and bf16_on_amx(),
-// which each such kernel's library exports. Included
-// once per kernel (each is one source file); cpu_kernels.py rebuilds a kernel
-// when a header it includes changes.
+// which each such kernel's library exports. Included once per kernel (each is
+// one source file); build.py rebuilds a kernel when a header it includes changes.
 #pragma once
 
 #include <cstdint>
@@ -15,10 +14,8 @@
 namespace {
 
 // Arrays that start on a 64-byte boundary, for what tiles load and store: a
-// tile's 64-byte row that straddles two cache lines loads about half as fast
-// (a scratch loop of span attention's score passes: ~200-330 ticks a pass
-// aligned, ~490-550 at 16 bytes off), and new[] and std::vector align to 16
-// bytes only.
+// tile's 64-byte row that straddles two cache lines loads about half as fast,
+// and new[] and std::vector align to 16 bytes only.
 // Zeroed when asked (zeroing the span kernel's packed keys, megabytes, each
 // call would cost more than it saves).
 struct FreeAligned {
@@ -97,10 +94,8 @@ inline void configure_tiles() {
 
 // The start of a pass that sums one row tile's products into tiles 0-1 (the
 // kernels' loops: one group of 16 rows a pass): 0-1 zeroed, and 2-3 too,
-// though unused. Zeroing them each pass ran the linear kernel's passes
-// 1.17-1.29x faster than leaving them (four shapes, interleaved, a Xeon
-// model 207; zeroing tile 5 as well, 0.85-0.94x); why is not known. Span
-// attention ran level either way (one run) and takes it for one loop shape.
+// though unused: the linear kernel's passes ran faster so (zeroing tile 5 as
+// well, slower); why is not known. Span attention runs level either way.
 inline void zero_pass_sums() {
   _tile_zero(0);
   _tile_zero(1);

@@ -2,7 +2,7 @@
 linear_kernel.cpp) on the user's machine, and loading them.
 
 Each kernel is plain C++ with OpenMP and a C ABI. The compiler inductor
-already needs builds it in one to four seconds, into the compile cache's
+already needs builds it in a few seconds, into the compile cache's
 ``kernels/`` folder, once per source, headers, compiler flags and CPU;
 ``build_in_background`` starts the builds while the model loads. It links
 the OpenMP runtime torch has already loaded (same soname), so it shares

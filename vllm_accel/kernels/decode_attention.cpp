@@ -27,19 +27,15 @@
 //   blocks come from DRAM (a forward's weights pass through the L3 between
 //   two layers), and asking for a whole block at once overlapped less. They
 //   go to L2: a block of six float32 KV heads (48 KB) fills L1, and asked
-//   into L1 the next block pushed out the one at work (48 rows of ~160
-//   tokens, six KV heads of 64, caches flushed, two scratch runs: float32
-//   1.42-1.50 -> 1.29-1.41 ms a call, bfloat16 0.89-0.96 -> 0.85-0.92).
+//   into L1 the next block pushed out the one at work.
 // Elsewhere (no AVX-512, float16, other head sizes) a portable loop does the
 // same arithmetic one token at a time.
-// (The vector path on AVX2's 8 lanes and 16 registers was tried on an AVX2
-// EPYC: no faster than this loop, both reading the caches at 7-12 GB/s
-// where a plain sequential read ran at 15.7; benchmarks/README.md,
-// twenty-fifth session.)
+// Tried: the vector path on AVX2's 8 lanes; no faster than this loop, both
+// bound by the bytes they read (benchmarks/README.md).
 //
 // The cache may hold float32, bfloat16 or float16 values; the arithmetic is
 // float32 in every case. Plain C ABI, no torch headers, so it builds in a
-// couple of seconds; built and called by decode_kernel.py.
+// couple of seconds; built and called by decode_attention.py.
 
 #include <immintrin.h>
 
@@ -296,9 +292,7 @@ struct Prefetch {
 // Tokens of a block read by every head before the next ones: 16 tokens of
 // all KV heads lie in one run of memory (12 KB of bfloat16 at 6 KV heads of
 // 64), read while in L1; a block read head by head (strides of a token's
-// row) ran slower (48 rows of ~160 tokens, six KV heads of 64, caches
-// flushed, two scratch runs: bfloat16 0.69-0.77 -> 0.68-0.74 ms a call,
-// float32 1.26-1.37 -> 1.17-1.31).
+// row) ran slower.
 constexpr int64_t kRun = 16;
 
 template <typename T, int DIM>
@@ -394,7 +388,7 @@ void decode_attention_avx512(const DecodeArgs<typename T::E>& a) {
 
 // The AVX-512 kernel for this head size, or nullptr. Only the common sizes:
 // each is a few templates more to build at start-up (all eight multiples of
-// 16, in three dtypes, took the build from 1.7 to 6.1 s).
+// 16 would more than triple the build's time).
 template <typename T>
 void (*avx512_kernel(int64_t dim))(const DecodeArgs<typename T::E>&) {
   switch (dim) {
@@ -460,10 +454,9 @@ DECODE_ATTENTION(f16, _Float16, void)
 
 // A step's new keys and values into their cache slots: token t's row
 // (kv_heads x dim, `row_bytes`; strides in bytes, rows may be spaced as in a
-// fused qkv) to slot slots[t] of each cache, which holds `cache_slots`. Two
-// index_copy_ took 15.6 us for 48 tokens and 77 us for 512 (bfloat16, ~128M
-// Llama's rows); this, called from Python, 5.9 and 27. Returns -1, or
-// (nothing written) the first token whose slot is outside the cache.
+// fused qkv) to slot slots[t] of each cache, which holds `cache_slots`: about
+// a third of two index_copy_ calls' time. Returns -1, or (nothing written)
+// the first token whose slot is outside the cache.
 extern "C" int64_t store_kv(const char* key, const char* value, int64_t key_stride,
                             int64_t value_stride, char* key_cache, char* value_cache,
                             const int64_t* slots, int64_t tokens, int64_t row_bytes,

@@ -7,47 +7,34 @@
 // Why ours: at the row counts decodes run (8-64), oneDNN's packed matmul reads
 // each block of weights from DRAM while it computes the first rows, and the
 // block's other rows then come from L2 with DRAM idle. Here the weights stream
-// in while the arithmetic runs (software prefetch): the ~90M Llama's decoder
-// linears at 32 rows ran 1.26-1.33x faster than oneDNN, 1.03-1.06x at 512
-// rows and 0.94-1.06x at a vision tower's 2,048-4,096 (benchmarks/linear.py,
-// an AMD EPYC; with the chunks below, float32 on a Xeon: 1.17-1.40x at 8-64
-// rows, 0.97-0.99x at 512).
+// in while the arithmetic runs (software prefetch), which is what a decode's
+// few rows are bound by (benchmarks/README.md).
 //
 // At up to kChunkRows rows, each block is walked along K in chunks of
 // kChunkSteps steps (32 KB of weights): every tile of rows multiplies the
 // chunk while it sits in L1 (their sums parked in a per-thread buffer between
-// chunks), and each asks for its share of the next chunk's lines. Tile after
-// tile reading a whole block from L2 had kept the core's line-fill buffers
-// busy with L2 traffic, leaving few for DRAM: the arithmetic and the stream
-// ran nearly one after the other (float32, the ~90M Llama's 8 layers at 32
-// rows: 28.0 -> 21.8 ms a call, 16 rows 24.0 -> 16.5; a scratch loop). More
-// rows keep a block's whole K per tile (chunks ran 10 % slower at 384-512).
+// chunks), and each asks for its share of the next chunk's lines: tiles each
+// reading a whole block from L2 keep the core's line-fill buffers busy with L2
+// traffic, leaving few for DRAM, and the arithmetic and the stream then run
+// nearly one after the other. More rows keep a block's whole K per tile
+// (chunks ran slower there).
 //
 // Layout of a packed weight [N, K]: blocks of 64 columns (the last zero-padded),
 // each [K / P][64][P] with P = 1 (float32) or 2 (bfloat16: the pairs along K
 // that one vdpbf16ps multiplies). A tile of R rows keeps R x 64 sums in 4R
-// registers over the whole K (or a chunk), so each weight load feeds R multiply-adds per
-// lane; rows split into as few tiles as fit, of near-equal sizes. With AVX2
-// the same with 8 lanes a vector: blocks of 32 columns, [K / P][32][P].
+// registers over the whole K (or a chunk), so each weight load feeds R
+// multiply-adds per lane; rows split into as few tiles as fit, of near-equal
+// sizes. With AVX2 the same with 8 lanes a vector: blocks of 32 columns,
+// [K / P][32][P].
 //
 // Where the CPU has AMX (built with its instructions), bfloat16 multiplies on
 // AMX tiles instead, over another layout: blocks of 32 columns, each
 // [kp / 2][32][2] with kp = K rounded up to 32 (zeros past K), so that one
 // step along K of a block (16 pairs) is 2 KB in a row: two B tiles side by
-// side. Same reason to be ours: the ~90M and ~128M Llamas' decoder linears
-// (8-9 layers) at 1-64 rows ran 1.06-1.32x oneDNN's on AMX, the next block
-// prefetched while the tiles multiply; 1.01-1.14x at 512 rows (rows in
-// sweeps whose x fits in L2: kSpanBytes; a pass's stores behind the next
-// pass's multiplies) and 0.68-1.02x at a tower's 3,645-4,096 in a scratch
-// loop (oneDNN blocks K for caches, this does not: at a K of 3,420-4,304 a
-// sweep holds ~150 rows), so encoders stayed oneDNN's but for their gated
-// MLPs and GELU (tanh) layers (the epilogues below). Since passes take one
-// group of rows (linear_amx), and a K not a multiple of 32 is no longer a
-// copy of every row (SigLIP's fc2, K 4,304, and Qwen2.5-VL's down, K 3,420:
-// 1.32-1.40x oneDNN's, one layer's weights in cache, 1.26-1.47x with a
-// tower's weights in turn, where before they ran 0.91-0.94x that way),
-// the towers' plain layers run 1.05-1.47x oneDNN's, so on AMX an encoder's
-// layers are ours too (packed_linear.py).
+// side. Same reason to be ours for decodes (the next block prefetched while
+// the tiles multiply); with one group of rows a pass (linear_amx) it beats
+// oneDNN at the vision towers' thousands of rows too, so on AMX an encoder's
+// layers are ours as well (packed_linear.py; benchmarks/README.md).
 //
 // Gated (a gated MLP's gate and up projections as one weight, each block
 // half gate and half up columns): the sums are stored as silu(gate) * up, so
@@ -58,7 +45,7 @@
 //
 // Plain C ABI, no torch headers (builds in about a second); returns 2 where it
 // was built without the instructions a dtype needs, 3 where the OS refuses
-// this process AMX. Called by linear_kernel.py.
+// this process AMX. Called by linear.py.
 
 #include <immintrin.h>
 
@@ -99,7 +86,7 @@ struct BFloat16 {
   using V = __m512;
   using W = __m512bh;
   static constexpr int kPair = 2, kLanes = 16;
-  static constexpr int kMaxRows = 6;  // measured: 7 rows ran slower in bfloat16
+  static constexpr int kMaxRows = 6;  // 7 rows ran slower in bfloat16
   static constexpr bool kBroadcastFirst = false;
   static inline W load_weights(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
   static inline V madd(V sum, const uint16_t* x, W w) {
@@ -123,9 +110,8 @@ struct BFloat16 {
 #elif defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VECTOR_BF16 1
 // AVX-512 without BF16 (Skylake, Cascade Lake): bfloat16 widened to float32
-// in registers, as the AVX2 types below do, on 16 lanes. oneDNN's bfloat16
-// is emulated on such a CPU: a Skylake-SP's decoder linears ran 21-44
-// GFLOP/s by it at 8-512 rows, 77-143 widened here (benchmarks/linear.py).
+// in registers, as the AVX2 types below do, on 16 lanes: oneDNN's bfloat16
+// is emulated on such a CPU, several times slower (benchmarks/README.md).
 struct BFloat16 {
   using T = uint16_t;
   using V = __m512;
@@ -164,13 +150,9 @@ struct BFloat16 {
 // of 4 vectors is 32 columns; 16 registers hold 3 rows' sums. bfloat16 is
 // widened to float32 in registers (a pair's low half: the even k, shifted
 // up; its high half: the odd k, masked): oneDNN has no bfloat16 matmul for
-// such a CPU, and torch's ran the ~128M Llama's 9 layers at 14-18 GFLOP/s
-// (684 ms at 48 rows, 9.6 s at 512; ours 122-175 ms and 1.27-1.59 s, 0.65-1.2x
-// oneDNN's float32: 149 ms and 1.04 s; an AMD EPYC, Zen 3, scratch loops).
-// float32 stays oneDNN's there (linear_kernel.py: ours ran 0.4-0.6x its jit
-// sgemm at a prompt's 512 rows, ~0.9x at 48: 155-159 ms against 141-151).
-// (A float32 tile of 6 rows x 16 columns, tried: ~1.3x oneDNN at 48 rows,
-// ~0.85x at 512, a wash in the engine; benchmarks/README.md, 24th session.)
+// such a CPU, and torch's runs several times slower than this. float32 stays
+// oneDNN's there (linear.py: its jit sgemm beat ours at every row count).
+// Tried: float32 tiles of 6 rows x 16 columns; a wash (benchmarks/README.md).
 struct Float32 {
   using T = float;
   using V = __m256;
@@ -342,8 +324,7 @@ void tile(const typename D::T* x, int64_t k_size, const typename D::T* w,
     }
   }
   // Through memory, where store_block picks them by row and vector: handed
-  // the registers themselves, GCC kept them in memory in the loop above too
-  // (AVX2, float32, the ~128M Llama's 9 layers at 48 rows: 265 -> 162 ms).
+  // the registers themselves, GCC kept them in memory in the loop above too.
   alignas(64) float done[R * kBlock<D>];
   float* to = last ? done : parked;
   for (int r = 0; r < R; ++r)
@@ -365,9 +346,8 @@ void tile_of(int rows, const typename D::T* x, int64_t k_size, const typename D:
   tile<D, R>(x, k_size, w, out, k0, k1, parked, prefetch, prefetch_lines);
 }
 
-constexpr int64_t kChunkRows = 128;   // up to here, K in chunks (measured at 1-128, 256-512)
-constexpr int64_t kChunkSteps = 128;  // 32 KB of weights in either dtype with AVX-512 (32-128
-                                      // tried), 16 KB with AVX2 (L1 of 32 KB)
+constexpr int64_t kChunkRows = 128;   // up to here, K in chunks
+constexpr int64_t kChunkSteps = 128;  // 32 KB of weights with AVX-512, 16 KB with AVX2 (L1: 32 KB)
 
 template <typename D>
 int linear(const typename D::T* x, const typename D::T* w, const typename D::T* bias,
@@ -423,22 +403,16 @@ constexpr int64_t kAmxBlock = 32;  // output columns per block: two 16-column B 
 constexpr int64_t kAmxStep = 32;   // bfloat16 along K per tile multiply
 // x read by one sweep over the blocks at most: more rows (a prompt's 512 at
 // a K of 3,072: 3 MB, past L2) go in several sweeps, each over the weights
-// again (from L3), instead of every pass reading its rows from L3. The ~128M
-// Llama's down projection (K 3,072) at 512 rows: 2.2-2.9 -> 1.5 ms, oneDNN
-// 1.6 (scratch runs). 1.25 MB rather than 1: a prompt's 512 rows at a K of
-// 1,152 (1.2 MB) stay one sweep (the ~128M's 9 layers at 512 rows, with the
-// stores below: 62.7 -> 57.8 ms); 2 MB ran the towers' thousands of rows
-// 10-27 % slower.
+// again (from L3), instead of every pass reading its rows from L3. 1.25 MB
+// rather than 1 so that a prompt's 512 rows at a K of 1,152 (1.2 MB) stay one
+// sweep; 2 MB ran the towers' thousands of rows slower.
 constexpr int64_t kSpanBytes = 1280 << 10;
 // From this many rows (an encoder's thousands) x is first copied into its
 // tiles, each 1 KB in a row (a group's 16 rows x 32 along K), so that a tile
 // load reads 16 consecutive lines rather than 16 rows kp apart; each tile is
-// read once per block, so the copy pays where the blocks are many: the
-// towers' gated MLPs and GELU layers (1,024-4,096 rows, 4,304-6,840 packed
-// columns) ran 1.005-1.17x faster by run, their plain layers 0.99-1.29x
-// (bfloat16, medians of interleaved pairs of calls; outputs equal;
-// benchmarks/README.md, thirty-second session); but 2,048 rows by 128-1,024
-// columns 0.73-0.96x, and a prompt's 512 rows by run 0.95-1.15x.
+// read once per block, so the copy pays where the blocks are many (the
+// towers' MLPs), not at fewer columns nor at a prompt's 512 rows
+// (benchmarks/README.md).
 constexpr int64_t kTiledRows = 1024, kTiledColumns = 2048;  // of the packed weight
 
 // Output columns of y a block holds: a gated block's are half gate, half up.
@@ -455,15 +429,10 @@ inline bool amx_copies_x(int64_t m_size, int64_t n_size, Epilogue epilogue) {
 
 // One group of 16 rows a pass: tiles 0-1 its sums (two 16-column halves), 4
 // its x (16 rows x 32 along K), 6-7 weights (16 pairs along K x 16 columns).
-// Until the thirty-third session a pass took two groups (2 x 2 tiles: every
-// weight tile multiplied twice, all eight tiles in use). One group a pass
-// reads each block's weights once a group, yet ran 1.03-1.71x faster by run
-// at 512-4,096 rows (most runs 1.2-1.5x) and 1.24-1.49x at a decode's 32-64
-// rows, weights from DRAM (bfloat16 on the Xeon model 207, interleaved
-// calls, outputs equal; benchmarks/README.md).
-// In scratch loops one on five tiles ran 1.6-1.8x the 2 x 2 loop's rate in
-// one phase of this VM and 0.9-1.1x in another (benchmarks/instruction_peaks.py
-// runs both); why is not settled.
+// It reads each block's weights once a group, yet ran faster than two groups
+// a pass (2 x 2 tiles: every weight tile multiplied twice) at decodes' and
+// encoders' row counts alike (benchmarks/README.md); why is not settled
+// (benchmarks/instruction_peaks.py runs both loops).
 int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                int64_t m_size, int64_t n_size, int64_t k_size, Epilogue epilogue,
                int num_threads) {
@@ -480,23 +449,14 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
   // read in place, but for their last step where K is not a multiple of 32
   // (it would run past each row's end): that step's x is copied first, a
   // tile a group (16 rows x 32, zeros past K). The rows of a last, partial
-  // group are copied whole (zeros past K). Every row of a K not a multiple
-  // was copied whole before (one thread, into a vector zeroed each call):
-  // SigLIP's fc2 (3,645 x 4,304 -> 1,152) and Qwen2.5-VL's down (4,096 x
-  // 3,420 -> 1,280) now run 1.38x and 1.22x as fast, 1.12-1.32x with a
-  // tower's weights in turn (interleaved calls; benchmarks/README.md,
-  // thirty-fourth session).
+  // group are copied whole (zeros past K). Tried: copying every row of such
+  // a K; the copy cost more than it saved (benchmarks/README.md).
   const bool tiled = amx_copies_x(m_size, n_size, epilogue);
   const int64_t in_place = tiled ? 0 : m_size / 16;
   const bool tails = in_place > 0 && kp != k_size;
   const int64_t tail_elements = tails ? in_place * 16 * kAmxStep : 0;
-  // Kept from call to call (it only grows): a vector allocated (and zeroed)
-  // each call ran the towers' MLP shapes 0.87-0.96x as fast (two runs). Its
-  // tiles start on 64-byte lines (amx_tiles.h): against a std::vector's 16-byte
-  // alignment, SigLIP's qkv and fc1 (x copied) ran 1.05-1.09x as fast in four
-  // runs, Qwen2.5-VL's gated MLP and qkv 0.98-1.09x (interleaved calls); in a
-  // LlavaNext engine, call by call (benchmarks/kernel_ab.py and its scratch
-  // version), qkv and fc1 1.01-1.06x in two runs, all shapes 0.98-1.04x in three.
+  // Kept from call to call (it only grows): allocating and zeroing it each
+  // call was slower. Its tiles start on 64-byte lines (amx_tiles.h).
   static thread_local KeptArray<uint16_t> tile_buffer;
   const int64_t copied = tiled ? groups * 16 * kp : tail_elements + (groups - in_place) * 16 * kp;
   uint16_t* const buffer = tile_buffer.at_least(copied);
@@ -555,10 +515,7 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
     // A pass's sums wait in one of two buffers while the thread's next pass
     // multiplies and stores them, a few rows a step: the stores (and the
     // epilogue's arithmetic) run in the shadow of the tile multiplies, not
-    // between them. The ~128M Llama's 9 layers at 512 rows: 66.1 -> 57.8 ms
-    // with the 1.25 MB spans above; the towers' gated MLP (Qwen2.5-VL, 4,096
-    // rows) 37.6 -> 28.6 and GELU fc1 (SigLIP, 3,645) 24.6 -> 16.8 (scratch
-    // runs; benchmarks/README.md, twenty-second session).
+    // between them.
     alignas(64) float sums[2][2][256];  // [buffer][half]
     struct Pass {  // whose sums wait: block, group, real rows, rows stored
       int64_t block = 0, group = 0;
@@ -642,7 +599,7 @@ int linear_amx(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
   const E *x, const E *w, const E *bias, E *y, int64_t m, int64_t n, int64_t k, int epilogue, \
       int num_threads
 
-// The layout this build multiplies (linear_kernel.py packs weights to it):
+// The layout this build multiplies (linear.py packs weights to it):
 // output columns per block, and the multiple K is padded to; 0 where it
 // runs no such dtype.
 extern "C" int packed_block_columns(int bfloat16) {

@@ -9,32 +9,25 @@
 // call), or without ranges to all keys, or, causal, to keys
 // 0 .. n_keys - n + r (a prompt's chunk after n_keys - n earlier tokens).
 //
-// PyTorch's CPU flash kernel runs the vision towers' attention at ~160
-// GFLOP/s on an AMD EPYC whose matmuls run at ~1,000; here bfloat16 runs at
-// 630-690. Per (batch entry, KV head) the keys are packed once in groups of P
-// along the head dimension, a score block's 32 keys contiguous (gathered 16
-// tokens at a time), and the values in groups of P along tokens (P = 2
-// for bfloat16: the pairs vdpbf16ps reads, 16 float32 sums of two products
-// each; P = 1 for float32, plain FMAs). Each block of query rows then computes
-// its scores (float32), their softmax (float32, a polynomial exp in base 2),
-// and the weighted values; bfloat16 rounds the probabilities to bfloat16 first, as
-// PyTorch's flash kernel does. Key blocks outside every row's span are skipped
+// PyTorch's CPU flash kernel runs the vision towers' attention far below its
+// matmuls' rate. Per (batch entry, KV head) the keys are packed once in groups
+// of P along the head dimension, a score block's 32 keys contiguous (gathered
+// 16 tokens at a time), and the values in groups of P along tokens (P = 2 for
+// bfloat16: the pairs vdpbf16ps reads, 16 float32 sums of two products each;
+// P = 1 for float32, plain FMAs). Each block of query rows then computes its
+// scores (float32), their softmax (float32, a polynomial exp in base 2), and
+// the weighted values; bfloat16 rounds the probabilities to bfloat16 first,
+// as PyTorch's flash kernel does. Key blocks outside every row's span are skipped
 // (a causal prompt does half the work).
 //
 // Where the build has AMX, bfloat16 multiplies on its tiles instead (the dot
 // products above lose to torch's flash kernel on such a CPU): blocks of 32
 // query rows; keys packed once per KV head as B tiles (16 keys' pairs along the
 // head dimension, transposed 16 x 16 in registers), values as above; the
-// probabilities as above, their exp to bfloat16's precision. Two cores of a
-// Xeon with AMX (`benchmarks/span_attention.py --rounds 3 --seconds 1`,
-// seventeenth session, five runs): SigLIP's tiles 1.8-2.5x torch's flash
-// kernel, prompts' causal attention 2.6-3.8x, Molmo's crops 1.2-1.3x, a
-// Qwen2.5-VL full block 1.0-1.3x (its windows ~2x by SDPA window by window, a
-// scratch loop); errors against float64 as SDPA's. Where a call of SigLIP's 5
-// tiles spends its time (phase timers in a scratch build of this kernel,
-// thirty-fifth session, three runs): the softmax ~1/3 (its largest part, its
-// maxima's pass included), scores ~1/4, weighted values ~1/5, packing keys and
-// values ~1/9.
+// probabilities as above, their exp to bfloat16's precision. Each path runs
+// the towers' and prompts' attention faster than torch's flash kernel on the
+// CPUs it serves, with errors against float64 as SDPA's
+// (benchmarks/span_attention.py); the softmax is the largest part of a call.
 //
 // Plain C ABI, no torch headers; built and called by span_attention.py.
 #include <immintrin.h>
@@ -57,7 +50,7 @@ constexpr int64_t kKeys = 32; // keys per score block (two vectors)
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // score_block, value_block and softmax_row stay out of line: inlined into the
-// task loop, the bfloat16 kernel ran ~20 % slower.
+// task loop, the bfloat16 kernel ran slower.
 
 // What differs between the element types: P elements per 32-bit lane, the
 // multiply-accumulate over them, and how a float32 is stored.
@@ -364,16 +357,14 @@ int span_attention(const typename T::E* q, const typename T::E* k, const typenam
 // blocks of 32 query rows (two row tiles), each product one row tile by two
 // column tiles at a time (tdpbf16ps: exact products, float32 sums), the
 // softmax as above. One row tile a pass, as the linear kernel's
-// (zero_pass_sums: amx_tiles.h): the towers' and a prompt's shapes ran
-// 1.08-1.16x and 1.08-1.14x faster than two row tiles a pass in two runs,
-// 0.92-1.07x in a third (benchmarks/README.md).
+// (zero_pass_sums: amx_tiles.h): faster than two row tiles a pass in most
+// runs at the towers' and a prompt's shapes.
 constexpr int kAmxRows = 32;
 
 // 2^t for finite t <= 0, to the precision bfloat16 probabilities need: a
 // degree-4 polynomial (relative error under 3e-6; vector_math.h's is degree 5,
 // under 1e-7) and no clamp (scores of finite bfloat16 inputs are finite; 2^n
-// underflows to zero by itself). With it, and masks only at a span's edges,
-// a SigLIP call's softmax took 13 % less (phase timers, a scratch build).
+// underflows to zero by itself): cheaper in the softmax, a call's largest part.
 inline __m512 exp2_for_bfloat16(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
@@ -453,11 +444,8 @@ int span_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
   {
     configure_tiles();
     // Each row of these a whole number of 64-byte lines from an aligned start,
-    // as the packed keys and values (amx_tiles.h): against new[]'s 16-byte
-    // alignment, SigLIP's and Molmo's shapes ran 1.12-1.21x faster, Qwen2.5-VL's
-    // full block 1.03-1.05x, a prompt's causal attention 1.26-1.32x (two runs
-    // of 30 interleaved calls, outputs equal); in a LlavaNext engine, call by
-    // call (benchmarks/kernel_ab.py), SigLIP's 5 tiles 1.32-1.34x.
+    // as the packed keys and values: a tile row straddling two lines loads
+    // about half as fast (amx_tiles.h).
     const AlignedArray<float> scores = aligned_array<float>(kAmxRows * n_pad),
                               o = aligned_array<float>(kAmxRows * dim_pad);
     const AlignedArray<E> probs = aligned_array<E>(kAmxRows * n_pad),

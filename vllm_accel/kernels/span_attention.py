@@ -147,8 +147,8 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 def _by_segments(q, k, v, ranges, scale):
     """``attend`` by torch's SDPA, one call per run of rows with the same span
     (an image, a window), runs of one shape batched: no work across spans, as
-    one masked SDPA over the call would do (Qwen2.5-VL's full blocks over 4
-    packed images, bfloat16 on a Xeon with AMX: 146 ms masked, 28 by images)."""
+    one masked SDPA over the call would do (several times faster for
+    Qwen2.5-VL's full blocks over packed images)."""
     out = q.new_empty(q.shape)  # contiguous, as the op's shape function says
     for entry, spans in enumerate(ranges):
         first = torch.ones(spans.shape[0], dtype=torch.bool)

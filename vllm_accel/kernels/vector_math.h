@@ -53,10 +53,8 @@ inline __m512 exp2_nonpositive(__m512 t) {
 }
 
 // x * sigmoid(z) = x / (1 + e^-z), as x e / (1 + e) with e = e^z for z < 0
-// (e^-|z| never overflows). (A reciprocal estimate and a Newton step instead
-// of the division: SigLIP's fc1 with its GELU, 5 tiles, bfloat16, 20.1 ms
-// against 20.9, a gated MLP's 32.8 against 32.1, ranges overlapping: kept
-// the division.)
+// (e^-|z| never overflows). Tried: a reciprocal estimate and a Newton step
+// instead of the division; no faster (benchmarks/README.md).
 inline __m512 times_sigmoid(__m512 x, __m512 z) {
   const __m512 e = exp2_nonpositive(_mm512_mul_ps(_mm512_abs_ps(z), _mm512_set1_ps(-kLog2E)));
   const __mmask16 negative = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);

@@ -8,8 +8,8 @@ one graph serves every bucket above 1: its kernels read the size at run time,
 and calls are still padded to buckets.
 
 A call through torch.compile first checks dynamo's guards, for an FMS layer a
-tree of a few hundred checks over its submodules: with dynamo's entry, 60-110
-us a layer call, ~3 % of a ~90M bfloat16 batch. So each layer runs the
+tree of a few hundred checks over its submodules, a few percent of a small
+model's batch. So each layer runs the
 graph dynamo chose for a kind of call (its arguments' shapes, strides and
 dtypes; other arguments' values) directly from the second such call on.
 

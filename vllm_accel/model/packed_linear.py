@@ -6,10 +6,9 @@ bfloat16: see ``pack_linear_layers``), else by oneDNN.
 torch runs a float32 ``nn.Linear`` on the CPU with MKL's sgemm, a bfloat16
 one with oneDNN over the plain weight. Packing each weight once into oneDNN's
 blocked layout for this CPU, as vLLM's own CPU backend does
-(``create_onednn_mm``), made a decoder layer's linears 2.2-4.4x faster in
-float32 and 1.0-3.0x in bfloat16 on an AMD EPYC, 1 to 512 rows
-(``benchmarks/linear.py``, two days' runs; the most at 1-8 rows); our kernel's
-own layout, 1.03-1.33x more (float32, 1-512 rows, weights from DRAM).
+(``create_onednn_mm``), makes a decoder's linears several times faster, the
+most at a decode's few rows; our kernel's own layout gains more again
+(``benchmarks/linear.py``).
 
 The oneDNN matmul is an opaque op (``vllm_accel::packed_linear``): inductor's
 own lowering of oneDNN's linear takes only weights it can freeze as
@@ -21,22 +20,18 @@ keeps).
 Our kernel is for the rows a decoder brings (a decode step's tens, a
 prompt chunk's hundreds); an encoder's calls of thousands of rows stay
 oneDNN's, whose cache blocking wins there in float32, but for bfloat16 on
-AMX tiles (1.05-1.47x oneDNN's at the towers' plain shapes) or widened
-(``linear_kernel.runs_encoders``).
+AMX tiles or widened, where ours wins (``linear_kernel.runs_encoders``).
 
 An FMS feed-forward block's activation (GELU, ReLU, SiLU) runs inside its
 first matmul as a oneDNN post-op: the [rows, hidden] activations are written
-once instead of three times (a SigLIP tower's GELU took ~6 % of its time).
+once instead of three times.
 GELU with tanh's approximation (SigLIP's) our kernel computes as it stores
 the sums, faster than oneDNN's post-op, so that layer is ours even in an
 encoder (``_KERNEL_EPILOGUES``).
 Likewise a gated MLP (FMS's ``GatedLinearUnit`` with SiLU): our kernel
 multiplies gate and up in one matmul and stores silu(gate) * up as it stores
 the sums (``GatedUnit``), where the graph had written both, read them back and
-written the product (SiLU * up took 7 % of a bfloat16 prompt forward of the
-~128M Llama, 512 tokens, and 2 % of a decode step). Encoders' too: a
-Qwen2.5-VL tower's gate/up and SiLU * up at 1,024 and 4,096 rows took 9.6 and
-59.7 ms by oneDNN and the graph, 8.7 and 36.7 gated (bfloat16, a scratch loop).
+written the product. Encoders' too, whose thousands of rows gain the most.
 """
 
 from __future__ import annotations
@@ -75,14 +70,9 @@ def _activation_post_op(module: nn.Module) -> tuple[str, str] | None:
 
 
 # oneDNN post-ops our kernel computes as it stores a layer's sums; such a
-# layer runs by our kernel even in an encoder, whose plain layers stay
-# oneDNN's. SigLIP's fc1 with its GELU (tanh), 3,645 x 1152 -> 4,304 (5 tiles)
-# in bfloat16 on AMX: 21.0 ms against oneDNN's 27.1 with its post-op; 1,458
-# rows 8.4 against 10.8; float32 at 1,458 rows 53.6 against 55.0 (a scratch
-# loop, medians of 3 rounds, with a reciprocal where the kernel now divides:
-# 20.9 against 20.1 ms at 5 tiles, benchmarks/README.md). Since the AMX
-# kernel stores behind its multiplies: 17.6-19.4 against 26.5-37.6 at 5
-# tiles, 7.3 against 11.2 at 2 (two runs, one machine moving).
+# layer runs by our kernel even in an encoder whose plain layers stay
+# oneDNN's: SigLIP's fc1 with its GELU (tanh) ran faster so than by oneDNN
+# with its post-op.
 _KERNEL_EPILOGUES = {("gelu", "tanh"): linear_kernel.GELU_TANH}
 
 _PACKABLE = (nn.Linear, LinearClassificationHead)
@@ -186,16 +176,16 @@ def pack_linear_layers(model: nn.Module, kernel: LinearKernel | None,
     """Replace every linear layer of ``model`` (text, vision and head) by a
     ``PackedLinear``, each FMS ``FeedForwardBlock``'s activation fused into
     its first, and each gated MLP (SiLU) a ``GatedUnit`` where ``kernel``
-    (ours; None: none) runs it; returns how many layers. Our kernel may run the layers of ``decoder``
-    (a part of ``model``; None: all of it), the others stay oneDNN's (see the
+    (ours; None: none) runs it; returns how many layers. Our kernel may run
+    the layers of ``decoder`` (a part of ``model``; None: all of it), the
+    others stay oneDNN's (see the
     module's docstring). Where oneDNN does not pack the model's dtype
     (bfloat16 on a CPU with AVX2 alone), only the layers our kernel runs are
     replaced, an encoder's too (torch's own matmul, the alternative, is
     several times slower: linear_kernel.cpp), and the rest left as they are.
     Where our kernel widens bfloat16 (a CPU without its instructions), it
     runs every layer it can, an encoder's too: oneDNN's bfloat16 there is
-    emulated (on a Skylake-SP, 2.3-2.8x slower than ours at a tower's 1,024-4,096
-    rows, 2.5-3.7x at a decoder's 8-512; benchmarks/README.md). So it does
+    emulated, several times slower than ours (benchmarks/README.md). So it does
     where it multiplies bfloat16 on AMX tiles (``linear_kernel.runs_encoders``)."""
     dtype = next(model.parameters()).dtype
     onednn = compat.onednn_packs_dtype(dtype)

@@ -1,11 +1,11 @@
 """Compiled layer graphs saved whole, so that a warm start skips dynamo.
 
 A start with a warm inductor cache still traces every kind of layer call
-with dynamo before inductor's cache hands back the graph: ~0.7 s a kind on a
-2-core VM, most of a warm start. torch's ahead-of-time compile
+with dynamo before inductor's cache hands back the graph, most of a warm
+start. torch's ahead-of-time compile
 (``aot_compile`` on a ``torch.compile``'d function) returns the graph
-together with the code dynamo wrote to call it, and saves both in one file;
-loading it takes ~0.05 s.
+together with the code dynamo wrote to call it, and saves both in one file,
+which loads in a fraction of the trace's time.
 
 One file per kind of call (``compile._call_kind``) and kind of layer (its
 classes, tensors' shapes and plain attributes, all of its submodules'): what

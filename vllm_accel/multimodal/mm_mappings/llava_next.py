@@ -14,8 +14,7 @@ AVX-512). Compiled: the SigLIP tower (``vision_module``) gets its input padded w
 zero tiles to the image's tile-count bucket; it treats tiles independently
 (attention stays within a tile), so padding does not change the real ones.
 Its encoder layers run under torch.compile, all layers sharing one graph per
-bucket (like the text layers: compile time independent of depth; whole-tower
-graphs took twice as long to build for the 4-layer fixture). Patch
+bucket (like the text layers: compile time independent of depth). Patch
 embedding, pooling head, projector and packing stay eager: single ops or
 small, and the latter two have image-dependent shapes.
 """
