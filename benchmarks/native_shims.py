@@ -11,9 +11,10 @@ writes two files into the venv's site-packages:
 
   vllm_accel_bench_shims.pth   one line, "import _vllm_accel_bench_shims" (site runs it at every
                                interpreter start of that venv, so in every vLLM process)
-  _vllm_accel_bench_shims.py   loads vllm_accel/patches.py by file path (the path of this checkout, fixed at
-                               install time) as module "_vllm_accel_bench_patches" and calls
-                               apply_patches(): an import hook, dormant until transformers'
+  _vllm_accel_bench_shims.py   loads vllm_accel/patches.py from this checkout (its path fixed at
+                               install time) as module "_vllm_accel_bench.patches" (vllm_accel's
+                               folder as package "_vllm_accel_bench", its __init__ not run) and
+                               calls apply_patches(): an import hook, dormant until transformers'
                                pixtral/video modules are imported, inactive if torchvision is there
 
 Only that venv's interpreter reads its site-packages' .pth files. VLLM_BENCH_NO_SHIMS=1 turns
@@ -34,38 +35,44 @@ COMPAT = REPO / "vllm_accel" / "patches.py"
 DEFAULT_VENV = REPO / ".bench-venv"
 PTH_NAME = "vllm_accel_bench_shims.pth"
 MODULE = "_vllm_accel_bench_shims"
-COMPAT_MODULE = "_vllm_accel_bench_patches"
+COMPAT_PACKAGE = "_vllm_accel_bench"
+COMPAT_MODULE = COMPAT_PACKAGE + ".patches"
 
 MODULE_SOURCE = '''\
 """Written by benchmarks/native_shims.py (vllm-accel checkout {repo}), loaded by {pth}.
 
 Torchvision shims for vLLM's native CPU build in this venv only: loads vllm-accel's
-vllm_accel/patches.py by file path and calls apply_patches(). VLLM_BENCH_NO_SHIMS=1 disables it.
+vllm_accel/patches.py as {compat_module} and calls apply_patches(). VLLM_BENCH_NO_SHIMS=1
+disables it.
 """
 import os
 import sys
 
 COMPAT = {compat!r}
-NAME = {compat_module!r}
+PACKAGE = {compat_package!r}
 
 
 def _install():
-    if NAME in sys.modules or os.environ.get("VLLM_BENCH_NO_SHIMS", "") not in ("", "0"):
+    if PACKAGE in sys.modules or os.environ.get("VLLM_BENCH_NO_SHIMS", "") not in ("", "0"):
         return
     if not os.path.isfile(COMPAT):
         sys.stderr.write(f"[{{__name__}}] {{COMPAT}} is missing: torchvision shims not installed "
                          "(re-run benchmarks/native_shims.py)\\n")
         return
-    import importlib.util
+    import importlib
+    import types
 
-    spec = importlib.util.spec_from_file_location(NAME, COMPAT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[NAME] = module  # the stand-in video processor pickles by this module name
+    # vllm_accel's folder as a package of another name (vllm_accel itself must not import
+    # here): patches.py and the modules it imports relatively load from it, and the stand-in
+    # video processor pickles by its module's name in every process of this venv.
+    package = types.ModuleType(PACKAGE)
+    package.__path__ = [os.path.dirname(COMPAT)]
+    sys.modules[PACKAGE] = package
     try:
-        spec.loader.exec_module(module)
-        module.apply_patches()
+        importlib.import_module(PACKAGE + ".patches").apply_patches()
     except Exception as error:  # never break interpreter start-up
-        sys.modules.pop(NAME, None)
+        for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
+            del sys.modules[name]
         sys.stderr.write(f"[{{__name__}}] torchvision shims not installed: {{error!r}}\\n")
 
 
@@ -90,7 +97,7 @@ def site_packages(venv):
 
 def wanted_files():
     source = MODULE_SOURCE.format(repo=str(REPO), pth=PTH_NAME, compat=str(COMPAT),
-                                  compat_module=COMPAT_MODULE)
+                                  compat_module=COMPAT_MODULE, compat_package=COMPAT_PACKAGE)
     return {PTH_NAME: f"import {MODULE}\n", f"{MODULE}.py": source}
 
 

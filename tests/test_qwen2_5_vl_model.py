@@ -1,4 +1,4 @@
-"""The Qwen2.5-VL model port (vllm_accel/model/qwen2.py, qwen2_5_vl.py) against
+"""The Qwen2.5-VL model port (vllm_accel/model/qwen2*.py, qwen2_5_vl*.py) against
 HF transformers' Qwen2_5_VLForConditionalGeneration on the tiny offline
 checkpoint, float32 on CPU: logits, greedy tokens, vision tower padding,
 M-RoPE positions, weight loading and torch.compile of the blocks.
@@ -24,7 +24,8 @@ from vllm_accel.kernels import span_attention
 from vllm_accel.model.fms_causal_lm import _check_all_weights_loaded, _load_with_nan_fill
 from port_helpers import merge_image_features, register_qwen2
 from vllm_accel.model.ports import register_port
-from vllm_accel.model.qwen2_5_vl import FMS_PORT, mrope_positions, vision_layout
+from vllm_accel.model.qwen2_5_vl import FMS_PORT, mrope_positions
+from vllm_accel.model.qwen2_5_vl_vision import vision_layout
 from vllm_accel.patches import apply_patches
 from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
 
@@ -164,7 +165,7 @@ def test_banded_attention_is_the_masked_attention(fms):
     1.7x SDPA's error)."""
     import torch.nn.functional as F
 
-    from vllm_accel.model.qwen2_5_vl import banded_attention
+    from vllm_accel.model.qwen2_5_vl_vision import banded_attention
 
     grid = [[1, 10, 14], [1, 6, 6]]  # 5x7 and 3x3 merged tokens: partial windows
     n = 140 + 36 + 12  # and padding rows

@@ -2,8 +2,9 @@
 transformers behaviour, environment variables, global settings - in one
 place, each with why. Patches 1-3 and 9-11 are applied by ``apply_patches`` (our
 ``vllm.general_plugins`` entry point, once in every vLLM process); 4-8 and
-12-14 are functions called where the change is needed, named here so that one file lists
-them all. None edits a file on disk; each is idempotent.
+12-15 are functions called where the change is needed, and 16 is state the
+platform keeps (in ``platform.py``), named here so that one file lists them
+all. None edits a file on disk; each is idempotent.
 
 1. transformers 5.16-5.20 / vLLM 0.33, without torchvision (no CPU build on the
    registry): two torchvision image-processor modules fail to import, yet vLLM
@@ -23,8 +24,8 @@ them all. None edits a file on disk; each is idempotent.
    ``Qwen2_5_VLProcessor.from_pretrained`` (called by vLLM's Qwen2.5-VL
    processing) fails even for images. When
    ``transformers.models.auto.video_processing_auto`` is imported, a stand-in
-   class of the same name (Qwen2-VL video defaults: patch_size 14,
-   temporal_patch_size 2, merge_size 2, ...) is registered with
+   class of the same name (``video_stub.py``; Qwen2-VL video defaults:
+   patch_size 14, temporal_patch_size 2, merge_size 2, ...) is registered with
    ``AutoVideoProcessor`` for Qwen2-VL and Qwen2.5-VL. Registered classes are
    looked up by name before the built-in dummy, so the name inferred from
    ``image_processor_type`` ("Qwen2VLImageProcessor") resolves to it. It loads
@@ -65,6 +66,7 @@ them all. None edits a file on disk; each is idempotent.
 8. ``nan_for_unloaded_weights`` (loading): torch's deterministic mode fills
    memory FMS leaves uninitialised (weights it did not load) with NaN, for
    the duration of ``get_model``, so a skipped checkpoint key is visible.
+   The caller's deterministic mode (``warn_only`` too) is restored after.
 
 9. vLLM 0.33 with a CUDA build of torch (Triton importable): its top-k/top-p
    masking (``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p``) takes
@@ -121,6 +123,21 @@ them all. None edits a file on disk; each is idempotent.
    takes) and the heap keeps what is freed: memory stays at its peak, as a
    device's memory pool does.
 
+15. ``use_v1_model_runner`` (the platform, configuring an engine):
+   ``VLLM_USE_V2_MODEL_RUNNER=0`` in ``os.environ``, read by the scheduler in
+   this process and the engine processes it starts. Our runner speaks vLLM's
+   V1 model-runner protocol; vLLM switches to the V2 one (resumed requests
+   sent as new ones, no copy of a request's tokens) wherever Triton imports,
+   i.e. with any CUDA build of torch. The platform refuses a user's
+   ``VLLM_USE_V2_MODEL_RUNNER=1`` (and a configuration vLLM still gives V2).
+
+16. ``AccelPlatform.served_image_token_id`` (``platform.py``, set for each
+   model configured): a class attribute, one per process: the image token of
+   the vision model configured last (None: a text model). vLLM's
+   ``validate_request`` is given no model; ours checks a prompt without images
+   against it (a literal image token typed in the text would reach the model
+   as one), a prompt with images against its own placeholders' token.
+
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
 what steers them is set around each forward by ``set_forward_context``, which
@@ -136,12 +153,14 @@ imported: applying them only appends one finder to ``sys.meta_path``
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.abc
-import importlib.util
 import os
 import sys
 import threading
+
+# Relative imports (here and below): benchmarks/native_shims.py loads this
+# package's modules under a package name of its own, where vllm_accel is not.
+from .import_hooks import Alias, ShimFinder
+from .log import get_logger  # imports vLLM only when called
 
 # torchvision image-processor module -> its PIL variant (patch 1).
 TORCHVISION_TO_PIL_MODULES = {
@@ -154,14 +173,9 @@ VIDEO_AUTO_MODULE = "transformers.models.auto.video_processing_auto"
 TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"  # patch 9
 ARCH_CONVERTOR_MODULE = "vllm.transformers_utils.model_arch_config_convertor"  # patch 10
 CUSTOM_OPS_MODULE = "vllm._custom_ops"  # patch 11
-# (config module, config class) whose video processor is Qwen2VLVideoProcessor.
-_QWEN_VIDEO_CONFIGS = (
-    ("transformers.models.qwen2_vl.configuration_qwen2_vl", "Qwen2VLConfig"),
-    ("transformers.models.qwen2_5_vl.configuration_qwen2_5_vl", "Qwen2_5_VLConfig"),
-)
 
 _lock = threading.Lock()
-_finder: _ShimFinder | None = None
+_finder: ShimFinder | None = None
 _video_registered = False
 
 
@@ -179,17 +193,12 @@ def apply_patches() -> None:
     _make_accelerator_cache_calls_noops()
     with _lock:
         if _finder is None:
-            _finder = _ShimFinder()
+            _finder = ShimFinder(_import_route)
             sys.meta_path.insert(0, _finder)
     # The modules may already be loaded (e.g. shims installed late).
-    if VIDEO_AUTO_MODULE in sys.modules:
-        _register_video_stubs()
-    if TOPK_TOPP_MODULE in sys.modules:
-        _host_top_k_top_p()
-    if ARCH_CONVERTOR_MODULE in sys.modules:
-        _molmo_kv_heads_fallback()
-    if CUSTOM_OPS_MODULE in sys.modules:
-        _torch_repetition_penalties()
+    for name, hook in _POST_IMPORT_HOOKS.items():
+        if name in sys.modules:
+            hook()
 
 
 def _make_accelerator_cache_calls_noops() -> None:
@@ -204,77 +213,15 @@ def _no_accelerator_cache(*args, **kwargs) -> None:
     """torch.accelerator.empty_cache without an accelerator: nothing to free."""
 
 
-class _ShimFinder(importlib.abc.MetaPathFinder):
-    """Meta-path finder that only answers for the module names above."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname in TORCHVISION_TO_PIL_MODULES:
-            if torchvision_available():
-                return None
-            pil_module = TORCHVISION_TO_PIL_MODULES[fullname]
-            return importlib.util.spec_from_loader(fullname, _AliasLoader(pil_module))
-        hooks = {VIDEO_AUTO_MODULE: _register_video_stubs, TOPK_TOPP_MODULE: _host_top_k_top_p,
-                 ARCH_CONVERTOR_MODULE: _molmo_kv_heads_fallback,
-                 CUSTOM_OPS_MODULE: _torch_repetition_penalties}
-        if fullname in hooks:
-            if fullname == VIDEO_AUTO_MODULE and torchvision_available():
-                return None
-            spec = _find_spec_elsewhere(self, fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PostImportLoader(spec.loader, hooks[fullname])
-            return spec
+def _import_route(fullname: str):
+    """What the import hook does for a module name: None (nothing: most
+    names), an alias (patch 1) or a patch to apply once the module is
+    imported (2, 9-11)."""
+    if fullname in TORCHVISION_TO_PIL_MODULES:
+        return None if torchvision_available() else Alias(TORCHVISION_TO_PIL_MODULES[fullname])
+    if fullname == VIDEO_AUTO_MODULE and torchvision_available():
         return None
-
-
-def _find_spec_elsewhere(skip, fullname, path, target):
-    for finder in sys.meta_path:
-        if finder is skip or not hasattr(finder, "find_spec"):
-            continue
-        spec = finder.find_spec(fullname, path, target)
-        if spec is not None:
-            return spec
-    return None
-
-
-class _AliasLoader(importlib.abc.Loader):
-    """Loads a module name as another, already importable module: both
-    names then refer to the same module object."""
-
-    def __init__(self, target: str):
-        self.target = target
-        self._own_spec = None
-
-    def create_module(self, spec):
-        module = importlib.import_module(self.target)
-        self._own_spec = module.__spec__
-        return module
-
-    def exec_module(self, module):
-        # The import system stamped the alias spec on the target module;
-        # give it its own back (it was executed under its own name).
-        module.__spec__ = self._own_spec
-
-
-class _PostImportLoader(importlib.abc.Loader):
-    """Runs the real loader, then a hook on the fresh module."""
-
-    def __init__(self, loader, hook):
-        self._loader = loader
-        self._hook = hook
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        # Put the real loader back where the import system put us.
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        self._hook()
-
-    def __getattr__(self, name):  # get_source, get_filename, is_package, ...
-        return getattr(self._loader, name)
+    return _POST_IMPORT_HOOKS.get(fullname)
 
 
 def _host_top_k_top_p() -> None:
@@ -318,101 +265,30 @@ def _molmo_kv_heads_fallback() -> None:
 
 
 def _register_video_stubs() -> None:
+    """Patch 2 (once)."""
     global _video_registered
     with _lock:
         if _video_registered:
             return
         _video_registered = True
     try:
-        if torchvision_available():
-            return
-        import transformers
-        from transformers.models.auto.video_processing_auto import AutoVideoProcessor
-        from transformers.video_processing_utils import VideoProcessorMixin
+        if not torchvision_available():
+            from .video_stub import register  # imports transformers' processing
 
-        # ProcessorMixin checks a video_processor argument against
-        # transformers.VideoProcessorMixin, which transformers only exports
-        # with torchvision; failing that it searches
-        # transformers.VIDEO_PROCESSOR_MAPPING, a dummy without torchvision,
-        # and raises AttributeError. Export the (torchvision-free) base class.
-        if "VideoProcessorMixin" not in vars(transformers):
-            transformers.VideoProcessorMixin = VideoProcessorMixin
-
-        stub = _make_qwen2_vl_video_processor()
-        for module_name, class_name in _QWEN_VIDEO_CONFIGS:
-            config_class = getattr(importlib.import_module(module_name), class_name)
-            AutoVideoProcessor.register(
-                config_class, video_processor_classes={"torchvision": stub}, exist_ok=True
-            )
+            register()
     except Exception:  # never break the import that triggered us
-        # Imported here: this module stays importable before vLLM (benchmarks
-        # load it into another venv at interpreter start).
-        from vllm_accel.log import get_logger
-
         get_logger(__name__).warning(
             "vllm-accel: could not register the stand-in video processor", exc_info=True)
 
 
-def _make_qwen2_vl_video_processor():
-    """A torchvision-free stand-in for transformers' Qwen2VLVideoProcessor:
-    same name, class defaults and init kwargs (so from_pretrained and
-    attribute reads work), but no video processing."""
-    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
-    from transformers.processing_utils import VideosKwargs
-    from transformers.video_processing_utils import VideoProcessorMixin
-
-    class Qwen2VLVideoProcessorInitKwargs(VideosKwargs, total=False):
-        min_pixels: int
-        max_pixels: int
-        patch_size: int
-        temporal_patch_size: int
-        merge_size: int
-        min_frames: int
-        max_frames: int
-
-    class Qwen2VLVideoProcessor(VideoProcessorMixin):
-        resample = PILImageResampling.BICUBIC
-        size = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
-        image_mean = OPENAI_CLIP_MEAN
-        image_std = OPENAI_CLIP_STD
-        do_resize = True
-        do_rescale = True
-        do_normalize = True
-        do_convert_rgb = True
-        patch_size = 14
-        temporal_patch_size = 2
-        merge_size = 2
-        min_frames = 4
-        max_frames = 768
-        do_sample_frames = False
-        valid_kwargs = Qwen2VLVideoProcessorInitKwargs
-        model_input_names = ["pixel_values_videos", "video_grid_thw"]
-
-        def __init__(self, **kwargs):
-            # As the real class: min/max_pixels override size.
-            size = kwargs.pop("size", None)
-            size = dict(self.size) if size is None else dict(size)
-            if kwargs.get("min_pixels") is not None:
-                size["shortest_edge"] = kwargs["min_pixels"]
-            if kwargs.get("max_pixels") is not None:
-                size["longest_edge"] = kwargs["max_pixels"]
-            super().__init__(size=size, **kwargs)
-
-        def preprocess(self, videos, **kwargs):
-            raise ImportError(
-                "Qwen2VLVideoProcessor is a vllm-accel stand-in (torchvision is not "
-                "installed): video inputs are not supported; images are."
-            )
-
-    # Importable as vllm_accel.patches.<name>, so instances pickle.
-    for cls in (Qwen2VLVideoProcessor, Qwen2VLVideoProcessorInitKwargs):
-        cls.__module__ = __name__
-        cls.__qualname__ = cls.__name__
-        globals()[cls.__name__] = cls
-    return Qwen2VLVideoProcessor
+# Module -> the patch applied once it is imported (also by apply_patches, in this order).
+_POST_IMPORT_HOOKS = {
+    VIDEO_AUTO_MODULE: _register_video_stubs, TOPK_TOPP_MODULE: _host_top_k_top_p,
+    ARCH_CONVERTOR_MODULE: _molmo_kv_heads_fallback, CUSTOM_OPS_MODULE: _torch_repetition_penalties,
+}
 
 
-# ---- 4-8, 12: called where needed -------------------------------------------
+# ---- 4-8, 12-15: called where needed ----------------------------------------
 
 
 def use_spawn_for_workers() -> bool:
@@ -421,6 +297,11 @@ def use_spawn_for_workers() -> bool:
         return False
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     return True
+
+
+def use_v1_model_runner() -> None:
+    """Patch 15 (the platform refuses a user's VLLM_USE_V2_MODEL_RUNNER=1 first)."""
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
 def set_worker_threads(threads: int, inductor: bool) -> None:
@@ -494,13 +375,14 @@ def nan_for_unloaded_weights():
     from torch.utils import deterministic
 
     was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     was_filling = deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
     deterministic.fill_uninitialized_memory = True
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(was_deterministic)
+        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
         deterministic.fill_uninitialized_memory = was_filling
 
 

@@ -20,7 +20,7 @@ from vllm_accel.compat import limit_modality_to_zero
 from vllm_accel import devices
 from vllm_accel.devices import DeviceBackend, select_backend
 from vllm_accel.log import get_logger
-from vllm_accel.patches import use_spawn_for_workers
+from vllm_accel.patches import use_spawn_for_workers, use_v1_model_runner
 from vllm_accel.settings import (AccelSettings, env_var_name, known_env_vars, load_settings,
                                  resolve_device)
 
@@ -244,6 +244,7 @@ class AccelPlatform(Platform):
     # model, so in a process that configures several models (a notebook, the
     # tests) this is the one configured last; a prompt with images is checked
     # against its own placeholders' token instead, whatever model it is for.
+    # Process-wide state: patches.py lists it (16).
     served_image_token_id: int | None = None
 
     @classmethod
@@ -288,8 +289,7 @@ def _use_v1_runner_protocol(vllm_config) -> None:
     if name in os.environ and envs.VLLM_USE_V2_MODEL_RUNNER:
         raise ValueError(f"{name}={os.environ[name]}: vllm-accel's model runner is a V1 "
                          f"model runner; unset {name} or set it to 0.")
-    # Read by the scheduler in this process and the engine processes it starts.
-    os.environ[name] = "0"
+    use_v1_model_runner()  # why: patches.py, 15
     if vllm_config.use_v2_model_runner:  # a feature that only V2 has, or a stale env cache
         raise ValueError("vLLM chose its V2 model runner for this configuration; "
                          "vllm-accel's runner is a V1 model runner.")

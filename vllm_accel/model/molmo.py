@@ -35,7 +35,8 @@ from fms.utils.config import ModelConfig
 
 from vllm_accel.kernels import span_attention
 from vllm_accel.model.ports import FmsPort
-from vllm_accel.model.qwen2 import Qwen2Config, Qwen2VisionLanguageModel
+from vllm_accel.model.qwen2 import Qwen2VisionLanguageModel
+from vllm_accel.model.qwen2_layers import Qwen2Config
 
 HF_VISION_PREFIX = "model.vision_backbone."
 
