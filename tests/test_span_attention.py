@@ -155,16 +155,31 @@ def test_spans_by_sdpa_where_the_kernel_does_not_run(dtype):
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_propagates_as_in_sdpa(kernel, where, causal, dtype):
-    """A NaN in one query row, key or value makes exactly the outputs NaN
-    that SDPA makes NaN (a key or value: every row that attends to it, in
-    its heads' group; causal: the rows at and after it), and no other."""
+    """A NaN in one query row, key or value makes NaN every output that
+    attends to it (a query: its own row and head; a key: every dimension, a
+    value: its own dimension, of each row that attends to that token, causal:
+    the rows at and after it, in its KV head's group of query heads), and no
+    output SDPA keeps finite. Bidirectional, that is exactly SDPA's NaN; a
+    causal mask hides a NaN from earlier rows mathematically, but SDPA (masks
+    added to scores, zero probabilities times a NaN value) and the kernel's
+    blocks of rows and keys may still spread it there."""
     g = torch.Generator().manual_seed(4)
-    tokens, heads, kv_heads, dim = 40, 4, 2, 64
+    tokens, heads, kv_heads, dim, token = 40, 4, 2, 64, 17
     q = torch.randn(1, tokens, heads, dim, generator=g).to(dtype)
     k, v = (torch.randn(1, tokens, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
-    target = {"query": (q, 1), "key": (k, 0), "value": (v, 0)}[where]
-    target[0][0, 17, target[1], 5] = float("nan")
-    got = span_attention.attend(q, k, v, dim ** -0.5, causal=causal)
-    expected = span_attention.reference(q, k, v, dim ** -0.5, causal=causal)
-    assert expected.isnan().any() and not expected.isnan().all()
-    assert torch.equal(got.isnan(), expected.isnan())
+    target, head = {"query": (q, 1), "key": (k, 0), "value": (v, 0)}[where]
+    target[0, token, head, 5] = float("nan")
+    got = span_attention.attend(q, k, v, dim ** -0.5, causal=causal).isnan()
+    sdpa = span_attention.reference(q, k, v, dim ** -0.5, causal=causal).isnan()
+    attends = torch.zeros(got.shape, dtype=torch.bool)
+    if where == "query":
+        attends[0, token, head] = True
+    else:
+        rows = slice(token, None) if causal else slice(None)
+        group = slice(head * heads // kv_heads, (head + 1) * heads // kv_heads)
+        attends[0, rows, group, 5 if where == "value" else slice(None)] = True
+    assert not (attends & ~sdpa).any()  # the reference itself
+    assert not (attends & ~got).any(), "a NaN input vanished"
+    assert not (got & ~sdpa).any(), "NaN where SDPA is finite"
+    if not causal:
+        assert torch.equal(got, sdpa)

@@ -239,10 +239,11 @@ class AccelModelRunner:
             if not np.array_equal(step.rows, np.arange(len(step.rows))):
                 by_row = torch.from_numpy(np.argsort(step.rows))
                 logits = logits[by_row.to(self.device, non_blocking=True)]
-            if keep_hidden:
-                prompt_logprobs = compute_prompt_logprobs(
-                    step, hidden, scheduler_output, self.requests, self.input_batch,
-                    self.model.compute_logits, self.sampler, self.model_config.logprobs_mode)
+            if keep_hidden:  # the LM head may run by our kernel: in a forward's context
+                with set_forward_context(self.forward_context()):
+                    prompt_logprobs = compute_prompt_logprobs(
+                        step, hidden, scheduler_output, self.requests, self.input_batch,
+                        self.model.compute_logits, self.sampler, self.model_config.logprobs_mode)
 
         self.pending = PendingSample(
             scheduler_output=scheduler_output,
@@ -311,12 +312,11 @@ class AccelModelRunner:
         graphs capture: on a GPU the LM head runs inside the graph too.
         ``tokens``: the bucket's rows that hold the forward's tokens (linears
         skip the rest, padding); None: every row (a capture)."""
-        bucket = inputs.shape[1]
-        context = self.forward_context(attention=metadata, padded_rows=bucket,
-                                       live_rows=bucket if tokens is None else tokens)
-        with set_forward_context(context):
+        bucket, context = inputs.shape[1], self.forward_context(attention=metadata)
+        with set_forward_context(context.padded(bucket, bucket if tokens is None else tokens)):
             hidden = self.model(inputs, positions, self.kv_caches)
-        logits = self.model.compute_logits(hidden[0, logit_rows]) if self.is_driver else None
+        with set_forward_context(context):  # the head's rows: those sampled, none padding
+            logits = self.model.compute_logits(hidden[0, logit_rows]) if self.is_driver else None
         return hidden, logits
 
     def forward_context(self, **fields) -> ForwardContext:
