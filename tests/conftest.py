@@ -27,6 +27,13 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {arch: make_tiny_model(arch, root / arch) for arch in SUPPORTED_ARCHS}
 
 
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory) -> Path:
+    """One build of each CPU kernel for the tests that only run them (a build
+    takes seconds); tests of building itself take a fresh directory."""
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.fixture
 def with_bfloat16(monkeypatch):
     """``with_bfloat16(kernel)``: our linear or span-attention kernel runs

@@ -23,6 +23,8 @@ from vllm_accel.buckets import token_count_costs
 from helpers import hf_greedy, model_runner, running_llm, tensor_parallel_workers
 from test_generation import random_prompts
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 ENGINE_OPTIONS = dict(max_num_batched_tokens=128, max_num_seqs=16)
 LENGTHS = [3, 90, 17, 5, 64, 1, 31, 150, 12, 8, 45, 2, 77, 20, 9, 128]
 

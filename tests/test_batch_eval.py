@@ -10,8 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from vllm_accel.testing.fixtures import make_tiny_model
+
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "batch_eval_vision.py"
 

@@ -16,6 +16,8 @@ from vllm.inputs import TokensPrompt
 from helpers import hf_greedy, model_runner, running_llm
 from test_generation import random_prompts
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 MAX_MODEL_LEN = 256
 ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64, max_num_seqs=8)
 BUCKETS = "1,4,16,64"

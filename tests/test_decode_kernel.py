@@ -45,8 +45,8 @@ def _run(kernel, query, new_kv, caches, metadata):
         return paged_attention(query, *new_kv, *caches, 0.125)
 
 
-def test_kernel_matches_pytorch_path(tmp_path):
-    kernel = decode_kernel.load(tmp_path)
+def test_kernel_matches_pytorch_path(kernel_cache):
+    kernel = decode_kernel.load(kernel_cache)
     assert kernel is not None
     # Grouped (4 and 3 query heads per KV head), plain multi-head, and a
     # single head; head sizes of the vector path (64, 80, 96, 128) and of the
@@ -62,10 +62,10 @@ def test_kernel_matches_pytorch_path(tmp_path):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_matches_pytorch_path_in_engine_blocks(tmp_path):
+def test_kernel_matches_pytorch_path_in_engine_blocks(kernel_cache):
     """Blocks of 32 tokens (the platform's default): the vector path sums 16
     tokens at a time, so contexts around 16 and 32 end a group mid-way."""
-    kernel = decode_kernel.load(tmp_path)
+    kernel = decode_kernel.load(kernel_cache)
     lens = [1, 15, 16, 17, 31, 32, 33, 47, 64, 100]
     for heads, kv_heads, dim in ((16, 4, 64), (18, 6, 64), (4, 2, 128)):
         step = _decode_step(heads, kv_heads, dim, context_lens=lens, width=4, block=32,
@@ -74,10 +74,10 @@ def test_kernel_matches_pytorch_path_in_engine_blocks(tmp_path):
         torch.testing.assert_close(_run(kernel, *step), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_reads_half_precision_caches(tmp_path):
+def test_kernel_reads_half_precision_caches(kernel_cache):
     """bfloat16/float16 caches: float32 arithmetic, so the kernel is at least as
     close to a float32 reference as the PyTorch path in that dtype is."""
-    kernel = decode_kernel.load(tmp_path)
+    kernel = decode_kernel.load(kernel_cache)
     # bfloat16 at 64 multiplies bfloat16 pairs, at 80 widens first; float16
     # takes the portable loop.
     for dtype, dim in ((torch.bfloat16, 64), (torch.bfloat16, 80), (torch.float16, 64)):
@@ -159,8 +159,34 @@ def test_no_compiler_falls_back_to_pytorch(tmp_path, monkeypatch):
     assert decode_kernel.load(tmp_path) is None
 
 
-def test_kernel_supports_cpu_float_caches_only(tmp_path):
-    kernel = decode_kernel.load(tmp_path)
+@pytest.mark.parametrize("kernel", ["decode", "linear", "span"])
+def test_a_failed_build_warns_with_the_compilers_message(tmp_path, monkeypatch, kernel):
+    """A compiler that fails: each kernel is left out (None: oneDNN's or
+    torch's path runs) and a warning carries what the compiler said."""
+    import logging
+
+    from vllm_accel.kernels import linear, span_attention
+
+    compiler = tmp_path / "broken-cxx"
+    compiler.write_text("#!/bin/sh\necho 'fatal error: the compiler says no' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    load = {"decode": decode_kernel.load, "linear": linear.load, "span": span_attention.load}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(f"vllm.vllm_accel.kernels.{'build' if kernel != 'decode' else 'decode_attention'}")
+    logger.addHandler(handler)
+    try:
+        assert load[kernel](tmp_path / "cache") is None
+    finally:
+        logger.removeHandler(handler)
+    warnings = [r for r in records if r.levelno == logging.WARNING]
+    assert warnings and "the compiler says no" in warnings[0].getMessage()
+
+
+def test_kernel_supports_cpu_float_caches_only(kernel_cache):
+    kernel = decode_kernel.load(kernel_cache)
     query, cache = torch.zeros(1, 1, 8), torch.zeros(2, BLOCK, 1, 8)
     assert kernel.supports(query, cache)
     assert kernel.supports(query.bfloat16(), cache.bfloat16())
@@ -168,12 +194,12 @@ def test_kernel_supports_cpu_float_caches_only(tmp_path):
     assert not kernel.supports(query.double(), cache.double())
 
 
-def test_store_writes_what_index_copy_writes(tmp_path):
+def test_store_writes_what_index_copy_writes(kernel_cache):
     """The kernel library's KV store: rows spaced as in a fused qkv (both
     dtypes), the same caches as index_copy_; a layout it does not read is
     left to index_copy_ (False), a slot past the cache refused with nothing
     written."""
-    kernel = decode_kernel.load(tmp_path)
+    kernel = decode_kernel.load(kernel_cache)
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
         caches = [torch.zeros(6, BLOCK, 2, 8, dtype=dtype) for _ in range(2)]
@@ -193,11 +219,11 @@ def test_store_writes_what_index_copy_writes(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(caches, expected))
 
 
-def test_kernel_refuses_a_context_past_its_block_table(tmp_path):
+def test_kernel_refuses_a_context_past_its_block_table(kernel_cache):
     """A context longer than its row of the block table would read blocks
     the table does not name: the kernel refuses it (the first such row) and
     computes nothing, for each dtype it reads."""
-    kernel = decode_kernel.load(tmp_path)
+    kernel = decode_kernel.load(kernel_cache)
     for dtype in (torch.float32, torch.bfloat16):
         query, _, caches, metadata = _decode_step(4, 2, 64, context_lens=[5, 12, 3], width=3,
                                                   dtype=dtype)
@@ -215,12 +241,12 @@ def test_kernel_refuses_a_context_past_its_block_table(tmp_path):
 
 @pytest.mark.parametrize("where", ["query", "key", "value"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nan_propagates_as_in_the_pytorch_path(tmp_path, where, dtype):
+def test_nan_propagates_as_in_the_pytorch_path(kernel_cache, where, dtype):
     """A NaN in one row's query head, or in one cached key or value of one
     row's context, makes exactly the outputs NaN that gather + SDPA makes NaN
     (that row's heads over that KV head), on the vector path (head size 64)
     and the portable one (24); every other output stays as it was."""
-    kernel = decode_kernel.load(tmp_path)
+    kernel = decode_kernel.load(kernel_cache)
     for heads, kv_heads, dim in ((8, 2, 64), (4, 2, 24)):
         query, new_kv, caches, metadata = _decode_step(heads, kv_heads, dim,
                                                        context_lens=[5, 7, 12, 4], width=3,

@@ -18,6 +18,7 @@ def copy_model(src, dst):
     return dst
 
 
+@pytest.mark.slow
 def test_unsupported_architecture_fails_naming_it(tiny_models, tmp_path):
     model_dir = copy_model(tiny_models["llama"], tmp_path / "qwen2")
     config = json.loads((model_dir / "config.json").read_text())

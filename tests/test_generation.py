@@ -10,7 +10,7 @@ import pytest
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from helpers import hf_greedy, running_llm
+from helpers import hf_greedy, model_runner, running_llm
 
 MAX_TOKENS = 16
 # A chunk budget well below the longest prompt, so long prompts prefill in chunks.
@@ -45,6 +45,7 @@ def test_single_prompts_match_hf(arch_llm):
         assert generate(llm, [prompt]) == [want]
 
 
+@pytest.mark.slow
 def test_batch_of_16_matches_single_prompts_and_hf(arch_llm):
     model_dir, llm = arch_llm
     lengths = [3, 90, 17, 5, 64, 1, 31, 150, 12, 8, 45, 2, 77, 20, 9, 128]
@@ -55,6 +56,7 @@ def test_batch_of_16_matches_single_prompts_and_hf(arch_llm):
     assert batched == hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_chunk_size(arch_llm):
     model_dir, llm = arch_llm
     prompts = random_prompts([300], seed=3)  # 3 chunks of at most 128 tokens
@@ -65,6 +67,7 @@ def _prefix_cache_hits(llm) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
 
 
+@pytest.mark.slow
 def test_prefix_cache_hit_gives_same_output(arch_llm):
     model_dir, llm = arch_llm
     shared = random_prompts([200], seed=4)[0]
@@ -77,6 +80,7 @@ def test_prefix_cache_hit_gives_same_output(arch_llm):
     assert got == hf_greedy(model_dir, [second], MAX_TOKENS)
 
 
+@pytest.mark.slow
 def test_requests_arriving_during_decode(arch_llm):
     model_dir, llm = arch_llm
     engine = llm.llm_engine
@@ -125,3 +129,19 @@ def test_two_fresh_engines_give_identical_outputs(tiny_models):
         with running_llm(tiny_models["llama"], **ENGINE_OPTIONS) as llm:
             runs.append(_outputs_with_logprobs(llm, prompts))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+def test_kernels_off_runs_onednn_and_torch_and_matches_hf(tiny_models, monkeypatch):
+    """cpu_kernels=false: no C++ kernel of ours runs (linear layers by oneDNN,
+    attention by torch), and greedy output still equals HF's."""
+    from vllm_accel.model.packed_linear import PackedLinear
+
+    monkeypatch.setenv("VLLM_ACCEL_CPU_KERNELS", "false")
+    prompts = random_prompts([5, 40], seed=31)
+    with running_llm(tiny_models["llama"], **ENGINE_OPTIONS) as llm:
+        runner = model_runner(llm)
+        assert runner.kernels is None
+        packed = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+        assert packed and not any(m.by_kernel for m in packed)
+        assert generate(llm, prompts) == hf_greedy(tiny_models["llama"], prompts, MAX_TOKENS)

@@ -11,6 +11,8 @@ from vllm import SamplingParams
 from helpers import running_llm
 from vision_cases import LLAVA_NEXT, model_dir  # noqa: F401 (model_dir: a fixture)
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 
 @pytest.fixture(scope="module")
 def arch():

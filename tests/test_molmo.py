@@ -167,11 +167,13 @@ def test_each_case_matches_vllm_molmo(llm, cases, expected):
         assert_matches(generate(llm, [case])[0], want)
 
 
+@pytest.mark.slow
 def test_mixed_batch_equals_singles_and_reference(llm, cases, expected):
     for got, want in zip(generate(llm, cases), expected):
         assert_matches(got, want)
 
 
+@pytest.mark.slow
 def test_images_of_a_step_share_encoder_calls(llm, expected):
     encoder = model_runner(llm).vision_encoder
     images, calls = encoder.images_encoded, encoder.calls
@@ -197,6 +199,7 @@ def test_image_token_counts_equal_vllm_processing(llm, cases, reference):
         assert n_patch == want
 
 
+@pytest.mark.slow
 def test_chunk_boundary_inside_an_image(ckpt, cases, expected):
     # (112, 80): a 44 + 2 + 7 * 4 token placeholder from offset 1; 16-token
     # chunks end inside it several times.
@@ -208,6 +211,7 @@ def test_chunk_boundary_inside_an_image(ckpt, cases, expected):
         assert encoder.images_encoded - before == 1  # one image, once across chunks
 
 
+@pytest.mark.slow
 def test_encoder_once_per_image_never_in_decode(llm, cases, expected):
     encoder = model_runner(llm).vision_encoder
     before = encoder.images_encoded
@@ -221,6 +225,7 @@ def test_default_vision_buckets_are_crop_counts(llm):
     assert model_runner(llm).vision_encoder.buckets == list(range(2, MAX_CROPS + 2))
 
 
+@pytest.mark.slow
 def test_compiled_serving_pads_crops_and_never_recompiles(ckpt, cases, expected, tmp_path):
     """Coarse crop buckets: images of 2-3 crops run padded to 4, of 5-6 to 7
     (zero crops and zero masks), the ViT blocks compiled with inductor."""
@@ -246,6 +251,7 @@ def test_compiled_serving_pads_crops_and_never_recompiles(ckpt, cases, expected,
 
 # ---- derived limits ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_max_model_len_derived_and_too_long_prompt_rejected(ckpt):
     """max_model_len defaults to the config's max_position_embeddings (4096);
     a prompt longer than that once its image is expanded is rejected with a
@@ -266,6 +272,7 @@ def test_max_model_len_derived_and_too_long_prompt_rejected(ckpt):
         assert length > len(ids) + 1 and "maximum model length of 4096" in message, message
 
 
+@pytest.mark.slow
 def test_max_model_len_beyond_the_config_fails_at_start_up(ckpt):
     with pytest.raises(Exception, match="max_model_len") as error:
         with running_llm(ckpt, max_model_len=8192, **{k: v for k, v in ENGINE.items()
@@ -274,6 +281,7 @@ def test_max_model_len_beyond_the_config_fails_at_start_up(ckpt):
     assert "4096" in str(error.value) and "8192" in str(error.value)
 
 
+@pytest.mark.slow
 def test_olmo_decoder_through_the_engine(tmp_path, cases):
     """Molmo-7B-O's layout (OLMo decoder; vocab_size below the head's rows):
     a single image, two images and text only, against vLLM's own Molmo."""

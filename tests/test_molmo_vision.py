@@ -136,6 +136,7 @@ def test_vit_block_compiles(ours, items):
         torch.testing.assert_close(compiled(x), block(x), atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_backbone_compiles(ours, items):
     """The whole per-crop path (ViT, pad embeddings, pooling, projector) is
     one graph for a fixed crop bucket."""

@@ -150,6 +150,7 @@ def test_pack_linear_layers_leaves_float16():
     assert type(model[0]) is nn.Linear
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_served_model_runs_packed_linears(tiny_models, dtype, monkeypatch):
     """The cpu device packs every linear layer of the model it serves (for our

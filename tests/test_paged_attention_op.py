@@ -43,11 +43,11 @@ def _attend_then_read_caches(query, key, value, key_cache, value_cache):
 
 
 @pytest.mark.parametrize("by_kernel", [False, True], ids=["index_copy", "kernel"])
-def test_compiled_reads_after_the_op_see_its_writes(by_kernel, tmp_path):
+def test_compiled_reads_after_the_op_see_its_writes(by_kernel, kernel_cache):
     """Without the decode kernel, torch's index_copy_ writes the caches; with
     it, the kernel library's store."""
     query, key, value, metadata = _step()
-    kernel = decode_kernel.load(tmp_path) if by_kernel else None
+    kernel = decode_kernel.load(kernel_cache) if by_kernel else None
     compiled = torch.compile(_attend_then_read_caches, backend="inductor", fullgraph=True,
                              dynamic=False)
     results = {}
@@ -66,7 +66,7 @@ def test_compiled_reads_after_the_op_see_its_writes(by_kernel, tmp_path):
 
 
 @pytest.mark.parametrize("with_prompt", [False, True], ids=["decodes", "decodes+prompt"])
-def test_padding_rows_are_zero(with_prompt, tmp_path, monkeypatch):
+def test_padding_rows_are_zero(with_prompt, kernel_cache, monkeypatch):
     """Rows past the step's decodes and chunks (a token bucket's padding) come
     out zero, not uninitialized memory (filled with NaN here); a prompt's
     chunk after the decodes moves where the padding starts."""
@@ -79,7 +79,7 @@ def test_padding_rows_are_zero(with_prompt, tmp_path, monkeypatch):
     filled = 4 if with_prompt else 2
     assert metadata.tokens == filled
     caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
-    with torch.inference_mode(), in_forward(metadata, decode=decode_kernel.load(tmp_path)):
+    with torch.inference_mode(), in_forward(metadata, decode=decode_kernel.load(kernel_cache)):
         torch.use_deterministic_algorithms(True)
         try:
             out = paged_attention(pad(query), pad(key), pad(value), *caches, 0.25)
@@ -113,14 +113,14 @@ def test_a_prompt_start_attends_causally_to_its_own_keys():
     assert outputs[0].abs().sum() > 0
 
 
-def test_bfloat16_prompts_attend_by_the_kernel(tmp_path, with_bfloat16):
+def test_bfloat16_prompts_attend_by_the_kernel(kernel_cache, with_bfloat16):
     """bfloat16 on a CPU with AVX-512 BF16: each prompt-start chunk of a forward
     (two prompts packed one after the other) attends by our span kernel,
     causally over its own keys, as SDPA does."""
     from vllm_accel.kernels import span_attention
     from vllm_accel.model.paged_attention import PrefillChunk
 
-    kernel = with_bfloat16(span_attention.load(tmp_path))
+    kernel = with_bfloat16(span_attention.load(kernel_cache))
     g = torch.Generator().manual_seed(2)
     lengths = (7, 5)
     tokens = sum(lengths)

@@ -12,6 +12,8 @@ from vllm.inputs import TokensPrompt
 from helpers import running_llm
 from test_generation import random_prompts
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 TOP = 3
 
 

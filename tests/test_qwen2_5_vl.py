@@ -13,6 +13,8 @@ import pytest
 from helpers import chat_prompt, hf_vision_greedy, noise_image, vision_greedy
 from vision_cases import QWEN2_5_VL, hf, llm, model_dir  # noqa: F401 (hf, llm, model_dir: fixtures)
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 
 @pytest.fixture(scope="module")
 def arch():

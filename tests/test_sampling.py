@@ -10,6 +10,8 @@ from vllm.sampling_params import StructuredOutputsParams
 
 from helpers import hf_greedy, hf_model, prompt_ids, running_llm
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 
 

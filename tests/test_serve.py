@@ -15,6 +15,8 @@ import requests
 
 from helpers import hf_greedy, prompt_ids, wait_until_serving
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 VLLM = str(Path(sys.executable).with_name("vllm"))
 MAX_MODEL_LEN = 256
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_load.py"
 
 

@@ -15,6 +15,8 @@ from test_serve import server_env
 from test_serve_vision import FAST, GOOD_URL, QUESTION, ask, image_part, text, user, vllm_server
 from vllm_accel.testing.tiny_molmo import make_tiny_molmo
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 LIMIT = 2
 
 

@@ -30,6 +30,8 @@ from test_serve_vision import (
 )
 from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):

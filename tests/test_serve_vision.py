@@ -30,6 +30,8 @@ from test_serve import VLLM, free_port, server_env
 from vllm_accel.testing.processes import end_process_group
 from vllm_accel.testing.fixtures import make_tiny_model
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 LIMIT = 2  # images per prompt
 MAX_MODEL_LEN = 1024

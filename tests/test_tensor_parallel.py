@@ -17,6 +17,8 @@ from vllm.inputs import TokensPrompt
 
 from helpers import hf_greedy, running_llm, tensor_parallel_workers
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 MAX_TOKENS = 12
 # Small step budget: the longer prompts prefill in several chunks.
 ENGINE_OPTIONS = dict(max_num_batched_tokens=64, max_num_seqs=8, disable_log_stats=False)

@@ -34,6 +34,8 @@ from helpers import chat_prompt, noise_image, running_llm, tensor_parallel_worke
 from vllm_accel.testing.fixtures import make_tiny_model
 from vllm_accel.testing.tiny_molmo import make_tiny_molmo
 
+pytestmark = pytest.mark.slow  # engines and servers: the full suite only
+
 TP = 2
 MAX_TOKENS = 10
 

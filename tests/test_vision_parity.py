@@ -40,12 +40,14 @@ def test_each_case_matches_hf(llm, cases, expected):
         assert vision_greedy(llm, [case], MAX_TOKENS) == [want]
 
 
+@pytest.mark.slow
 def test_mixed_batch_equals_single_requests_and_hf(llm, cases, expected):
     batched = vision_greedy(llm, cases, MAX_TOKENS)
     assert batched == [vision_greedy(llm, [case], MAX_TOKENS)[0] for case in cases]
     assert batched == expected
 
 
+@pytest.mark.slow
 def test_images_of_a_step_share_encoder_calls(arch, llm, hf):
     """New images of every case size in one batch: packed into fewer encoder
     calls (arch.packed_batch), each output still HF's."""
@@ -59,6 +61,7 @@ def test_images_of_a_step_share_encoder_calls(arch, llm, hf):
     assert (encoder.images_encoded - images, encoder.calls - calls) == arch.packed_batch
 
 
+@pytest.mark.slow
 def test_chunk_boundary_inside_an_image(arch, model_dir, hf):
     processor, _ = hf
     # Chunks of arch.chunk_tokens end inside the image (why: the table entry).
@@ -72,6 +75,7 @@ def test_chunk_boundary_inside_an_image(arch, model_dir, hf):
         assert encoder.images_encoded - before == 1  # one image, encoded once across chunks
 
 
+@pytest.mark.slow
 def test_encoder_runs_once_per_distinct_image_never_in_decode(arch, llm, hf):
     processor, _ = hf
     encoder = model_runner(llm).vision_encoder
@@ -93,6 +97,7 @@ def test_encoder_runs_once_per_distinct_image_never_in_decode(arch, llm, hf):
         assert encoder.images_encoded - before == 1
 
 
+@pytest.mark.slow
 def test_compiled_serving_never_recompiles_across_image_sizes(arch, model_dir, cases, expected,
                                                               tmp_path):
     config = {"accel": {"compile_backend": "inductor", **arch.compile_settings,
