@@ -510,18 +510,25 @@ def run(args) -> dict:
         model = str(make_tiny_model("llava_next", workdir / "tiny-llava-next"))
     port, log_path = free_port(), workdir / "server.log"
     base = f"http://127.0.0.1:{port}"
-    jobs = []
-    for i in range(args.passes):  # a new seed per pass: new images, new prompts
-        jobs.append(build_plan(argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * i}),
-                               model))
     proc = start_server(args, model, port, log_path)
     try:
         started = time.time()
         wait_ready(proc, base, log_path, args.start_timeout)
         log(f"server ready in {time.time() - started:.1f} s")
-        return asyncio.run(measure(args, proc, base, model, jobs, log_path))
+        return run_against(args, proc, base, model, log_path)
     finally:
         stop_server(proc)
+
+
+def run_against(args, proc: subprocess.Popen, base: str, model: str, log_path: Path) -> dict:
+    """Send the load to a server already serving ``model`` at ``base`` (started
+    as ``start_server`` starts it: warmed up, VLLM_SERVER_DEV_MODE=1, the
+    args' --max-model-len and --max-images); the summary as a dict."""
+    jobs = []
+    for i in range(args.passes):  # a new seed per pass: new images, new prompts
+        jobs.append(build_plan(argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * i}),
+                               model))
+    return asyncio.run(measure(args, proc, base, model, jobs, log_path))
 
 
 async def measure(args, proc, base: str, model: str, passes: list[list[dict]],

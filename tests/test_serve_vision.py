@@ -1,10 +1,13 @@
 """`vllm serve` of the tiny LlavaNext (Granite Vision) on our platform, as a user
 runs it: images as base64 data URLs over the OpenAI API, parity with HF
 transformers, bad image inputs answered with a 400 while the server keeps
-serving; and the two vision examples end to end.
+serving; the two vision examples end to end; and, last, a small soak of the
+same server (benchmarks/serve_load.py: 60 mixed requests at concurrency 8;
+afterwards the server must be clean and alive).
 
 The server and both example runs start together (one module fixture) so that
-their start-ups overlap; all use the eager backend and skip the warmup."""
+their start-ups overlap; all use the eager backend; the examples skip the
+warmup, the server warms up (the soak checks that nothing compiles while serving)."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ pytestmark = pytest.mark.slow  # engines and servers: the full suite only
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 LIMIT = 2  # images per prompt
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 2048
 FAST = dict(VLLM_PLUGINS="accel", VLLM_ACCEL_COMPILE_BACKEND="eager", VLLM_SKIP_WARMUP="1")
 QUESTION = "What is in this image?"
 
@@ -78,14 +81,16 @@ def launched(llava, tmp_path_factory):
     commands = {
         "server": [VLLM, "serve", str(llava), "--host", "127.0.0.1", "--port", str(port),
                    "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                   "--limit-mm-per-prompt", json.dumps({"image": LIMIT})],
+                   "--limit-mm-per-prompt", json.dumps({"image": LIMIT}), "--seed", "0"],
         "serve_example": [sys.executable, str(EXAMPLES / "serve_vision.py"), "--model",
                           str(llava)],
         "batch_example": [sys.executable, str(EXAMPLES / "batch_eval_vision.py"), "--model",
                           str(llava), "--output", str(tmp / "results.jsonl")],
     }
     # The offline example runs its engine in-process: one vLLM import less.
-    envs = {"batch_example": server_env(**FAST, VLLM_ENABLE_V1_MULTIPROCESSING="0")}
+    # The server warms up, as serve_load.start_server starts one (the soak's checks).
+    envs = {"batch_example": server_env(**FAST, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+            "server": {**server_env(**FAST, VLLM_SERVER_DEV_MODE="1"), "VLLM_SKIP_WARMUP": "0"}}
     procs = {}
     try:
         for name, cmd in commands.items():
@@ -329,3 +334,56 @@ def test_batch_example_reads_jsonl_with_relative_image_paths(tmp_path):
         (2, "Two?", ["imgs/red.png", "imgs/gray.png"], None), (0, "None?", [], None)]
     assert [im.size for im in samples[0].images] == [(30, 20), (10, 40)]
     assert {im.mode for im in samples[0].images} == {"RGB"}
+
+
+# ---- the soak: last, on the same server --------------------------------------
+
+SERVE_LOAD = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_load.py"
+
+
+@pytest.fixture(scope="module")
+def soak(launched, server, tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("serve_load", SERVE_LOAD)
+    serve_load = importlib.util.module_from_spec(spec)
+    sys.modules["serve_load"] = serve_load  # its dataclass looks its module up
+    spec.loader.exec_module(serve_load)
+    args = serve_load.parse_args([
+        "--requests", "60", "--concurrency", "8", "--load-timeout", "240",
+        "--request-timeout", "120", "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-images", str(LIMIT), "--workdir", str(tmp_path_factory.mktemp("serve-load"))])
+    base, model, log = server
+    summary = serve_load.run_against(args, launched["server"][0], base, model, log)
+    print(serve_load.final_line(summary))
+    return serve_load, summary
+
+
+def test_soak_every_request_accounted_for(soak):
+    _, s = soak
+    assert s["failed"] == 0, s["failures"]
+    assert s["requests"] == 60
+    assert s["done"] + s["bad_4xx"] + s["disconnected"] + s["aborted"] == s["requests"]
+    assert s["disconnected"] >= 1 and s["aborted"] >= 4
+    assert s["done"] >= 40 and s["p50_ms"] > 0
+
+
+def test_soak_deliberately_bad_requests_each_get_a_4xx(soak):
+    _, s = soak
+    assert sorted(kind for kind, _ in s["bad_codes"]) == [
+        "corrupt_image", "too_long_prompt", "too_many_images"]
+    assert all(code == 400 for _, code in s["bad_codes"]), s["bad_codes"]
+
+
+def test_soak_server_clean_and_alive_afterwards(soak):
+    serve_load, s = soak
+    assert s["kv_usage_after"] == 0.0
+    state = s["runner_state"]
+    assert state["requests"] == state["batch_requests"] == 0, state
+    assert state["prompt_logprobs_pending"] == state["rope_positions"] == 0, state
+    # vLLM keeps encoder outputs of finished requests until it needs the space
+    # (EncoderCacheManager.freeable), and the runner mirrors it: bounded, not 0.
+    assert state["encoder_cache_rows"] <= s["encoder_cache_bound"], state
+    assert s["encoder_cache_after_reset"] == 0
+    assert s["runtime_compiles"] == 0 and state["runtime_compiles"] == 0
+    assert s["warmup_line"] is not None
+    assert s["alive"]
+    assert serve_load.invariants(s) == []
