@@ -44,7 +44,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     kernel = span_attention.load(Path(tempfile.mkdtemp()))
     assert kernel is not None, "the kernel is not available here (see the log line above)"
-    set_forward_context(ForwardContext(kernels=CpuKernels(span=kernel))).__enter__()
+    forward = set_forward_context(ForwardContext(kernels=CpuKernels(span=kernel)))
+    forward.__enter__()  # kept referenced: the context stays set for the whole run
     for name, (images, tokens, heads, kv_heads, dim, causal) in SHAPES.items():
         g = torch.Generator().manual_seed(0)
         q = torch.randn(images, tokens, heads, dim, generator=g).to(dtype)
