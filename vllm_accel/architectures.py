@@ -42,6 +42,7 @@ _ADAPTERS = "vllm_accel.multimodal.mm_mappings"
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(("LlamaForCausalLM",), "llama", tensor_parallel=True),
     Architecture(("GraniteForCausalLM",), "granite", tensor_parallel=True),
+    Architecture(("MistralForCausalLM",), "mistral", tensor_parallel=True),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -71,6 +72,20 @@ def find_architecture(hf_names: list[str] | None) -> Architecture:
         f"vllm-accel cannot run model architecture {hf_names}: its FMS model "
         f"wrapper supports {', '.join(supported)}."
     )
+
+
+def check_layer_kinds(hf_config, max_model_len: int) -> None:
+    """Fail, naming the setting, for a config that asks for a layer kind the
+    runner does not execute yet. Sliding-window attention (Mistral's
+    ``sliding_window``) changes nothing while no sequence is longer than the
+    window, so it is allowed up to that length."""
+    window = getattr(hf_config, "sliding_window", None)
+    if isinstance(window, int) and window < max_model_len:
+        raise ValueError(
+            f"vllm-accel does not run sliding-window attention yet: "
+            f"{hf_config.architectures[0]}'s config sets sliding_window={window}, which "
+            f"only takes effect past {window} tokens. Serve it with --max-model-len "
+            f"{window} or less (max_model_len is {max_model_len}).")
 
 
 def by_model_type(model_type: str | None) -> Architecture | None:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from vllm_accel.architectures import find_architecture, tensor_parallel_names
+from vllm_accel.architectures import (check_layer_kinds, find_architecture,
+                                      tensor_parallel_names)
 from vllm_accel.compat import limit_modality_to_zero
 from vllm_accel import devices
 from vllm_accel.devices import DeviceBackend, select_backend
@@ -217,6 +218,7 @@ class AccelPlatform(Platform):
                 f"'{model_config.runner_type}'."
             )
         arch = find_architecture(model_config.architectures)
+        check_layer_kinds(model_config.hf_text_config, model_config.max_model_len)
         if parallel.tensor_parallel_size > 1 and not arch.tensor_parallel:
             raise ValueError(
                 f"vllm-accel cannot shard {arch.name} across workers yet: "

@@ -106,7 +106,8 @@ class FmsCausalLM(nn.Module):
         attn = next(m for m in fms_model.base_model.layers[0].modules()
                     if isinstance(m, MultiHeadAttention))
         self.num_kv_heads: int = attn.kvheads
-        self.head_dim: int = config.emb_dim // config.nheads
+        # A head's width as the attention computes it (not always hidden / heads).
+        self.head_dim: int = attn.emb_kq_per_head
         self.hidden_size: int = config.emb_dim
         # FMS shards the head for some architectures (a TP module), not for these.
         self.head_replicated: bool = not isinstance(fms_model.head, TPModule)

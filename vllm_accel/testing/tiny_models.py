@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 # The fixtures this module writes (fixtures.py dispatches every architecture).
-ARCHS = ("llama", "granite", "llava_next")
+ARCHS = ("llama", "granite", "mistral", "llava_next")
 
 # Shapes: small enough to build/run in well under a second, but with GQA
 # (4 query heads sharing 2 KV heads) and head_dim 64 so parity tests exercise
@@ -151,7 +151,7 @@ def build_tokenizer(*, image_token: str | None = None, chat_template: str = CHAT
 
 
 def _hf_config(arch: str, tokenizer):
-    from transformers import GraniteConfig, LlamaConfig
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig
 
     common = dict(
         vocab_size=len(tokenizer),
@@ -172,6 +172,9 @@ def _hf_config(arch: str, tokenizer):
     if arch == "llama":
         cfg = LlamaConfig(head_dim=HEAD_DIM, **common)
         cfg.architectures = ["LlamaForCausalLM"]
+    elif arch == "mistral":  # full attention: no sliding window
+        cfg = MistralConfig(head_dim=HEAD_DIM, sliding_window=None, **common)
+        cfg.architectures = ["MistralForCausalLM"]
     else:
         # GraniteConfig has no head_dim argument: it is hidden // heads (= 64).
         cfg = GraniteConfig(**common, **GRANITE_MULTIPLIERS)
@@ -466,7 +469,7 @@ def make_tiny_checkpoint(
     granite = arch == "granite"
     sd = _random_state_dict(
         cfg.vocab_size,
-        seed,
+        seed + (7919 if arch == "mistral" else 0),  # not Llama's weights under Mistral's name
         embed_std=GRANITE_EMBED_STD if granite else WEIGHT_STD,
         lm_head_std=WEIGHT_STD * (GRANITE_MULTIPLIERS["logits_scaling"] if granite else 1.0),
         suppressed=_unprintable_ids(tokenizer) if printable_only else [],
