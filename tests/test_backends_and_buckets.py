@@ -29,6 +29,8 @@ def default_settings(monkeypatch):
 @pytest.fixture()
 def fake_habana(monkeypatch):
     """Pretend habana_frameworks.torch is installed (the real one is not)."""
+    from vllm_accel import settings
+
     imported = []
     for name in ("habana_frameworks", "habana_frameworks.torch"):
         module = types.ModuleType(name)
@@ -36,7 +38,9 @@ def fake_habana(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr("importlib.import_module",
                         lambda name: imported.append(name) or sys.modules[name])
-    return imported
+    settings._habana_importable.cache_clear()  # looked up once per process
+    yield imported
+    settings._habana_importable.cache_clear()
 
 
 def test_cpu_is_chosen_without_habana():

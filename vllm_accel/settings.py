@@ -119,8 +119,9 @@ def env_var_name(key: str) -> str:
     return GAUDI_ENV_NAMES.get(key, ENV_PREFIX + key.upper())
 
 
-def known_env_vars() -> set[str]:
-    return {env_var_name(f.name) for f in fields(AccelSettings)}
+@functools.cache
+def known_env_vars() -> frozenset[str]:
+    return frozenset(env_var_name(f.name) for f in fields(AccelSettings))
 
 
 def _parse(key: str, raw: Any, source: str) -> Any:
@@ -160,7 +161,8 @@ def load_settings(additional_config: dict | None = None) -> AccelSettings:
 
     Parsed once per distinct input: the platform, the worker and the device
     name all ask, and get the same object."""
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k in known_env_vars()))
+    known = known_env_vars()
+    env = tuple(sorted((k, os.environ[k]) for k in known if k in os.environ))
     overrides = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
     return _parse_settings(env, json.dumps(overrides, sort_keys=True, default=str))
 
@@ -194,4 +196,9 @@ def resolve_device(settings: AccelSettings) -> str:
     """The device backend in use: "cpu", "hpu" or "cuda"."""
     if settings.device != "auto":
         return settings.device
-    return "hpu" if importlib.util.find_spec("habana_frameworks") else "cpu"
+    return "hpu" if _habana_importable() else "cpu"
+
+
+@functools.cache
+def _habana_importable() -> bool:
+    return importlib.util.find_spec("habana_frameworks") is not None
