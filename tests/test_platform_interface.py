@@ -116,3 +116,23 @@ def test_repetition_penalty_without_vllms_compiled_ops():
     got = logits.clone()
     ops.apply_repetition_penalties_cuda(got, in_prompt, in_output, penalty)
     assert got.tolist() == [[1.0, -2.0, 0.5, 3.0]]
+
+
+def test_an_architecture_fms_maps_fails_naming_the_layer_kinds_it_lacks():
+    """Every architecture FMS's registry maps is either served or names the
+    layer kinds the runner lacks for it (the table cannot drift from FMS)."""
+    from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY
+
+    from vllm_accel.architectures import ARCHITECTURES, MISSING_LAYER_KINDS, find_architecture
+
+    served = {name for arch in ARCHITECTURES for name in arch.hf_names}
+    fms_names = set(_FMS_MODEL_CONFIG_REGISTRY.model_arch_mappings)
+    # FMS's own parts and aliases, not checkpoints served alone
+    internal = {"FMSMinistral3ForConditionalGeneration", "SiglipModel", "PixtralVisionModel"}
+    assert set(MISSING_LAYER_KINDS) <= fms_names
+    assert fms_names - internal <= served | set(MISSING_LAYER_KINDS), \
+        fms_names - internal - served - set(MISSING_LAYER_KINDS)
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM.*mixture of experts.*supports"):
+        find_architecture(["MixtralForCausalLM"])
+    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM.*FMS has no model for it"):
+        find_architecture(["Qwen2ForCausalLM"])

@@ -61,15 +61,40 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 )
 
 
+# Architectures FMS maps (its HF registry) that the runner cannot execute
+# yet, with the layer kinds it lacks for them: what FMS's registry cannot say.
+MISSING_LAYER_KINDS: dict[str, str] = {
+    "MixtralForCausalLM": "mixture of experts",
+    "GptOssForCausalLM": "mixture of experts, attention sinks, sliding-window attention",
+    "GraniteMoeHybridForCausalLM": "recurrent state (Mamba2), mixture of experts",
+    "BambaForCausalLM": "recurrent state (Mamba2)",
+    "GraniteSWAForCausalLM": "sliding-window attention",
+    "GPTBigCodeForCausalLM": "multi-query attention with learned positions",
+    "Qwen3ForCausalLM": "pooling (FMS maps it as an embedding model)",
+    "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
+    "RobertaForMaskedLM": "pooling (encoder-only models)",
+    "BertForMaskedLM": "pooling (encoder-only models)",
+    "MPNetForMaskedLM": "pooling (encoder-only models)",
+    "RobertaForSequenceClassification": "pooling (encoder-only models)",
+    "BertForSequenceClassification": "pooling (encoder-only models)",
+    "RobertaForQuestionAnswering": "question answering (encoder-only models)",
+}
+
+
 def find_architecture(hf_names: list[str] | None) -> Architecture:
-    """The entry for a config's ``architectures``, or fail naming what is supported."""
+    """The entry for a config's ``architectures``, or fail naming what is
+    missing (a layer kind, for an architecture FMS maps) and what is supported."""
     for name in hf_names or []:
         for arch in ARCHITECTURES:
             if name in arch.hf_names:
                 return arch
     supported = sorted(name for arch in ARCHITECTURES for name in arch.hf_names)
+    missing = next((MISSING_LAYER_KINDS[n] for n in hf_names or [] if n in MISSING_LAYER_KINDS),
+                   None)
+    reason = (f"FMS maps it, but the runner does not execute its layer kinds yet ({missing})"
+              if missing else "FMS has no model for it")
     raise ValueError(
-        f"vllm-accel cannot run model architecture {hf_names}: its FMS model "
+        f"vllm-accel cannot run model architecture {hf_names}: {reason}. Its FMS model "
         f"wrapper supports {', '.join(supported)}."
     )
 
