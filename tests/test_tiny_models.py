@@ -47,6 +47,11 @@ def test_files_and_keys(ckpt):
                      "tokenizer_config.json", "generation_config.json"):
         assert required in names
     sd = load_file(path / "model.safetensors")
+    if arch == "gpt_bigcode":  # StarCoder's layout: the head is the token embedding
+        assert {"transformer.wte.weight", "transformer.wpe.weight",
+                "transformer.h.3.attn.c_attn.weight", "transformer.ln_f.bias"} <= set(sd)
+        assert len(sd) == 4 + 4 * 12  # wte, wpe, final norm (2), 12 tensors per layer
+        return
     assert "model.embed_tokens.weight" in sd and "lm_head.weight" in sd
     assert "model.norm.weight" in sd
     assert "model.layers.3.self_attn.q_proj.weight" in sd
@@ -76,25 +81,32 @@ def test_cli(tmp_path, capsys):
 def test_fms_matches_hf(ckpt, hf_model, tokenizer, caplog):
     from fms.models import get_model
 
+    from vllm_accel.architectures import by_model_type
+
     arch, path = ckpt
     with caplog.at_level(logging.WARNING):
         fms_model = get_model(
-            "hf_pretrained", model_path=str(path), device_type="cpu", data_type=torch.float32
-        ).eval()
+            "hf_pretrained", model_path=str(path), device_type="cpu", data_type=torch.float32,
+            **dict(by_model_type(arch).fms_overrides)).eval()
     # FMS logs (and otherwise ignores) checkpoint keys it could not place.
     assert "not copied into model" not in caplog.text
 
     # Every parameter must come from the checkpoint: FMS fuses q/k/v and
     # gate/up, so compare total sizes plus a couple of tensors directly.
     sd = load_file(path / "model.safetensors")
-    fms_sd = fms_model.state_dict()
-    assert sum(t.numel() for t in fms_sd.values()) == sum(t.numel() for t in sd.values())
-    assert torch.equal(fms_sd["base_model.embedding.weight"], sd["model.embed_tokens.weight"])
-    assert torch.equal(fms_sd["head.weight"], sd["lm_head.weight"])
+    fms_params = dict(fms_model.named_parameters())  # a tied head once
+    assert sum(t.numel() for t in fms_params.values()) == sum(t.numel() for t in sd.values())
+    embedding, head = (("transformer.wte.weight",) * 2 if arch == "gpt_bigcode"
+                       else ("model.embed_tokens.weight", "lm_head.weight"))
+    assert torch.equal(fms_params["base_model.embedding.weight"], sd[embedding])
+    assert torch.equal(fms_model.head.weight, sd[head])
 
     ids = tokenizer.apply_chat_template(
         CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )["input_ids"]
+    # Token 0 (the pad token) inside a prompt computes as any token in HF
+    # (FMS's GPT-BigCode zeroed its position embedding: fms_overrides).
+    ids = torch.cat([ids[:, :3], torch.tensor([[0]]), ids[:, 3:]], dim=1)
     with torch.no_grad():
         hf_logits = hf_model(ids).logits
         # Both FMS Granite and HF GraniteForCausalLM already divide by

@@ -31,6 +31,9 @@ class Architecture:
     tensor_parallel: bool = False
     # Its HF config is remote code: the user must pass --trust-remote-code.
     remote_code: bool = False
+    # FMS config fields set at load where FMS's defaults compute other than
+    # HF's class: (field, value) pairs.
+    fms_overrides: tuple[tuple[str, object], ...] = ()
 
     @property
     def name(self) -> str:
@@ -43,6 +46,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(("LlamaForCausalLM",), "llama", tensor_parallel=True),
     Architecture(("GraniteForCausalLM",), "granite", tensor_parallel=True),
     Architecture(("MistralForCausalLM",), "mistral", tensor_parallel=True),
+    # FMS zeroes the position embedding of every token equal to pad_id (0 by
+    # default: StarCoder's <|endoftext|>); HF's class pads by attention mask.
+    Architecture(("GPTBigCodeForCausalLM",), "gpt_bigcode", tensor_parallel=True,
+                 fms_overrides=(("pad_id", None),)),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -69,7 +76,6 @@ MISSING_LAYER_KINDS: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "recurrent state (Mamba2), mixture of experts",
     "BambaForCausalLM": "recurrent state (Mamba2)",
     "GraniteSWAForCausalLM": "sliding-window attention",
-    "GPTBigCodeForCausalLM": "multi-query attention with learned positions",
     "Qwen3ForCausalLM": "pooling (FMS maps it as an embedding model)",
     "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",

@@ -36,6 +36,10 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0,
         from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
 
         return make_tiny_qwen2_5_vl(out_dir, seed=seed, printable_only=printable_only)
+    if arch == "gpt_bigcode":
+        from vllm_accel.testing.tiny_gpt_bigcode import make_tiny_gpt_bigcode
+
+        return make_tiny_gpt_bigcode(out_dir, seed=seed, printable_only=printable_only)
     if arch == "molmo":
         from vllm_accel.testing.tiny_molmo import make_tiny_molmo
 
