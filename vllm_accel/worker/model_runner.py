@@ -90,7 +90,7 @@ class AccelModelRunner:
         self.token_buckets = token_buckets(settings.token_buckets, max_step)
         self.context_buckets = context_buckets(settings.context_buckets, self.max_blocks_per_req)
         # The cost of one forward per token bucket, for cutting a step into
-        # forwards (plan_forwards): estimated here, measured at warmup.
+        # forwards (plan_forwards): by token counts; measured at warmup with forward_plan=measured.
         self.forward_costs = token_count_costs(self.token_buckets)
         # While warmup times forwards: bucket -> seconds of each forward run.
         self.forward_times: dict[int, list[float]] | None = None
