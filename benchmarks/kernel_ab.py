@@ -124,7 +124,7 @@ def main():
              lambda x, w, b, n, e=0, *rest: (x.shape[0], x.shape[1], n, e)),
             ("span", span_attention.SpanAttentionKernel, "span_attention.cpp",
              lambda q, *rest: tuple(q.shape))):
-        ours = getattr(runner.kernels, field) if runner.kernels is not None else None
+        ours = getattr(runner.kernels, field)
         if ours is None:
             print(f"{source}: not in use in this engine")
             continue

@@ -135,13 +135,14 @@ def test_two_fresh_engines_give_identical_outputs(tiny_models):
 def test_kernels_off_runs_onednn_and_torch_and_matches_hf(tiny_models, monkeypatch):
     """cpu_kernels=false: no C++ kernel of ours runs (linear layers by oneDNN,
     attention by torch), and greedy output still equals HF's."""
+    from vllm_accel.kernels import NO_KERNELS
     from vllm_accel.model.packed_linear import PackedLinear
 
     monkeypatch.setenv("VLLM_ACCEL_CPU_KERNELS", "false")
     prompts = random_prompts([5, 40], seed=31)
     with running_llm(tiny_models["llama"], **ENGINE_OPTIONS) as llm:
         runner = model_runner(llm)
-        assert runner.kernels is None
+        assert runner.kernels == NO_KERNELS
         packed = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
         assert packed and not any(m.by_kernel for m in packed)
         assert generate(llm, prompts) == hf_greedy(tiny_models["llama"], prompts, MAX_TOKENS)

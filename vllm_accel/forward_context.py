@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_accel.kernels import NO_KERNELS, CpuKernels
 from vllm_accel.patches import inductor_cache_dir
 
 if TYPE_CHECKING:
-    from vllm_accel.kernels import CpuKernels
     from vllm_accel.model.paged_attention import PagedAttentionMetadata
 
 
@@ -30,8 +30,8 @@ class ForwardContext:
     # The step's token layout the paged attention op reads (None: no paged
     # attention runs, e.g. a vision tower's call).
     attention: PagedAttentionMetadata | None = None
-    # The CPU kernels this engine runs (None: oneDNN and torch only).
-    kernels: CpuKernels | None = None
+    # The CPU kernels this engine runs (each None: oneDNN's or torch's path).
+    kernels: CpuKernels = NO_KERNELS
     # A call padded to a bucket: tensors whose rows are exactly ``padded_rows``
     # hold data in their first ``live_rows`` (0: nothing padded). Ops that work
     # row by row (our linear kernel) skip the rest and leave zeros there. Only
@@ -58,8 +58,7 @@ class ForwardContext:
         return dataclasses.replace(self, padded_rows=padded_rows, live_rows=live_rows)
 
 
-_EMPTY = ForwardContext()
-_current = _EMPTY
+_current = ForwardContext()
 
 
 @contextlib.contextmanager

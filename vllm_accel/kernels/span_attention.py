@@ -98,8 +98,7 @@ def load(cache_dir: Path) -> SpanAttentionKernel | None:
 
 def _kernel() -> SpanAttentionKernel | None:
     """The span kernel of the forward running now (None: torch's SDPA)."""
-    kernels = get_forward_context().kernels
-    return kernels.span if kernels is not None else None
+    return get_forward_context().kernels.span
 
 
 def supported(q: torch.Tensor) -> bool:

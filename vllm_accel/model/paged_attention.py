@@ -146,7 +146,7 @@ def _paged_attention(
     context = get_forward_context()
     md = context.attention
     assert md is not None, "paged_attention runs inside set_forward_context with a layout"
-    decode_kernel = context.kernels.decode if context.kernels is not None else None
+    decode_kernel = context.kernels.decode
     if decode_kernel is None or not decode_kernel.store(key[0], value[0], key_cache,
                                                          value_cache, md.slot_mapping):
         kv_heads, head_dim = key_cache.shape[-2:]

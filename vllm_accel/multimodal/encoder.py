@@ -136,10 +136,10 @@ class VisionEncoder:
             if bucket > rows:
                 padded = [torch.cat([t, t.new_zeros(bucket - rows, *t.shape[1:])])
                           for t in padded]
-            context = get_forward_context()
             if self.adapter.vision_padding_rows_last:  # linears skip the padding rows
-                context = context.padded(bucket, rows)
-            with set_forward_context(context):
+                with set_forward_context(get_forward_context().padded(bucket, rows)):
+                    output = forward(*padded, *rest, **kwargs)
+            else:
                 output = forward(*padded, *rest, **kwargs)
             return map_tensors(lambda t: t[:rows], output)
         return padded_forward

@@ -27,7 +27,7 @@ logger = get_logger(__name__)
 @dataclass
 class LoadedModel:
     model: FmsCausalLM  # the text model the runner calls
-    kernels: CpuKernels | None  # cpu: what every forward's context names
+    kernels: CpuKernels  # what every forward's context names (cpu only; else none)
     vision: VisionAdapter | None = None  # vision-language models only
     vision_encoder: VisionEncoder | None = None
 
@@ -49,10 +49,9 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
     adapter_class = vision_adapter_class(hf_config)
     vision = adapter_class(model_config, fms_model) if adapter_class is not None else None
     text_model = fms_model if vision is None else vision.text_model
-    cpu_kernels = kernels.load(kernel_dir) if use_kernels else None
+    cpu_kernels = kernels.load(kernel_dir) if use_kernels else kernels.NO_KERNELS
     if on_cpu:
-        linear = cpu_kernels.linear if cpu_kernels is not None else None
-        packed = pack_linear_layers(fms_model, linear, decoder=text_model)
+        packed = pack_linear_layers(fms_model, cpu_kernels.linear, decoder=text_model)
         by_kernel = sum(getattr(m, "by_kernel", False) for m in fms_model.modules())
         logger.info("vllm_accel linear layers packed: %d (%s), %d by our kernel, the rest "
                     "by oneDNN", packed, model_config.dtype, by_kernel)

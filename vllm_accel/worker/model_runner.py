@@ -37,7 +37,7 @@ from vllm_accel.buckets import (
 from vllm_accel.compat import compile_sampler_logprob_ranks
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.forward_context import ForwardContext, set_forward_context
-from vllm_accel.kernels import CpuKernels
+from vllm_accel.kernels import NO_KERNELS, CpuKernels
 from vllm_accel.log import get_logger
 from vllm_accel.model.fms_causal_lm import FmsCausalLM
 from vllm_accel.model.paged_attention import PagedAttentionMetadata, TableShape
@@ -106,7 +106,7 @@ class AccelModelRunner:
         )
 
         self.model: FmsCausalLM | None = None
-        self.kernels: CpuKernels | None = None  # cpu: our C++ kernels, after load_model
+        self.kernels: CpuKernels = NO_KERNELS  # cpu: our C++ kernels, after load_model
         self.graphs: ForwardGraphs | None = None  # cuda only, after warmup
         # Each token bucket's inputs in one device buffer (cuda, after load_model).
         self.forward_inputs: dict[int, ForwardInputs] | None = None
