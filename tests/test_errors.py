@@ -64,16 +64,14 @@ def test_additional_config_overrides_environment(monkeypatch):
         load_settings({"accel": {"num_threads": "many"}})
 
 
-def test_sliding_window_beyond_max_model_len_fails_naming_it(tiny_models, tmp_path):
-    """A Mistral config with a sliding window: refused at start-up where the
-    window would take effect (max_model_len past it), naming the setting and
-    what is allowed; served where it cannot (every sequence within it)."""
-    model_dir = copy_model(tiny_models["mistral"], tmp_path / "mistral-window")
+def test_mixed_attention_layer_kinds_fail_naming_the_setting(tiny_models, tmp_path):
+    """A config whose layer_types mix windowed and full attention: refused at
+    start-up, naming the setting and what is allowed."""
+    model_dir = copy_model(tiny_models["mistral"], tmp_path / "mistral-mixed")
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(sliding_window=128)
+    layers = config["num_hidden_layers"]
+    config.update(layer_types=["sliding_attention", "full_attention"] * (layers // 2))
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(Exception, match=r"sliding_window=128.*--max-model-len 128 or less"):
+    with pytest.raises(Exception, match=r"layer_types.*Allowed: one attention kind"):
         with running_llm(model_dir, max_model_len=512):
             pass
-    with running_llm(model_dir, max_model_len=128) as llm:
-        assert llm.generate("hello", use_tqdm=False)[0].outputs[0].text

@@ -105,18 +105,21 @@ def find_architecture(hf_names: list[str] | None) -> Architecture:
     )
 
 
-def check_layer_kinds(hf_config, max_model_len: int) -> None:
+def check_layer_kinds(hf_config) -> None:
     """Fail, naming the setting, for a config that asks for a layer kind the
-    runner does not execute yet. Sliding-window attention (Mistral's
-    ``sliding_window``) changes nothing while no sequence is longer than the
-    window, so it is allowed up to that length."""
-    window = getattr(hf_config, "sliding_window", None)
-    if isinstance(window, int) and window < max_model_len:
+    runner does not execute yet. Sliding-window attention runs where every
+    layer has the same window (``sliding_window``); a config whose
+    ``layer_types`` mix windowed and full-attention layers needs a KV cache
+    group per kind, which the runner does not keep yet."""
+    kinds = set(getattr(hf_config, "layer_types", None) or ())
+    if getattr(hf_config, "sliding_window", None) and len(kinds & _ATTENTION_KINDS) > 1:
         raise ValueError(
-            f"vllm-accel does not run sliding-window attention yet: "
-            f"{hf_config.architectures[0]}'s config sets sliding_window={window}, which "
-            f"only takes effect past {window} tokens. Serve it with --max-model-len "
-            f"{window} or less (max_model_len is {max_model_len}).")
+            f"vllm-accel runs sliding-window attention only where every layer has the "
+            f"window: {hf_config.architectures[0]}'s config mixes {sorted(kinds)} in its "
+            f"layer_types. Allowed: one attention kind for every layer.")
+
+
+_ATTENTION_KINDS = {"full_attention", "sliding_attention"}
 
 
 def by_model_type(model_type: str | None) -> Architecture | None:

@@ -89,11 +89,12 @@ def compile_sampler_logprob_ranks(vocab_size: int) -> None:
 
 
 def triton_paged_attention(query, key_cache, value_cache, out, query_start, seq_lens,
-                           block_table, scale: float) -> None:
+                           block_table, scale: float, window: int = 0) -> None:
     """Causal attention of every sequence of a forward in one launch of vLLM's
     Triton kernel (its Triton attention backend's), into ``out``: query/out
     [tokens, heads, dim]; caches [blocks, block_size, kv_heads, dim];
-    query_start [rows + 1], seq_lens [rows], block_table [rows, width], int32.
+    query_start [rows + 1], seq_lens [rows], block_table [rows, width], int32;
+    ``window``: a query sees its last ``window`` keys (0: all).
     Without split-K scratch buffers it always takes its one-pass (2-D) path,
     whose launch depends on the tensors' shapes only: the maximum lengths it
     asks for do not matter then (but for a tuning of head size 256 on
@@ -104,7 +105,8 @@ def triton_paged_attention(query, key_cache, value_cache, out, query_start, seq_
         q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=query_start,
         max_seqlen_q=query.shape[0], seqused_k=seq_lens,
         max_seqlen_k=block_table.shape[1] * key_cache.shape[1], softmax_scale=scale,
-        causal=True, window_size=(-1, -1), block_table=block_table, softcap=0,
+        causal=True,
+        window_size=(window - 1, 0) if window else (-1, -1), block_table=block_table, softcap=0,
         q_descale=None, k_descale=None, v_descale=None)
 
 

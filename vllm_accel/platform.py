@@ -218,7 +218,7 @@ class AccelPlatform(Platform):
                 f"'{model_config.runner_type}'."
             )
         arch = find_architecture(model_config.architectures)
-        check_layer_kinds(model_config.hf_text_config, model_config.max_model_len)
+        check_layer_kinds(model_config.hf_text_config)
         if parallel.tensor_parallel_size > 1 and not arch.tensor_parallel:
             raise ValueError(
                 f"vllm-accel cannot shard {arch.name} across workers yet: "

@@ -52,8 +52,15 @@ class PrefillChunk:
     start: int  # first token of the chunk in the packed sequence
     end: int
     block_table: torch.Tensor | None = None  # [1, blocks] the request's blocks
-    mask: torch.Tensor | None = None  # [1, 1, chunk_len, blocks * block_size] bool
+    # [1, 1, chunk_len, keys] bool: over its blocks' keys (blocks * block_size),
+    # or, at the prompt's start, over its own (only where a window cuts them).
+    mask: torch.Tensor | None = None
     context_len: int = 0  # with blocks: tokens before the chunk's end (its last key)
+
+    def outruns(self, window: int) -> bool:
+        """Whether some query of the chunk sees less than all keys before it:
+        the chunk reaches past an attention window (0: none)."""
+        return 0 < window < max(self.context_len, self.end - self.start)
 
 
 @dataclass
@@ -93,6 +100,11 @@ class PagedAttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64: tokens each sees
     prefills: list[PrefillChunk] = field(default_factory=list)
     sequences: SequenceTable | None = None
+    # Sliding-window attention: a query sees the last ``window`` keys up to
+    # itself (0: all of them). ``decodes_outrun_window``: some decode's context
+    # is longer than the window (else the window changes nothing for them).
+    window: int = 0
+    decodes_outrun_window: bool = False
 
     @property
     def tokens(self) -> int:
@@ -119,17 +131,21 @@ class PagedAttentionMetadata:
              for c in self.prefills],
             None if table is None else SequenceTable(
                 copy(table.query_start), copy(table.seq_lens), copy(table.block_table)),
+            self.window, self.decodes_outrun_window,
         )
 
 
 def causal_context_mask(
-    positions: torch.Tensor, context_lens: torch.Tensor, context_len: int
+    positions: torch.Tensor, context_lens: torch.Tensor, context_len: int, window: int = 0
 ) -> torch.Tensor:
     """[rows, 1, queries, context_len]: the query at position p sees keys 0..p
-    of its own row, never past the row's context length."""
-    key_pos = torch.arange(context_len)
-    visible = key_pos[None, None, :] <= positions[:, :, None]
-    visible &= key_pos[None, None, :] < context_lens[:, None, None]
+    of its own row (p - window + 1..p with a window), never past the row's
+    context length."""
+    key_pos = torch.arange(context_len)[None, None, :]
+    query_pos = positions[:, :, None]
+    visible = (key_pos <= query_pos) & (key_pos < context_lens[:, None, None])
+    if window:
+        visible &= key_pos > query_pos - window
     return visible.unsqueeze(1)
 
 
@@ -158,7 +174,7 @@ def _paged_attention(
         table = md.sequences
         compat.triton_paged_attention(
             query[0].contiguous(), key_cache, value_cache, out[0], table.query_start,
-            table.seq_lens, table.block_table, scale)
+            table.seq_lens, table.block_table, scale, md.window)
         return out
     # Every row is written below but the padding.
     out = query.new_empty(query.shape)
@@ -170,7 +186,7 @@ def _paged_attention(
     for chunk in md.prefills:
         # One request's chunk: its tokens are the query rows of one sequence.
         rows = slice(chunk.start, chunk.end)
-        if by_kernel:
+        if by_kernel and not chunk.outruns(md.window):
             # On the CPU: our kernel, causal over the chunk's own keys
             # (the prompt's start: the projections' layout, no copies) or over
             # its context's blocks (its own keys are their last).
@@ -186,11 +202,12 @@ def _paged_attention(
         chunk_query = query[0, rows].transpose(0, 1).unsqueeze(0)
         if chunk.block_table is None:
             # The prompt's start: its keys are the chunk's own, and a causal
-            # SDPA (flash on the CPU) needs no gathered copy and no mask.
+            # SDPA (flash on the CPU) needs no gathered copy and no mask (but
+            # where a window cuts them).
             keys, values = (t[0, rows].transpose(0, 1).unsqueeze(0) for t in (key, value))
             attended = F.scaled_dot_product_attention(
-                chunk_query, keys, values, is_causal=True, scale=scale,
-                enable_gqa=chunk_query.shape[1] != keys.shape[1])
+                chunk_query, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                scale=scale, enable_gqa=chunk_query.shape[1] != keys.shape[1])
         else:
             attended = _attend(chunk_query, key_cache, value_cache, chunk.block_table,
                                chunk.mask, scale)
@@ -202,7 +219,7 @@ def _attend_decodes(query, key_cache, value_cache, md, scale, out, kernel):
     """query [rows, heads, dim], one decode token per row -> out [rows, heads, dim]
     (by ``kernel``, the decode kernel, where it supports the tensors)."""
     block_table, context_lens = md.decode_block_table, md.decode_context_lens
-    if kernel is not None and kernel.supports(query, key_cache):
+    if kernel is not None and kernel.supports(query, key_cache) and not md.decodes_outrun_window:
         kernel(query, key_cache, value_cache, block_table, context_lens, scale, out)
         return
     # PyTorch: the query heads that share a KV head are that row's queries (one
@@ -210,7 +227,10 @@ def _attend_decodes(query, key_cache, value_cache, md, scale, out, kernel):
     rows, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     width = block_table.shape[1] * key_cache.shape[1]
-    mask = torch.arange(width, device=context_lens.device)[None, :] < context_lens[:, None]
+    key_pos = torch.arange(width, device=context_lens.device)[None, :]
+    mask = key_pos < context_lens[:, None]
+    if md.decodes_outrun_window:
+        mask &= key_pos >= context_lens[:, None] - md.window
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
     attended = _attend(grouped, key_cache, value_cache, block_table, mask[:, None, None, :],
                        scale)

@@ -87,7 +87,7 @@ class ForwardInputs:
     bucket's sequence table rows, ``TableShape.rows``)."""
 
     def __init__(self, bucket: int, rows: int, width: int, position_axes: int,
-                 device: torch.device):
+                 device: torch.device, window: int = 0):
         self.bucket, self.rows = bucket, rows
         self._layout = _Layout(bucket, rows, width, position_axes)
         self._buffer = torch.zeros(self._layout.words, dtype=torch.int64, device=device)
@@ -96,7 +96,7 @@ class ForwardInputs:
         self.metadata = PagedAttentionMetadata(
             slot_mapping=views["slots"], num_decodes=0,
             sequences=SequenceTable(views["query_start"], views["seq_lens"],
-                                    views["block_table"]))
+                                    views["block_table"]), window=window)
         self.logit_rows = views["logit_rows"]
         self._in_flight = views["in_flight_targets"], views["in_flight_sources"]
         # Pinned host buffers and the event of each one's last copy: the host

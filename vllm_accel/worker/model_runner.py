@@ -21,7 +21,8 @@ import torch
 from vllm.config import VllmConfig
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
+                                        SlidingWindowSpec)
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
@@ -85,6 +86,11 @@ class AccelModelRunner:
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.block_size = vllm_config.cache_config.block_size
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
+        # Sliding-window attention (every layer's, vLLM's reading of the
+        # config): a query sees its last ``attention_window`` keys; 0 where no
+        # sequence can outrun the window.
+        window = self.model_config.get_sliding_window() or 0
+        self.attention_window = window if window < self.max_model_len else 0
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
         self.token_buckets = token_buckets(settings.token_buckets, max_step)
@@ -161,17 +167,17 @@ class AccelModelRunner:
             axes = 3 if self.vision is not None and self.vision.uses_3d_positions else 1
             self.forward_inputs = {
                 bucket: ForwardInputs(bucket, self.table_shape.rows(bucket),
-                                      self.table_shape.width, axes, self.device)
+                                      self.table_shape.width, axes, self.device,
+                                      self.attention_window)
                 for bucket in self.token_buckets}
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         assert self.model is not None
-        spec = FullAttentionSpec(
-            block_size=self.block_size,
-            num_kv_heads=self.model.num_kv_heads,
-            head_size=self.model.head_dim,
-            dtype=self.dtype,
-        )
+        shape = dict(block_size=self.block_size, num_kv_heads=self.model.num_kv_heads,
+                     head_size=self.model.head_dim, dtype=self.dtype)
+        # vLLM's KV manager frees the blocks a window has left behind.
+        spec = (SlidingWindowSpec(sliding_window=self.attention_window, **shape)
+                if self.attention_window else FullAttentionSpec(**shape))
         return {f"layers.{i}": spec for i in range(self.model.num_layers)}
 
     def kv_cache_bytes_per_token(self) -> int:
@@ -211,6 +217,7 @@ class AccelModelRunner:
             [s.rope_positions for s in self.requests.in_batch_order()]
             if self.vision and self.vision.uses_3d_positions else None,
             self.table_shape,
+            self.attention_window,
         )
         in_flight = (tokens_in_flight(batch, step.rows, step.first_tokens, step.input_ids)
                      if self.async_scheduling else NO_TOKENS_IN_FLIGHT)

@@ -45,8 +45,10 @@ class BucketedForward:
 
     def __init__(self, packed: _Packed, begin: int, end: int, bucket: int,
                  block_table: np.ndarray, block_size: int,
-                 context_bucket: Callable[[int], int], table_shape: TableShape | None):
+                 context_bucket: Callable[[int], int], table_shape: TableShape | None,
+                 window: int = 0):
         self.begin, self.end, self.bucket = begin, end, bucket
+        self.window = window
         self._packed, self._block_table, self._block_size = packed, block_table, block_size
         self._context_bucket, self._table_shape = context_bucket, table_shape
         last = packed.last_tokens
@@ -94,9 +96,10 @@ class BucketedForward:
         slots = torch.from_numpy(_padded(self.slots, self.bucket))  # padding: block 0
         num_decodes = max(0, min(end, packed.num_decodes) - begin)
         if self._table_shape is not None:
-            return PagedAttentionMetadata(slots, num_decodes, sequences=self._sequence_table())
+            return PagedAttentionMetadata(slots, num_decodes, sequences=self._sequence_table(),
+                                          window=self.window)
         return _split_metadata(packed, begin, end, slots, num_decodes, self._block_table,
-                               self._block_size, self._context_bucket)
+                               self._block_size, self._context_bucket, self.window)
 
     def _sequence_table(self) -> SequenceTable:
         """``table_rows`` as a ``SequenceTable`` of the bucket's fixed shape
@@ -146,6 +149,7 @@ def pack_step(
     context_bucket: Callable[[int], int],
     rope_positions: Sequence[RopePositions | None] | None = None,
     table_shape: TableShape | None = None,
+    window: int = 0,
 ) -> StepLayout:
     """Pack decodes, then prefill chunks, into one sequence and cut it into
     forwards.
@@ -157,7 +161,7 @@ def pack_step(
     ``rope_positions[row]``, for models with 3-D positions, gives each row's.
     With ``table_shape`` each forward's attention layout is a ``SequenceTable``
     of that shape (fixed per bucket: cuda), else decodes and prefill chunks
-    apart.
+    apart. ``window``: the model's attention window (0: none).
     """
     bs = block_size
     is_decode = num_scheduled == 1
@@ -181,7 +185,7 @@ def pack_step(
     for bucket in plan_forwards(total):
         end = min(total, begin + bucket)
         forwards.append(BucketedForward(packed, begin, end, bucket, block_table, bs,
-                                        context_bucket, table_shape))
+                                        context_bucket, table_shape, window))
         begin = end
     assert begin == total, f"the forwards cover {begin} of {total} tokens"
     return StepLayout(
@@ -211,7 +215,7 @@ class _Packed:
 
 def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
                     num_decodes: int, block_table: np.ndarray, bs: int,
-                    context_bucket: Callable[[int], int]) -> PagedAttentionMetadata:
+                    context_bucket: Callable[[int], int], window: int) -> PagedAttentionMetadata:
     """The layout of packed tokens [begin, end) as decodes and prefill chunks
     apart (cpu, hpu)."""
     pos = packed.pos
@@ -228,7 +232,11 @@ def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
         if lo >= hi:
             continue
         if pos[lo] == 0:  # the prompt's start: no earlier context to read
-            prefills.append(PrefillChunk(start=lo - begin, end=hi - begin))
+            chunk = PrefillChunk(start=lo - begin, end=hi - begin)
+            if chunk.outruns(window):  # causal within the window, over its own keys
+                chunk.mask = causal_context_mask(torch.from_numpy(pos[lo:hi][None]),
+                                                 torch.tensor([hi - lo]), hi - lo, window)
+            prefills.append(chunk)
             continue
         row = packed.order[i]
         context_len = int(pos[hi - 1]) + 1
@@ -238,7 +246,8 @@ def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
             end=hi - begin,
             block_table=torch.from_numpy(block_table[row : row + 1, :blocks].astype(np.int64)),
             mask=causal_context_mask(
-                torch.from_numpy(pos[lo:hi][None]), torch.tensor([context_len]), blocks * bs),
+                torch.from_numpy(pos[lo:hi][None]), torch.tensor([context_len]), blocks * bs,
+                window),
             context_len=context_len,
         ))
     return PagedAttentionMetadata(
@@ -247,6 +256,8 @@ def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
         decode_block_table=torch.from_numpy(block_table[decode_rows, :width].astype(np.int64)),
         decode_context_lens=torch.from_numpy(context_lens.astype(np.int64)),
         prefills=prefills,
+        window=window,
+        decodes_outrun_window=0 < window < int(context_lens.max(initial=0)),
     )
 
 
