@@ -136,3 +136,21 @@ def test_an_architecture_fms_maps_fails_naming_the_layer_kinds_it_lacks():
         find_architecture(["MixtralForCausalLM"])
     with pytest.raises(ValueError, match=r"Qwen2ForCausalLM.*FMS has no model for it"):
         find_architecture(["Qwen2ForCausalLM"])
+
+
+def test_qwen3_takes_its_rope_theta_from_the_checkpoint():
+    """FMS's Qwen3 param builder loses the rotary base (it passes "rope_base",
+    which Qwen3Config lacks): the entry's overrides read it from the HF config,
+    and refuse a scaled rotary FMS would drop as well."""
+    from transformers import Qwen3Config
+
+    from vllm_accel.architectures import find_architecture
+
+    arch = find_architecture(["Qwen3ForCausalLM"])
+    config = Qwen3Config(rope_parameters={"rope_type": "default", "rope_theta": 5e6},
+                         architectures=["Qwen3ForCausalLM"])
+    assert arch.fms_config_overrides(config) == {"rope_theta": 5e6, "multiple_of": 1}
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                              "original_max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM.*rope type 'yarn'"):
+        arch.fms_config_overrides(config)

@@ -52,9 +52,17 @@ def test_files_and_keys(ckpt):
                 "transformer.h.3.attn.c_attn.weight", "transformer.ln_f.bias"} <= set(sd)
         assert len(sd) == 4 + 4 * 12  # wte, wpe, final norm (2), 12 tensors per layer
         return
-    assert "model.embed_tokens.weight" in sd and "lm_head.weight" in sd
-    assert "model.norm.weight" in sd
+    assert "model.embed_tokens.weight" in sd and "model.norm.weight" in sd
     assert "model.layers.3.self_attn.q_proj.weight" in sd
+    if arch == "qwen3":  # the head tied to the embedding; q/k norms of head_dim, not 64
+        from vllm_accel.testing.tiny_models import HEADS, QWEN3_HEAD_DIM
+
+        assert "lm_head.weight" not in sd
+        assert sd["model.layers.3.self_attn.k_norm.weight"].shape == (QWEN3_HEAD_DIM,)
+        assert sd["model.layers.0.self_attn.o_proj.weight"].shape[1] == HEADS * QWEN3_HEAD_DIM
+        assert len(sd) == 1 + 1 + 4 * 11  # embed, final norm, 11 tensors per layer
+        return
+    assert "lm_head.weight" in sd
     assert len(sd) == 2 + 1 + 4 * 9  # embed, head, final norm, 9 tensors per layer
 
 
@@ -87,7 +95,7 @@ def test_fms_matches_hf(ckpt, hf_model, tokenizer, caplog):
     with caplog.at_level(logging.WARNING):
         fms_model = get_model(
             "hf_pretrained", model_path=str(path), device_type="cpu", data_type=torch.float32,
-            **dict(by_model_type(arch).fms_overrides)).eval()
+            **by_model_type(arch).fms_config_overrides(hf_model.config)).eval()
     # FMS logs (and otherwise ignores) checkpoint keys it could not place.
     assert "not copied into model" not in caplog.text
 
@@ -96,8 +104,9 @@ def test_fms_matches_hf(ckpt, hf_model, tokenizer, caplog):
     sd = load_file(path / "model.safetensors")
     fms_params = dict(fms_model.named_parameters())  # a tied head once
     assert sum(t.numel() for t in fms_params.values()) == sum(t.numel() for t in sd.values())
-    embedding, head = (("transformer.wte.weight",) * 2 if arch == "gpt_bigcode"
-                       else ("model.embed_tokens.weight", "lm_head.weight"))
+    embedding, head = {"gpt_bigcode": ("transformer.wte.weight",) * 2,
+                       "qwen3": ("model.embed_tokens.weight",) * 2}.get(
+        arch, ("model.embed_tokens.weight", "lm_head.weight"))
     assert torch.equal(fms_params["base_model.embedding.weight"], sd[embedding])
     assert torch.equal(fms_model.head.weight, sd[head])
 

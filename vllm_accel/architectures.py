@@ -32,12 +32,30 @@ class Architecture:
     # Its HF config is remote code: the user must pass --trust-remote-code.
     remote_code: bool = False
     # FMS config fields set at load where FMS's defaults compute other than
-    # HF's class: (field, value) pairs.
+    # HF's class: (field, value) pairs; a callable value is computed from the
+    # checkpoint's HF config (fms_config_overrides).
     fms_overrides: tuple[tuple[str, object], ...] = ()
 
     @property
     def name(self) -> str:
         return self.hf_names[0]
+
+    def fms_config_overrides(self, hf_config) -> dict[str, object]:
+        """``fms_overrides`` for this checkpoint: keyword arguments of FMS's ``get_model``."""
+        return {field: value(hf_config) if callable(value) else value
+                for field, value in self.fms_overrides}
+
+
+def _rope_theta(hf_config) -> float:
+    """The checkpoint's rotary base, from transformers 5's ``rope_parameters``
+    (or an older config's ``rope_theta``); refuses a scaled rotary (YaRN, ...),
+    which FMS's param builder drops as well."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"vllm-accel does not run {hf_config.architectures[0]} with rope "
+                         f"type {rope_type!r} (only the default rotary embedding)")
+    return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10_000.0)))
 
 
 _ADAPTERS = "vllm_accel.multimodal.mm_mappings"
@@ -50,6 +68,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # default: StarCoder's <|endoftext|>); HF's class pads by attention mask.
     Architecture(("GPTBigCodeForCausalLM",), "gpt_bigcode", tensor_parallel=True,
                  fms_overrides=(("pad_id", None),)),
+    # FMS's Qwen3 param builder (fms/models/hf/config_utils/param_builders.py,
+    # build_qwen3_embeddings_params) passes the rotary base as "rope_base",
+    # a field Qwen3Config lacks: FMS drops it and keeps its default rope_theta
+    # (1e6). It also keeps multiple_of at 256, which rounds an
+    # intermediate_size that is not a multiple of 256 up (its Llama builder
+    # sets 1).
+    Architecture(("Qwen3ForCausalLM",), "qwen3", tensor_parallel=True,
+                 fms_overrides=(("rope_theta", _rope_theta), ("multiple_of", 1))),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -76,7 +102,6 @@ MISSING_LAYER_KINDS: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "recurrent state (Mamba2), mixture of experts",
     "BambaForCausalLM": "recurrent state (Mamba2)",
     "GraniteSWAForCausalLM": "sliding-window attention",
-    "Qwen3ForCausalLM": "pooling (FMS maps it as an embedding model)",
     "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",
     "BertForMaskedLM": "pooling (encoder-only models)",

@@ -55,7 +55,7 @@ def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
         extra["trust_remote_code"] = True
     if tp_size > 1:
         extra.update(distributed_strategy="tp", group=tp_group)
-    extra.update(arch.fms_overrides)
+    extra.update(arch.fms_config_overrides(hf_config))
     model = _load_with_nan_fill(model_path, dtype, device, **extra)
     _check_all_weights_loaded(model, model_path)
     logger.info(

@@ -5,6 +5,9 @@ fast tokenizer, chat template, generation config) without network access.
 Everything here is built from scratch: a byte-level BPE tokenizer trained on
 a small built-in corpus, and random weights drawn from a seeded generator.
 
+"qwen3" is a dense Qwen3ForCausalLM: per-head q/k RMSNorm, a head_dim apart
+from hidden / heads, and the head tied to the embeddings (as Qwen3-0.6B).
+
 Qwen2.5-VL and Molmo fixtures have modules of their own (tiny_qwen2_5_vl.py,
 tiny_molmo.py); ``fixtures.make_tiny_model`` makes any of them.
 "llava_next" is a Granite-Vision-like LlavaNextForConditionalGeneration
@@ -25,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 # The fixtures this module writes (fixtures.py dispatches every architecture).
-ARCHS = ("llama", "granite", "mistral", "llava_next")
+ARCHS = ("llama", "granite", "mistral", "qwen3", "llava_next")
 
 # Shapes: small enough to build/run in well under a second, but with GQA
 # (4 query heads sharing 2 KV heads) and head_dim 64 so parity tests exercise
@@ -38,6 +41,9 @@ HEAD_DIM = 64
 INTERMEDIATE = 512
 VOCAB = 384  # total tokenizer size incl. specials; a multiple of 8 (no padding rows)
 MAX_POS = 2048
+# Qwen3 sets head_dim apart from hidden / heads (Qwen3-0.6B: 1024 / 16 heads of
+# 128); this one is neither 64 (hidden / heads) nor a power of two.
+QWEN3_HEAD_DIM = 96
 
 # std 0.1 (not the usual 0.02) so logits are clearly peaked and greedy
 # decoding wanders through many different tokens instead of repeating one.
@@ -154,7 +160,7 @@ MISTRAL_WINDOW = 40
 
 
 def _hf_config(arch: str, tokenizer):
-    from transformers import GraniteConfig, LlamaConfig, MistralConfig
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Qwen3Config
 
     common = dict(
         vocab_size=len(tokenizer),
@@ -180,6 +186,14 @@ def _hf_config(arch: str, tokenizer):
         # KV block: they attend (and free blocks) past it.
         cfg = MistralConfig(head_dim=HEAD_DIM, sliding_window=MISTRAL_WINDOW, **common)
         cfg.architectures = ["MistralForCausalLM"]
+    elif arch == "qwen3":
+        # q/k RMSNorm per head; the head tied to the embeddings, as in
+        # Qwen3-0.6B. A rope_theta that is no library's default (Qwen3's own
+        # is 1e6, Llama's 1e4), so a theta left at a default shows in the logits.
+        common.update(tie_word_embeddings=True, rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+        cfg = Qwen3Config(head_dim=QWEN3_HEAD_DIM, use_sliding_window=False, **common)
+        cfg.architectures = ["Qwen3ForCausalLM"]
     else:
         # GraniteConfig has no head_dim argument: it is hidden // heads (= 64).
         cfg = GraniteConfig(**common, **GRANITE_MULTIPLIERS)
@@ -203,30 +217,40 @@ def _unprintable_ids(tokenizer, specials=tuple(SPECIAL_TOKENS)) -> list[int]:
 
 
 def _random_state_dict(
-    vocab: int, seed: int, *, embed_std: float, lm_head_std: float, suppressed: list[int]
+    vocab: int, seed: int, *, embed_std: float, lm_head_std: float, suppressed: list[int],
+    head_dim: int = HEAD_DIM, qk_norm: bool = False, tied: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Random weights in HF hub key layout, drawn in a fixed order."""
+    """Random weights in HF hub key layout, drawn in a fixed order.
+    ``qk_norm``: Qwen3's per-head q/k RMSNorm weights (``head_dim`` wide).
+    ``tied``: no ``lm_head`` (the head is the embedding, whose rows of
+    ``suppressed`` tokens are shrunk instead)."""
     g = torch.Generator().manual_seed(seed)
 
     def normal(*shape, std=WEIGHT_STD):
         return torch.randn(*shape, generator=g, dtype=torch.float32) * std
 
-    def norm():
-        return 1.0 + NORM_NOISE * torch.randn(HIDDEN, generator=g, dtype=torch.float32)
+    def norm(dim=HIDDEN):
+        return 1.0 + NORM_NOISE * torch.randn(dim, generator=g, dtype=torch.float32)
 
     sd = {"model.embed_tokens.weight": normal(vocab, HIDDEN, std=embed_std)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = norm()
-        sd[p + "self_attn.q_proj.weight"] = normal(HEADS * HEAD_DIM, HIDDEN)
-        sd[p + "self_attn.k_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        sd[p + "self_attn.v_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        sd[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * HEAD_DIM)
+        sd[p + "self_attn.q_proj.weight"] = normal(HEADS * head_dim, HIDDEN)
+        sd[p + "self_attn.k_proj.weight"] = normal(KV_HEADS * head_dim, HIDDEN)
+        sd[p + "self_attn.v_proj.weight"] = normal(KV_HEADS * head_dim, HIDDEN)
+        sd[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * head_dim)
+        if qk_norm:
+            sd[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            sd[p + "self_attn.k_norm.weight"] = norm(head_dim)
         sd[p + "post_attention_layernorm.weight"] = norm()
         sd[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
         sd[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
         sd[p + "mlp.down_proj.weight"] = normal(HIDDEN, INTERMEDIATE)
     sd["model.norm.weight"] = norm()
+    if tied:
+        sd["model.embed_tokens.weight"][suppressed] *= SUPPRESS_SCALE
+        return sd
     lm_head = normal(vocab, HIDDEN, std=lm_head_std)
     lm_head[suppressed] *= SUPPRESS_SCALE
     sd["lm_head.weight"] = lm_head
@@ -444,6 +468,10 @@ def _make_llava_next(out: pathlib.Path, *, seed: int, printable_only: bool) -> p
     return out
 
 
+# Added to the seed, so that no two architectures share Llama's weights.
+SEED_OFFSETS = {"mistral": 7919, "qwen3": 104729}
+
+
 def make_tiny_checkpoint(
     arch: str, out_dir: str | os.PathLike, *, seed: int = 0, printable_only: bool = True
 ) -> pathlib.Path:
@@ -452,7 +480,8 @@ def make_tiny_checkpoint(
     The output is byte-for-byte identical for the same (arch, seed) and the
     same library versions. Returns the checkpoint directory.
 
-    With ``printable_only`` (default) the lm_head rows of special tokens
+    With ``printable_only`` (default) the lm_head rows (Qwen3's tied head:
+    the embedding rows) of special tokens
     (incl. eos) and of non-printable/partial-UTF-8 byte tokens are shrunk so
     their logits sit near 0, far below the top logits: greedy output is then
     clean ASCII text that always runs to max_tokens (no early eos), and text
@@ -471,13 +500,14 @@ def make_tiny_checkpoint(
     cfg.save_pretrained(out)
     _save_generation_config(tokenizer, out)
 
-    granite = arch == "granite"
+    granite, qwen3 = arch == "granite", arch == "qwen3"
     sd = _random_state_dict(
         cfg.vocab_size,
-        seed + (7919 if arch == "mistral" else 0),  # not Llama's weights under Mistral's name
+        seed + SEED_OFFSETS.get(arch, 0),
         embed_std=GRANITE_EMBED_STD if granite else WEIGHT_STD,
         lm_head_std=WEIGHT_STD * (GRANITE_MULTIPLIERS["logits_scaling"] if granite else 1.0),
         suppressed=_unprintable_ids(tokenizer) if printable_only else [],
+        head_dim=QWEN3_HEAD_DIM if qwen3 else HEAD_DIM, qk_norm=qwen3, tied=qwen3,
     )
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
