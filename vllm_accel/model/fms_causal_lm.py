@@ -107,6 +107,7 @@ class FmsCausalLM(nn.Module):
         attn = next(m for m in fms_model.base_model.layers[0].modules()
                     if isinstance(m, MultiHeadAttention))
         self.num_kv_heads: int = attn.kvheads
+        self.num_heads: int = attn.nheads  # this rank's query heads
         # A head's width as the attention computes it (not always hidden / heads).
         self.head_dim: int = attn.emb_kq_per_head
         self.hidden_size: int = config.emb_dim
