@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 # The fixtures this module writes (fixtures.py dispatches every architecture).
-ARCHS = ("llama", "granite", "mistral", "llava_next")
+ARCHS = ("llama", "granite", "mistral", "mixtral", "llava_next")
 
 # Shapes: small enough to build/run in well under a second, but with GQA
 # (4 query heads sharing 2 KV heads) and head_dim 64 so parity tests exercise
@@ -38,6 +38,24 @@ HEAD_DIM = 64
 INTERMEDIATE = 512
 VOCAB = 384  # total tokenizer size incl. specials; a multiple of 8 (no padding rows)
 MAX_POS = 2048
+
+# Mixtral: a sparse mixture of experts in place of each layer's MLP, each
+# token routed to its top 2 of 4 experts (softmax router, weights renormalized).
+EXPERTS = 4
+EXPERTS_PER_TOKEN = 2
+EXPERT_INTERMEDIATE = 256
+# The router's weight std, chosen so that the top-2 choice is clear. Its
+# logits are weight rows dotted with a normalized hidden state (~1 per element,
+# 256 of them): std 0.25 spreads them over ~4, and a token's 2nd and 3rd
+# logits stay far apart compared with float32 rounding, so implementations
+# that differ in the last bits (HF's matmul, oneDNN's, our kernel's) route
+# every token alike. With HF's init std 0.02 they spread over ~0.3 and the
+# 2nd-3rd gap came within 2e-5 on the tests' prompts: a choice left to
+# rounding. tests/test_tiny_models.py checks the gap.
+ROUTER_STD = 0.25
+# Each fixture's weights come from the seed plus its offset: not Llama's
+# weights under another architecture's name.
+SEED_OFFSETS = {"mistral": 7919, "mixtral": 104_729}
 
 # std 0.1 (not the usual 0.02) so logits are clearly peaked and greedy
 # decoding wanders through many different tokens instead of repeating one.
@@ -151,7 +169,7 @@ def build_tokenizer(*, image_token: str | None = None, chat_template: str = CHAT
 
 
 def _hf_config(arch: str, tokenizer):
-    from transformers import GraniteConfig, LlamaConfig, MistralConfig
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig
 
     common = dict(
         vocab_size=len(tokenizer),
@@ -175,6 +193,12 @@ def _hf_config(arch: str, tokenizer):
     elif arch == "mistral":  # full attention: no sliding window
         cfg = MistralConfig(head_dim=HEAD_DIM, sliding_window=None, **common)
         cfg.architectures = ["MistralForCausalLM"]
+    elif arch == "mixtral":  # full attention (no sliding window), experts in place of the MLP
+        common["intermediate_size"] = EXPERT_INTERMEDIATE
+        cfg = MixtralConfig(head_dim=HEAD_DIM, sliding_window=None, num_local_experts=EXPERTS,
+                            num_experts_per_tok=EXPERTS_PER_TOKEN, router_jitter_noise=0.0,
+                            **common)
+        cfg.architectures = ["MixtralForCausalLM"]
     else:
         # GraniteConfig has no head_dim argument: it is hidden // heads (= 64).
         cfg = GraniteConfig(**common, **GRANITE_MULTIPLIERS)
@@ -198,9 +222,11 @@ def _unprintable_ids(tokenizer, specials=tuple(SPECIAL_TOKENS)) -> list[int]:
 
 
 def _random_state_dict(
-    vocab: int, seed: int, *, embed_std: float, lm_head_std: float, suppressed: list[int]
+    vocab: int, seed: int, *, embed_std: float, lm_head_std: float, suppressed: list[int],
+    experts: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Random weights in HF hub key layout, drawn in a fixed order."""
+    """Random weights in HF hub key layout, drawn in a fixed order; with
+    ``experts``, Mixtral's (router and experts in place of each MLP)."""
     g = torch.Generator().manual_seed(seed)
 
     def normal(*shape, std=WEIGHT_STD):
@@ -218,6 +244,14 @@ def _random_state_dict(
         sd[p + "self_attn.v_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
         sd[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * HEAD_DIM)
         sd[p + "post_attention_layernorm.weight"] = norm()
+        if experts:
+            sd[p + "block_sparse_moe.gate.weight"] = normal(experts, HIDDEN, std=ROUTER_STD)
+            for e in range(experts):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                sd[q + "w1.weight"] = normal(EXPERT_INTERMEDIATE, HIDDEN)  # gate
+                sd[q + "w2.weight"] = normal(HIDDEN, EXPERT_INTERMEDIATE)  # down
+                sd[q + "w3.weight"] = normal(EXPERT_INTERMEDIATE, HIDDEN)  # up
+            continue
         sd[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
         sd[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
         sd[p + "mlp.down_proj.weight"] = normal(HIDDEN, INTERMEDIATE)
@@ -469,10 +503,11 @@ def make_tiny_checkpoint(
     granite = arch == "granite"
     sd = _random_state_dict(
         cfg.vocab_size,
-        seed + (7919 if arch == "mistral" else 0),  # not Llama's weights under Mistral's name
+        seed + SEED_OFFSETS.get(arch, 0),
         embed_std=GRANITE_EMBED_STD if granite else WEIGHT_STD,
         lm_head_std=WEIGHT_STD * (GRANITE_MULTIPLIERS["logits_scaling"] if granite else 1.0),
         suppressed=_unprintable_ids(tokenizer) if printable_only else [],
+        experts=EXPERTS if arch == "mixtral" else 0,
     )
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
