@@ -30,7 +30,8 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> lis
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.fixture(scope="module", params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3",
+                                              "mixtral"])
 def arch_llm(request, tiny_models):
     model_dir = tiny_models[request.param]
     with running_llm(model_dir, disable_log_stats=False, **ENGINE_OPTIONS) as llm:

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 class Architecture:
     hf_names: tuple[str, ...]  # HF config.architectures values
     model_type: str  # HF config.model_type (also the tiny test fixture's name)
-    # "module:FMS_PORT" of our FMS-style port (model/ports.FmsPort); None when
-    # FMS has the model itself.
+    # "module:FMS_PORT" of our FMS-style port (model/ports.FmsPort): a model
+    # FMS lacks, or FMS's own class where FMS cannot load the HF checkpoint
+    # (Mixtral); None when FMS loads the model itself.
     fms_port: str | None = None
     # "module:Class" of the vision adapter (mm_mappings); None for text models.
     vision_adapter: str | None = None
@@ -76,6 +77,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # sets 1).
     Architecture(("Qwen3ForCausalLM",), "qwen3", tensor_parallel=True,
                  fms_overrides=(("rope_theta", _rope_theta), ("multiple_of", 1))),
+    # FMS's own model class, through our port of its loading (model/mixtral.py);
+    # its experts run as model/experts.py computes them.
+    Architecture(("MixtralForCausalLM",), "mixtral", fms_port="vllm_accel.model.mixtral:FMS_PORT",
+                 tensor_parallel=True),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -97,7 +102,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 # Architectures FMS maps (its HF registry) that the runner cannot execute
 # yet, with the layer kinds it lacks for them: what FMS's registry cannot say.
 MISSING_LAYER_KINDS: dict[str, str] = {
-    "MixtralForCausalLM": "mixture of experts",
     "GptOssForCausalLM": "mixture of experts, attention sinks, sliding-window attention",
     "GraniteMoeHybridForCausalLM": "recurrent state (Mamba2), mixture of experts",
     "BambaForCausalLM": "recurrent state (Mamba2)",
