@@ -22,15 +22,15 @@ forward's ``RecurrentLayout`` from the forward context:
 - each segment's final state written back to its block; padding rows are in
   no segment, so they read and write nothing (their outputs are zeros).
 
-Memory: vLLM's hybrid manager lays attention and Mamba layers over the same
-tensors (one ``KVCacheTensor`` shared by a layer of each group; a block id
-belongs to one group at a time), each block a page of the same size. An
-attention layer holds its keys in the tensor's first half and its values in
-the second (``[num_blocks, block_size, kv_heads, head_dim]`` each, the layout
-the attention op reads), so block ``b`` of a page is bytes ``b`` of both
-halves: a recurrent layer's state for block ``b`` is row ``b`` of the first
-half followed by row ``b`` of the second (``StatePages``), the SSM state
-first, then the convolution's inputs.
+Memory: vLLM's hybrid KV cache manager overlays attention and Mamba layers
+(one layer of each KV cache group shares a region of the cache; a block id
+belongs to one group at a time), each block a page of the same size. The
+runner keeps a region as two tensors of half a page per block
+(worker/kv_cache.py): an attention layer's keys and its values
+(``[num_blocks, block_size, kv_heads, head_dim]`` each, the layout the
+attention op reads), so block ``b`` is row ``b`` of both: a recurrent
+layer's state for block ``b`` is row ``b`` of the first followed by row
+``b`` of the second, the SSM state first, then the convolution's inputs.
 """
 
 from __future__ import annotations
@@ -111,13 +111,6 @@ class StateShapes:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
-
-
-def state_page_views(buffer: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A shared KV cache tensor's bytes ``[num_blocks * page]`` as its two
-    halves ``[num_blocks, page / 2]`` each (uint8): row b of both is block b."""
-    halves = buffer.view(torch.uint8).view(2, num_blocks, -1)
-    return halves[0], halves[1]
 
 
 def _read_states(first: torch.Tensor, second: torch.Tensor, blocks: torch.Tensor,
