@@ -229,11 +229,26 @@ def test_compiled_graphs_are_kept_per_op_schemas(compiled, cache_dir, monkeypatc
     graphs = model_runner(compiled[0]).compile_stats.cache_dir
     assert graphs == cache_dir / "inductor" / f"ops-{ops.fingerprint()}"
     assert {schema.split("(")[0] for schema in ops._schemas} == {
-        "blocked_linear", "packed_linear", "span_attention", "paged_attention"}
+        "blocked_linear", "packed_linear", "span_attention", "paged_attention", "mamba2_mixer"}
     assert any(graphs.rglob("*.py")), "the engine cached no graph there"
     before = ops.fingerprint()
     monkeypatch.setattr(ops, "_schemas", [*ops._schemas[:-1], ops._schemas[-1] + " "])
     assert ops.fingerprint() != before
+
+
+def test_a_hybrid_model_compiles_each_layer_kind_per_bucket_and_matches_hf(tiny_models,
+                                                                          cache_dir):
+    """Bamba: its attention and Mamba2 blocks are two stacks, each compiled
+    once per bucket (bucket_graphs=per_bucket: static shapes), the Mamba2
+    state read and written by an op; serving (decodes and chunks packed, a
+    prompt longer than a step) compiles nothing and equals HF."""
+    config = accel_config(cache_dir, bucket_graphs="per_bucket")
+    prompts = random_prompts([1, 3, 16, 17, 63, 200], seed=24)
+    with running_llm(tiny_models["bamba"], additional_config=config, **ENGINE) as llm:
+        runner = model_runner(llm)
+        assert runner.compile_stats.warmup_graphs == 8  # 2 kinds of layer x 4 buckets
+        assert greedy(llm, prompts) == hf_greedy(tiny_models["bamba"], prompts, 8)
+        assert runner.compile_stats.runtime_compiles == 0
 
 
 def test_step_beyond_every_bucket_runs_as_several_forwards(tiny_models, cache_dir):

@@ -15,6 +15,7 @@ import torch
 from helpers import chat_prompt, model_runner, noise_image, running_llm, vision_greedy
 from vision_cases import ARCHS as VISION_ARCHS
 from vllm_accel.patches import apply_patches
+from vllm_accel.architectures import by_model_type
 from vllm_accel.testing.fixtures import SUPPORTED_ARCHS, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -89,7 +90,9 @@ def test_one_launch_attention_equals_the_pytorch_path(dtype):
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
 
 
-@pytest.fixture(scope="module", params=SUPPORTED_ARCHS)
+# The cuda backend does not run recurrent (Mamba2) layers yet (refused at start-up).
+@pytest.fixture(scope="module", params=[a for a in SUPPORTED_ARCHS
+                                        if by_model_type(a).recurrent_state is None])
 def text_model(request, tmp_path_factory):
     return make_tiny_model(request.param, tmp_path_factory.mktemp("cuda") / request.param)
 

@@ -1,6 +1,8 @@
 """Greedy output of our platform against HF transformers, token for token
 (float32), through vLLM's offline API: single prompts, batches, chunked
-prefill, prefix caching and requests that arrive while others decode."""
+prefill, prefix caching and requests that arrive while others decode; and
+for a model whose layers keep recurrent state (Bamba's Mamba2), requests
+preempted and computed again."""
 
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> lis
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.fixture(scope="module", params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3",
-                                              "mixtral"])
+@pytest.fixture(scope="module",
+                params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3", "mixtral", "bamba"])
 def arch_llm(request, tiny_models):
     model_dir = tiny_models[request.param]
     with running_llm(model_dir, disable_log_stats=False, **ENGINE_OPTIONS) as llm:
@@ -64,8 +66,18 @@ def test_prompt_longer_than_chunk_size(arch_llm):
     assert generate(llm, prompts) == hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
+def _metric(llm, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
 def _prefix_cache_hits(llm) -> float:
-    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+    return _metric(llm, "vllm:prefix_cache_hits")
+
+
+def _keeps_recurrent_state(llm) -> bool:
+    from vllm_accel.architectures import find_architecture
+
+    return find_architecture(llm.llm_engine.model_config.architectures).recurrent_state is not None
 
 
 @pytest.mark.slow
@@ -76,8 +88,14 @@ def test_prefix_cache_hit_gives_same_output(arch_llm):
     generate(llm, [first])
     hits_before = _prefix_cache_hits(llm)
     got = generate(llm, [second])
-    # The 6 full 32-token blocks of the shared prefix come from the cache.
-    assert _prefix_cache_hits(llm) - hits_before >= 192
+    if _keeps_recurrent_state(llm):
+        # As documented (README): prefix caching is off for a model whose
+        # layers keep recurrent state; the second prompt computes in full.
+        assert not llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        assert _prefix_cache_hits(llm) == hits_before == 0
+    else:
+        # The 6 full 32-token blocks of the shared prefix come from the cache.
+        assert _prefix_cache_hits(llm) - hits_before >= 192
     assert got == hf_greedy(model_dir, [second], MAX_TOKENS)
 
 
@@ -99,6 +117,24 @@ def test_requests_arriving_during_decode(arch_llm):
         step += 1
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     assert [outputs[f"late-{i}"] for i in range(4)] == expected
+
+
+@pytest.mark.slow
+def test_preempted_recurrent_requests_restart_from_zero_state(tiny_models, monkeypatch):
+    """A KV cache of 16 blocks (64 tokens each, a Mamba2 state per block):
+    three requests fill it and grow, so vLLM's scheduler preempts, frees their
+    blocks and later computes them again from their first token. Their
+    recurrent state must restart from zero there (their new state blocks hold
+    other requests' states): greedy output still equals HF's."""
+    monkeypatch.setenv("VLLM_ACCEL_KVCACHE_SPACE", "0.001")
+    model_dir = tiny_models["bamba"]
+    prompts = random_prompts([100, 97, 110, 90, 105, 99], seed=8)
+    with running_llm(model_dir, disable_log_stats=False, **ENGINE_OPTIONS) as llm:
+        runner = model_runner(llm)
+        assert runner.num_blocks <= 16 and runner.state_groups
+        got = generate(llm, prompts, max_tokens=48)
+        assert _metric(llm, "vllm:num_preemptions") > 0
+    assert got == hf_greedy(model_dir, prompts, 48)
 
 
 def _outputs_with_logprobs(llm, prompts):

@@ -141,6 +141,17 @@ def test_pipeline_parallel_rejected_naming_the_setting(tiny_models):
             pipeline_parallel_size=2)
 
 
+def test_recurrent_state_model_refuses_tensor_parallelism_saying_why(tiny_models):
+    """FMS's tensor-parallel strategy shards attention and MLPs but not
+    Bamba's Mamba2 mixers (they have no TP form): TP>1 fails at start-up."""
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match="BambaForCausalLM.*does not shard its Mamba2 layers"
+                                         ".*tensor_parallel_size must be 1"):
+        LLM(model=str(tiny_models["bamba"]), dtype="float32", max_model_len=512,
+            tensor_parallel_size=2)
+
+
 def test_serve_tp2_answers_then_exits_when_a_worker_dies(tiny_models, tmp_path):
     """`vllm serve --tensor-parallel-size 2` as users run it (engine core in its
     own process): one completion equal to HF's, then a killed worker makes the

@@ -58,6 +58,14 @@ def test_files_and_keys(ckpt):
         assert not any(".mlp." in key for key in sd)
         assert len(sd) == 2 + 1 + 4 * (6 + 1 + 4 * 3)
         return
+    if arch == "bamba":  # Mamba2 in layers 0, 2, 3; attention in layer 1
+        assert {"model.embed_tokens.weight", "model.final_layernorm.weight", "lm_head.weight",
+                "model.layers.0.mamba.A_log", "model.layers.3.mamba.conv1d.weight",
+                "model.layers.1.self_attn.q_proj.weight"} <= set(sd)
+        assert not any(k.startswith("model.layers.1.mamba") for k in sd)
+        # embed, head, final norm; 2 norms and 3 MLP weights a layer; 8 in a mixer
+        assert len(sd) == 3 + 4 * 5 + 3 * 8 + 4
+        return
     assert "model.embed_tokens.weight" in sd and "model.norm.weight" in sd
     assert "model.layers.3.self_attn.q_proj.weight" in sd
     if arch == "qwen3":  # the head tied to the embedding; q/k norms of head_dim, not 64

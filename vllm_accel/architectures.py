@@ -14,7 +14,9 @@ dotted path and load only when their model is served (a leaf module).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,12 @@ class Architecture:
     # HF's class: (field, value) pairs; a callable value is computed from the
     # checkpoint's HF config (fms_config_overrides).
     fms_overrides: tuple[tuple[str, object], ...] = ()
+    # Layers that keep recurrent state (Mamba2): the state's dimensions, from
+    # the checkpoint's HF config (None: every layer attends).
+    recurrent_state: Callable[[Any], Mamba2Dims] | None = None
+    # "module:function" swapping the stateful layers of a loaded FMS model
+    # for ones over vLLM's paged state (None: none to swap).
+    paged_layers: str | None = None
 
     @property
     def name(self) -> str:
@@ -57,6 +65,41 @@ def _rope_theta(hf_config) -> float:
         raise ValueError(f"vllm-accel does not run {hf_config.architectures[0]} with rope "
                          f"type {rope_type!r} (only the default rotary embedding)")
     return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10_000.0)))
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    """A Mamba2 layer's state: an SSM state of ``heads x head_dim x
+    state_size`` and the last ``conv_kernel - 1`` inputs of its convolution
+    over ``intermediate + 2 * groups * state_size`` channels."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+    conv_kernel: int
+    intermediate: int
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.groups * self.state_size
+
+
+def _mamba2_dims(hf_config) -> Mamba2Dims:
+    """Bamba's and Granite 4's config fields (those vLLM's own models read)."""
+    return Mamba2Dims(
+        heads=hf_config.mamba_n_heads, head_dim=hf_config.mamba_d_head,
+        groups=hf_config.mamba_n_groups, state_size=hf_config.mamba_d_state,
+        conv_kernel=hf_config.mamba_d_conv,
+        intermediate=int(hf_config.mamba_expand * hf_config.hidden_size))
+
+
+def _attention_layers(hf_config) -> list[int]:
+    return list(hf_config.attn_layer_indices or [])
+
+
+def _max_positions(hf_config) -> int:
+    return hf_config.max_position_embeddings
 
 
 _ADAPTERS = "vllm_accel.multimodal.mm_mappings"
@@ -81,6 +124,17 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # its experts run as model/experts.py computes them.
     Architecture(("MixtralForCausalLM",), "mixtral", fms_port="vllm_accel.model.mixtral:FMS_PORT",
                  tensor_parallel=True),
+    # Mamba2 layers, attention in attn_layer_indices. FMS's param builder
+    # leaves out which layers attend (FMS's default: none), the rotary base
+    # and the rotary table's length (FMS's default 262144 positions); its
+    # multiple_of (256) would round an MLP width that is not a multiple of it.
+    # FMS's tensor-parallel strategy does not shard its Mamba2 mixers.
+    Architecture(("BambaForCausalLM",), "bamba",
+                 fms_overrides=(("attn_layer_indices", _attention_layers),
+                                ("rope_theta", _rope_theta), ("multiple_of", 1),
+                                ("max_expected_seq_len", _max_positions)),
+                 recurrent_state=_mamba2_dims,
+                 paged_layers="vllm_accel.model.bamba:page_recurrent_layers"),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -104,7 +158,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 MISSING_LAYER_KINDS: dict[str, str] = {
     "GptOssForCausalLM": "mixture of experts, attention sinks, sliding-window attention",
     "GraniteMoeHybridForCausalLM": "recurrent state (Mamba2), mixture of experts",
-    "BambaForCausalLM": "recurrent state (Mamba2)",
     "GraniteSWAForCausalLM": "sliding-window attention",
     "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",

@@ -15,7 +15,7 @@ written by ``worker/model_runner.py``, ``worker/request_state.py``,
 
 - methods: ``add_request``, ``remove_request``, ``condense``,
   ``refresh_metadata``, ``update_async_output_token_ids``,
-  ``set_async_sampled_token_ids``, ``block_table[0].get_numpy_array()``;
+  ``set_async_sampled_token_ids``, ``block_table[group].get_numpy_array()``;
 - attributes: ``req_ids``, ``req_id_to_index``, ``num_reqs``, ``vocab_size``,
   ``token_ids_cpu``, ``is_token_ids``, ``num_tokens_no_spec``,
   ``num_computed_tokens_cpu``, ``generators``, ``sampling_metadata``,
@@ -163,6 +163,17 @@ def triton_store_kv(key, value, key_cache, value_cache, slots) -> None:
                                                       device=key.device)
     triton_reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto",
                                    scale, scale)
+
+
+def mamba2_state_dtypes(model_dtype, cache_config):
+    """The dtypes of a Mamba2 layer's state (convolution inputs, SSM state)
+    as vLLM's own Mamba2 layers keep them: its ``mamba_cache_dtype`` and
+    ``mamba_ssm_cache_dtype`` ("auto": the model's). vLLM's helper for its
+    model classes (``vllm/model_executor/layers/mamba/mamba_utils.py``)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+    return MambaStateDtypeCalculator.mamba2_state_dtype(
+        model_dtype, cache_config.mamba_cache_dtype, cache_config.mamba_ssm_cache_dtype)
 
 
 # ---- torch 2.13.0 -----------------------------------------------------------

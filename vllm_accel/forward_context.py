@@ -22,6 +22,7 @@ from vllm_accel.kernels import NO_KERNELS, CpuKernels
 from vllm_accel.patches import inductor_cache_dir
 
 if TYPE_CHECKING:
+    from vllm_accel.model.mamba2 import RecurrentLayout
     from vllm_accel.model.paged_attention import PagedAttentionMetadata
 
 
@@ -30,6 +31,9 @@ class ForwardContext:
     # The step's token layout the paged attention op reads (None: no paged
     # attention runs, e.g. a vision tower's call).
     attention: PagedAttentionMetadata | None = None
+    # The step's requests as segments of the forward with their recurrent
+    # state's blocks, for the layers that keep one (Mamba2); None: none run.
+    recurrent: RecurrentLayout | None = None
     # The CPU kernels this engine runs (each None: oneDNN's or torch's path).
     kernels: CpuKernels = NO_KERNELS
     # A call padded to a bucket: tensors whose rows are exactly ``padded_rows``

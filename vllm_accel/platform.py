@@ -136,6 +136,12 @@ class AccelPlatform(Platform):
                                        prefix_store, group_rank, group_size, timeout)
 
     @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        """vLLM's hybrid KV cache manager: a KV cache group per layer kind
+        (attention, recurrent state)."""
+        return True
+
+    @classmethod
     def is_pin_memory_available(cls) -> bool:
         return False
 
@@ -208,10 +214,12 @@ class AccelPlatform(Platform):
 
         model_config = vllm_config.model_config
         if model_config is not None:
-            cls._check_model(model_config, parallel)
+            arch = cls._check_model(model_config, parallel)
+            if arch.recurrent_state is not None:
+                _configure_recurrent_state(vllm_config, arch, backend)
 
     @classmethod
-    def _check_model(cls, model_config, parallel) -> None:
+    def _check_model(cls, model_config, parallel):
         if model_config.runner_type != "generate":
             raise ValueError(
                 f"vllm-accel serves text generation only, not runner "
@@ -219,6 +227,11 @@ class AccelPlatform(Platform):
             )
         arch = find_architecture(model_config.architectures)
         check_layer_kinds(model_config.hf_text_config)
+        if parallel.tensor_parallel_size > 1 and arch.recurrent_state is not None:
+            raise ValueError(
+                f"vllm-accel cannot shard {arch.name} across workers: FMS's tensor-parallel "
+                f"strategy does not shard its Mamba2 layers (recurrent state). "
+                f"tensor_parallel_size must be 1 for it.")
         if parallel.tensor_parallel_size > 1 and not arch.tensor_parallel:
             raise ValueError(
                 f"vllm-accel cannot shard {arch.name} across workers yet: "
@@ -240,6 +253,7 @@ class AccelPlatform(Platform):
             # classes (raw pixels from the processor); our ports take
             # pixels as HF's processors normalise them.
             model_config.multimodal_config.mm_device_do_normalize = False
+        return arch
 
     # The image token of the vision model this process serves (None: a text
     # model), for prompts without images. vLLM's validate_request is given no
@@ -278,6 +292,53 @@ class AccelPlatform(Platform):
                 if hard_fail:
                     raise ValueError(f"Unknown vLLM environment variable detected: {name}")
                 logger.warning("Unknown vLLM environment variable detected: %s", name)
+
+
+def _configure_recurrent_state(vllm_config, arch, backend: DeviceBackend) -> None:
+    """Layers that keep recurrent state (Mamba2) keep it in vLLM's hybrid KV
+    cache: a KV cache group of them beside the attention layers', one block
+    per request (vLLM's ``mamba_cache_mode`` "none"), in pages as large as an
+    attention block's. As vLLM's own platforms do for hybrid models
+    (``Platform._align_hybrid_block_size``), the attention block grows (to
+    a multiple of the block size set) until its page holds a state, and the
+    state's page is padded to it.
+
+    Prefix caching is turned off: a cached prefix would need the recurrent
+    state at its end, which vLLM keeps only in its "align" mode (states
+    saved at block boundaries while prefilling), which the runner does not
+    do. The cuda backend does not run recurrent layers yet."""
+    from vllm_accel.compat import mamba2_state_dtypes
+    from vllm_accel.model.mamba2 import StateShapes
+
+    if backend.device != "cpu":
+        raise ValueError(f"vllm-accel runs {arch.name}'s recurrent (Mamba2) layers on the cpu "
+                         f"device only, not '{backend.device}'.")
+    cache, model_config = vllm_config.cache_config, vllm_config.model_config
+    if cache.enable_prefix_caching:
+        logger.warning_once(
+            "vllm-accel turns prefix caching off for %s: its Mamba2 layers' recurrent state "
+            "is not kept at block boundaries (vLLM's mamba_cache_mode 'align'), so no "
+            "cached prefix can be resumed.", arch.name)
+        cache.enable_prefix_caching = False
+    cache.mamba_cache_mode = "none"
+    cache.mamba_block_size = model_config.max_model_len
+    hf_config = model_config.hf_text_config
+    dims = arch.recurrent_state(hf_config)
+    conv_dtype, ssm_dtype = mamba2_state_dtypes(model_config.dtype, cache)
+    state = StateShapes(dims.heads, dims.head_dim, dims.state_size, dims.conv_dim,
+                        dims.conv_kernel, ssm_dtype, conv_dtype).nbytes
+    head_dim = (getattr(hf_config, "head_dim", None)
+                or hf_config.hidden_size // hf_config.num_attention_heads)
+    per_token = 2 * hf_config.num_key_value_heads * head_dim * model_config.dtype.itemsize
+    step = cache.block_size
+    block_size = step * -(-state // (step * per_token))
+    if block_size != cache.block_size:
+        logger.info_once("vllm-accel sets the KV cache block size to %d tokens for %s: an "
+                         "attention block's page then holds a Mamba2 state (%d bytes).",
+                         block_size, arch.name, state)
+        cache.block_size = block_size
+    page = block_size * per_token
+    cache.mamba_page_size_padded = page if page > state else None
 
 
 def _use_v1_runner_protocol(vllm_config) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from vllm_accel.architectures import find_architecture, load_object
 from vllm_accel.log import get_logger
 from vllm_accel.model.compile import BucketAxis, compile_shared_forward
+from vllm_accel.model.mamba2 import PagedMamba2, recurrent_mixers
 from vllm_accel.model.saved_graphs import SavedGraphs
 from vllm_accel.model.paged_attention import ATTN_NAME, register_paged_attention
 from vllm_accel.model.ports import register_port
@@ -58,6 +59,8 @@ def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
     extra.update(arch.fms_config_overrides(hf_config))
     model = _load_with_nan_fill(model_path, dtype, device, **extra)
     _check_all_weights_loaded(model, model_path)
+    if arch.paged_layers is not None:
+        load_object(arch.paged_layers)(model)
     logger.info(
         "Loaded %s with FMS (%.1fM parameters%s, %s)",
         type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6,
@@ -102,9 +105,11 @@ class FmsCausalLM(nn.Module):
         self.fms_model = fms_model
         config = fms_model.config
         self.num_layers: int = config.nlayers
+        # Layers that keep recurrent state (Mamba2) instead of keys and values.
+        self.recurrent: dict[int, PagedMamba2] = recurrent_mixers(fms_model)
         # This rank's KV heads: all of them, or its shard under tensor
         # parallelism (FMS gives each rank kvheads / tp, at least one).
-        attn = next(m for m in fms_model.base_model.layers[0].modules()
+        attn = next(m for m in fms_model.base_model.layers.modules()
                     if isinstance(m, MultiHeadAttention))
         self.num_kv_heads: int = attn.kvheads
         self.num_heads: int = attn.nheads  # this rank's query heads
@@ -123,17 +128,24 @@ class FmsCausalLM(nn.Module):
         # A decoder layer's hidden states are [1, tokens, hidden], its
         # positions [1, tokens] ([3, 1, tokens] with M-RoPE).
         axis = BucketAxis((("x", -2), ("position_ids", -1)), max(buckets)) if shared else None
-        compile_shared_forward(list(self.fms_model.base_model.layers), backend, len(buckets),
-                               saved, axis)
+        # Layers of one class share a compiled function (a hybrid model's
+        # attention and Mamba2 blocks are two stacks).
+        stacks: dict[type, list[nn.Module]] = {}
+        for layer in self.fms_model.base_model.layers:
+            stacks.setdefault(type(layer), []).append(layer)
+        for layers in stacks.values():
+            compile_shared_forward(layers, backend, len(buckets), saved, axis)
 
     def forward(
         self,
         inputs: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
     ) -> torch.Tensor:
         """inputs: token ids [1, tokens] (or embeddings [1, tokens, hidden],
-        for FMS models that take them). Returns hidden states [1, tokens, hidden]."""
+        for FMS models that take them); kv_caches: per layer, its keys and
+        values, or (a recurrent layer) its state's pages and group. Returns
+        hidden states [1, tokens, hidden]."""
         hidden, _ = self.fms_model.base_model(
             inputs,
             position_ids=positions,

@@ -40,6 +40,10 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0,
         from vllm_accel.testing.tiny_gpt_bigcode import make_tiny_gpt_bigcode
 
         return make_tiny_gpt_bigcode(out_dir, seed=seed, printable_only=printable_only)
+    if arch == "bamba":
+        from vllm_accel.testing.tiny_bamba import make_tiny_bamba
+
+        return make_tiny_bamba(out_dir, seed=seed, printable_only=printable_only)
     if arch == "molmo":
         from vllm_accel.testing.tiny_molmo import make_tiny_molmo
 

@@ -22,7 +22,7 @@ from vllm.config import VllmConfig
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                        SlidingWindowSpec)
+                                        MambaSpec, SlidingWindowSpec)
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
@@ -35,12 +35,14 @@ from vllm_accel.buckets import (
     token_buckets,
     token_count_costs,
 )
-from vllm_accel.compat import SplitKvScratch, compile_sampler_logprob_ranks
+from vllm_accel.compat import (SplitKvScratch, compile_sampler_logprob_ranks,
+                               mamba2_state_dtypes)
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.forward_context import ForwardContext, set_forward_context
 from vllm_accel.kernels import NO_KERNELS, CpuKernels
 from vllm_accel.log import get_logger
 from vllm_accel.model.fms_causal_lm import FmsCausalLM
+from vllm_accel.model.mamba2 import RecurrentLayout
 from vllm_accel.model.paged_attention import PagedAttentionMetadata, TableShape
 from vllm_accel.multimodal.encoder import VisionEncoder
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
@@ -55,7 +57,8 @@ from vllm_accel.worker.in_flight import (
     InFlightOutput,
     tokens_in_flight,
 )
-from vllm_accel.worker.kv_cache import allocate_kv_caches, kv_cache_bytes, zero_blocks
+from vllm_accel.worker.kv_cache import (allocate_kv_caches, allocate_shared_caches,
+                                        kv_cache_bytes, recurrent_state_specs, zero_blocks)
 from vllm_accel.worker.model_loader import load_model
 from vllm_accel.worker.prompt_logprobs import compute_prompt_logprobs
 from vllm_accel.worker.request_state import RequestStates
@@ -121,26 +124,40 @@ class AccelModelRunner:
         self.vision: VisionAdapter | None = None
         self.vision_encoder: VisionEncoder | None = None
         self.images: StepImages | None = None
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Per layer: its keys and values, or (a recurrent layer) its state's
+        # pages and the index of its group among ``state_groups``.
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        # KV cache groups (vLLM's): the attention layers' (whose block table
+        # places keys and values) and those of layers keeping recurrent state
+        # (Mamba2: one block per request each); the cache's tensors as block
+        # pages where the two kinds share them.
+        self.attention_group = 0
+        self.state_groups: list[int] = []
+        self.kv_pages: list[tuple[torch.Tensor, torch.Tensor]] = []
         compile_sampler_logprob_ranks(self.model_config.get_vocab_size())  # before counting ours
         self.compile_stats = CompileStats()
-        self.input_batch = InputBatch(
-            max_num_reqs=self.max_num_reqs,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_tokens,
-            device=self.device,
-            vocab_size=self.model_config.get_vocab_size(),
-            block_sizes=[self.block_size],
-            max_num_blocks_per_req=[self.max_blocks_per_req],
-            logitsprocs=build_logitsprocs(vllm_config, self.device, False, False),
-        )
-        self.requests = RequestStates(self.input_batch, self.device)
+        self._new_input_batch([self.block_size], [self.max_blocks_per_req])
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.pending: PendingSample | None = None
         # vLLM's async scheduling (in_flight.py): a step starts before the
         # previous one's tokens reach the host.
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.tokens_from_device = 0  # decode inputs that never went through the host
+
+    def _new_input_batch(self, block_sizes: list[int], max_blocks: list[int]) -> None:
+        """vLLM's ``InputBatch`` (a block table per KV cache group) and our
+        requests over it; empty."""
+        self.input_batch = InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens,
+            device=self.device,
+            vocab_size=self.model_config.get_vocab_size(),
+            block_sizes=block_sizes,
+            max_num_blocks_per_req=max_blocks,
+            logitsprocs=build_logitsprocs(self.vllm_config, self.device, False, False),
+        )
+        self.requests = RequestStates(self.input_batch, self.device, self.vision)
 
     # ---- start-up -----------------------------------------------------------
 
@@ -153,6 +170,12 @@ class AccelModelRunner:
         loaded = load_model(self.model_config, self.backend, self.settings, self.token_buckets,
                             self.compile_stats, tp_group)
         self.model, self.kernels = loaded.model, loaded.kernels
+        if self.model.recurrent:
+            # Recurrent state in the dtypes vLLM's cache config names (before
+            # any forward: the layer graphs take them as constants).
+            conv, ssm = mamba2_state_dtypes(self.dtype, self.vllm_config.cache_config)
+            for mixer in self.model.recurrent.values():
+                mixer.conv_dtype, mixer.ssm_dtype = conv, ssm
         if self.tp_size > 1 and not self.model.head_replicated:
             # Only the driver computes logits: a sharded head would need every rank.
             raise ValueError(
@@ -181,22 +204,42 @@ class AccelModelRunner:
         # vLLM's KV manager frees the blocks a window has left behind.
         spec = (SlidingWindowSpec(sliding_window=self.attention_window, **shape)
                 if self.attention_window else FullAttentionSpec(**shape))
-        return {f"layers.{i}": spec for i in range(self.model.num_layers)}
+        specs = {f"layers.{i}": spec for i in range(self.model.num_layers)
+                 if i not in self.model.recurrent}
+        # Recurrent state (Mamba2) in vLLM's hybrid KV cache: a block per
+        # request, its page as large as an attention layer's.
+        specs.update(recurrent_state_specs(self.model.recurrent, spec.page_size_bytes,
+                                           self.max_model_len))
+        return specs
 
     def kv_cache_bytes_per_token(self) -> int:
+        """What a token of a full-length sequence costs: its keys and values,
+        and its share of the recurrent states (one per sequence)."""
         specs = self.get_kv_cache_spec().values()
-        return sum(s.page_size_bytes for s in specs) // self.block_size
+        states = sum(s.page_size_bytes for s in specs if isinstance(s, MambaSpec))
+        return (sum(s.page_size_bytes for s in specs if not isinstance(s, MambaSpec))
+                // self.block_size + cdiv(states, self.max_model_len))
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         assert self.model is not None
         self.num_blocks = kv_cache_config.num_blocks
-        self.kv_caches = allocate_kv_caches(
-            self.model.num_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
-            self.model.head_dim, self.dtype, self.device)
+        if self.model.recurrent:
+            shared = allocate_shared_caches(
+                kv_cache_config, self.model.num_layers, self.model.num_kv_heads,
+                self.model.head_dim, self.dtype, self.device)
+            self.kv_caches, self.kv_pages = shared.caches, shared.pages
+            self.attention_group, self.state_groups = shared.attention_group, shared.state_groups
+            # A block table per group: the recurrent groups' hold one block.
+            self._new_input_batch(*shared.block_tables(self.max_blocks_per_req))
+            total = kv_cache_bytes(self.kv_pages)
+        else:
+            self.kv_caches = allocate_kv_caches(
+                self.model.num_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
+                self.model.head_dim, self.dtype, self.device)
+            total = kv_cache_bytes(self.kv_caches)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
-            self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-            kv_cache_bytes(self.kv_caches) / 2**30,
+            self.num_blocks, self.block_size, self.num_blocks * self.block_size, total / 2**30,
         )
 
     # ---- per step -----------------------------------------------------------
@@ -205,7 +248,7 @@ class AccelModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.requests.update(scheduler_output)
         if scheduler_output.new_block_ids_to_zero:
-            zero_blocks(self.kv_caches, scheduler_output.new_block_ids_to_zero)
+            zero_blocks(self.kv_pages or self.kv_caches, scheduler_output.new_block_ids_to_zero)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
 
@@ -215,7 +258,8 @@ class AccelModelRunner:
         )
         start = batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64)
         step = pack_step(
-            batch.token_ids_cpu, batch.block_table[0].get_numpy_array(), num_scheduled, start,
+            batch.token_ids_cpu, batch.block_table[self.attention_group].get_numpy_array(),
+            num_scheduled, start,
             self.block_size, self._plan_forwards, self._context_bucket,
             [s.rope_positions for s in self.requests.in_batch_order()]
             if self.vision and self.vision.uses_3d_positions else None,
@@ -235,8 +279,9 @@ class AccelModelRunner:
                 self.images.encode_scheduled(scheduler_output, self.requests)
             multimodal = self.images.rows(step, self.requests)
         run = self._run_forward if self.forward_times is None else self._timed_forward
+        state_tables = [batch.block_table[g].get_numpy_array() for g in self.state_groups]
         outputs = [run(fwd, in_flight, multimodal, keep_hidden,
-                       copy_outputs=len(step.forwards) > 1)
+                       copy_outputs=len(step.forwards) > 1, state_tables=state_tables)
                    for fwd in step.forwards]
         hidden = None
         if keep_hidden:
@@ -264,13 +309,15 @@ class AccelModelRunner:
         return None
 
     def _run_forward(self, forward: BucketedForward, in_flight: tuple[np.ndarray, np.ndarray],
-                     multimodal: MultimodalRows | None, keep_hidden: bool, copy_outputs: bool
+                     multimodal: MultimodalRows | None, keep_hidden: bool, copy_outputs: bool,
+                     state_tables: list[np.ndarray] | None = None,
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The logits of the requests whose last token is among the step's
         tokens [forward.begin, forward.end) (driver), and those tokens' hidden
         states if ``keep_hidden``. ``copy_outputs``: a CUDA graph's outputs are
         overwritten by its next replay; copy them when the step replays again
-        before reading them."""
+        before reading them. ``state_tables``: the block tables of the
+        recurrent KV cache groups (none: no layer keeps recurrent state)."""
         targets, sources = in_flight
         if len(targets) and (forward.begin > 0 or targets.max() >= forward.end):
             inside = (targets >= forward.begin) & (targets < forward.end)
@@ -295,8 +342,9 @@ class AccelModelRunner:
         if replayed:
             hidden, logits = graphs.replay(forward.bucket, model_inputs)
         else:
+            recurrent = forward.recurrent_layout(state_tables) if state_tables else None
             hidden, logits = self.model_call(model_inputs, inputs.positions, inputs.metadata,
-                                             inputs.logit_rows, tokens=count)
+                                             inputs.logit_rows, tokens=count, recurrent=recurrent)
             self.compile_stats.after_step(f"a forward of {forward.bucket} tokens")
         hidden = hidden[:, :count] if keep_hidden else None
         logits = None if logits is None else logits[: inputs.num_logits]
@@ -316,13 +364,16 @@ class AccelModelRunner:
 
     def model_call(self, inputs: torch.Tensor, positions: torch.Tensor,
                    metadata: PagedAttentionMetadata, logit_rows: torch.Tensor,
-                   tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   tokens: int | None = None, recurrent: RecurrentLayout | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward under a layout: hidden states [1, tokens, hidden] and
         the logits of the tokens ``logit_rows`` (driver only). What the CUDA
         graphs capture: on a GPU the LM head runs inside the graph too.
         ``tokens``: the bucket's rows that hold the forward's tokens (linears
-        skip the rest, padding); None: every row (a capture)."""
-        bucket, context = inputs.shape[1], self.forward_context(attention=metadata)
+        skip the rest, padding); None: every row (a capture). ``recurrent``:
+        where the recurrent layers' states are (models that have them)."""
+        bucket = inputs.shape[1]
+        context = self.forward_context(attention=metadata, recurrent=recurrent)
         with set_forward_context(context.padded(bucket, bucket if tokens is None else tokens)):
             hidden = self.model(inputs, positions, self.kv_caches)
         with set_forward_context(context):  # the head's rows: those sampled, none padding

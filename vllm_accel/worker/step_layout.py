@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from vllm.utils.math_utils import cdiv
 
+from vllm_accel.model.mamba2 import RecurrentLayout
 from vllm_accel.model.paged_attention import (
     PagedAttentionMetadata,
     PrefillChunk,
@@ -100,6 +101,24 @@ class BucketedForward:
                                           window=self.window)
         return _split_metadata(packed, begin, end, slots, num_decodes, self._block_table,
                                self._block_size, self._context_bucket, self.window)
+
+    def recurrent_layout(self, state_tables: Sequence[np.ndarray]) -> RecurrentLayout:
+        """The forward's requests as segments (decodes first), each with the
+        block of its recurrent state in every recurrent KV cache group
+        (``state_tables[g]``: that group's block table, one block per
+        request) and whether it goes on from that state (its first token in
+        this forward is not its sequence's first)."""
+        packed, begin, end = self._packed, self.begin, self.end
+        lo = np.clip(packed.first_tokens, begin, end)
+        hi = np.clip(packed.first_tokens + packed.counts, begin, end)
+        inside = lo < hi
+        lo, hi, rows = lo[inside], hi[inside], packed.order[inside]
+        blocks = np.stack([table[rows, 0] for table in state_tables]).astype(np.int64)
+        return RecurrentLayout(
+            num_decodes=max(0, min(end, packed.num_decodes) - begin),
+            starts=(lo - begin).tolist(), ends=(hi - begin).tolist(),
+            has_state=torch.from_numpy(packed.pos[lo] > 0),
+            state_blocks=torch.from_numpy(blocks))
 
     def _sequence_table(self) -> SequenceTable:
         """``table_rows`` as a ``SequenceTable`` of the bucket's fixed shape

@@ -55,16 +55,24 @@ def _new_requests(runner: AccelModelRunner, name: str, lengths: list[int],
     """A step that prefills ``lengths`` tokens of new prompts, each after
     ``computed`` tokens taken as already in the KV cache (a prefix hit)."""
     next_block = 1  # block 0 is vLLM's null block; others are free during warmup
-    new_reqs = []
-    for i, length in enumerate(lengths):
-        # Room for the prefill, one decode token and the token it samples.
-        blocks = -(-(computed + length + 1) // runner.block_size)
+
+    def take(blocks: int) -> list[int]:
+        nonlocal next_block
         ids = [1 + (next_block + b - 1) % (runner.num_blocks - 1) for b in range(blocks)]
         next_block += blocks
+        return ids
+
+    new_reqs = []
+    for i, length in enumerate(lengths):
+        # Room for the prefill, one decode token and the token it samples;
+        # a block for each recurrent group's state (models that keep one).
+        attention = take(-(-(computed + length + 1) // runner.block_size))
+        block_ids = tuple(take(1) if g in runner.state_groups else attention
+                          for g in range(1 + len(runner.state_groups)))
         new_reqs.append(NewRequestData(
             req_id=f"{name}-{i}", prompt_token_ids=[i % 7 + 10] * (computed + length),
             mm_features=[], sampling_params=params, pooling_params=None,
-            block_ids=(ids,), num_computed_tokens=computed, lora_request=None,
+            block_ids=block_ids, num_computed_tokens=computed, lora_request=None,
         ))
     prefill = SchedulerOutput.make_empty()
     prefill.scheduled_new_reqs = new_reqs

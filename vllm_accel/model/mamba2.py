@@ -1,0 +1,326 @@
+"""Mamba2 mixers over vLLM's paged recurrent state.
+
+A Mamba2 layer keeps, per request, a state that sums up everything before it:
+the last ``conv_kernel - 1`` inputs of its causal convolution (``conv``,
+``[conv_dim, conv_kernel - 1]``) and the SSM state (``ssm``,
+``[heads, head_dim, state_size]``). vLLM's hybrid KV cache manager gives each
+request one block of the layer's KV cache group for it (``MambaSpec``); the
+runner's layout says which block each request of a forward reads and writes.
+
+The step's tokens come packed in one sequence (decodes first, one token each,
+then prefill chunks), padded to a token bucket, as for attention. The linear
+layers and the gated norm run in the compiled layer graph; the state-dependent
+part (convolution and scan) is one opaque op, ``mamba2_mixer``, which reads the
+forward's ``RecurrentLayout`` from the forward context:
+
+- the decodes in one batch: one recurrence step each from its state;
+- each prefill chunk apart: its convolution continues from its request's
+  convolution inputs, and a chunked scan (Mamba2's SSD algorithm, as HF
+  transformers' reference ``mamba2_chunk_scan``) from its SSM state, zero for
+  a chunk that starts its prompt (a new request, or one vLLM preempted and
+  computes again from scratch);
+- each segment's final state written back to its block; padding rows are in
+  no segment, so they read and write nothing (their outputs are zeros).
+
+Memory: vLLM's hybrid KV cache manager overlays attention and Mamba layers
+(one layer of each KV cache group shares a region of the cache; a block id
+belongs to one group at a time), each block a page of the same size. The
+runner keeps a region as two tensors of half a page per block
+(worker/kv_cache.py): an attention layer's keys and its values
+(``[num_blocks, block_size, kv_heads, head_dim]`` each, the layout the
+attention op reads), so block ``b`` is row ``b`` of both: a recurrent
+layer's state for block ``b`` is row ``b`` of the first followed by row
+``b`` of the second, the SSM state first, then the convolution's inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_accel.forward_context import get_forward_context
+from vllm_accel.kernels import ops
+
+
+@dataclass
+class RecurrentLayout:
+    """Where each request's tokens are in one forward, and its state's block.
+
+    Segments are in packed order: the first ``num_decodes`` are one token
+    each, at rows 0 .. num_decodes - 1; the others are prefill chunks (rows
+    ``starts[i]`` to ``ends[i]``). ``state_blocks[g, i]``: the block of
+    segment i's state in the g-th recurrent KV cache group;
+    ``has_state[i]``: whether segment i goes on from a state (False: its
+    request starts here, from zeros)."""
+
+    num_decodes: int
+    starts: list[int]
+    ends: list[int]
+    has_state: torch.Tensor  # [segments] bool
+    state_blocks: torch.Tensor  # [groups, segments] int64
+
+    @property
+    def tokens(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+
+@dataclass(frozen=True)
+class StateShapes:
+    """A Mamba2 layer's state per request: the SSM state and the
+    convolution's last inputs, and their dtypes."""
+
+    heads: int
+    head_dim: int
+    state_size: int
+    conv_dim: int
+    conv_kernel: int
+    ssm_dtype: torch.dtype
+    conv_dtype: torch.dtype
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.heads, self.head_dim, self.state_size)
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_bytes(self) -> int:
+        return math.prod(self.ssm_shape) * self.ssm_dtype.itemsize
+
+    @property
+    def conv_bytes(self) -> int:
+        return math.prod(self.conv_shape) * self.conv_dtype.itemsize
+
+    @property
+    def conv_offset(self) -> int:
+        """Where the convolution's inputs start in a state's bytes (after the
+        SSM state, 8-byte aligned: every part views as its dtype in place)."""
+        return _aligned(self.ssm_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        """A state's bytes in its block (the page holds at least these)."""
+        return _aligned(self.conv_offset + self.conv_bytes)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def _read_states(first: torch.Tensor, second: torch.Tensor, blocks: torch.Tensor,
+                 shapes: StateShapes) -> tuple[torch.Tensor, torch.Tensor]:
+    """The states of ``blocks``: ssm [n, heads, head_dim, state] and conv
+    [n, conv_dim, kernel - 1], copies in their dtypes."""
+    half, total = first.shape[1], shapes.nbytes
+    raw = first[:, :min(total, half)].index_select(0, blocks)
+    if total > half:
+        raw = torch.cat([raw, second[:, :total - half].index_select(0, blocks)], dim=1)
+    n, start = blocks.shape[0], shapes.conv_offset
+    ssm = raw[:, :shapes.ssm_bytes].view(shapes.ssm_dtype).view(n, *shapes.ssm_shape)
+    conv = raw[:, start:start + shapes.conv_bytes].view(shapes.conv_dtype)
+    return ssm, conv.view(n, *shapes.conv_shape)
+
+
+def _write_states(first: torch.Tensor, second: torch.Tensor, blocks: torch.Tensor,
+                  ssm: torch.Tensor, conv: torch.Tensor, shapes: StateShapes) -> None:
+    n, total = blocks.shape[0], shapes.nbytes
+    raw = torch.zeros(n, total, dtype=torch.uint8, device=first.device)
+    raw[:, :shapes.ssm_bytes] = ssm.to(shapes.ssm_dtype).reshape(n, -1).view(torch.uint8)
+    start = shapes.conv_offset
+    raw[:, start:start + shapes.conv_bytes] = \
+        conv.to(shapes.conv_dtype).reshape(n, -1).view(torch.uint8)
+    half = first.shape[1]
+    first[:, :min(total, half)].index_copy_(0, blocks, raw[:, :half])
+    if total > half:
+        second[:, :total - half].index_copy_(0, blocks, raw[:, half:])
+
+
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """[..., T] -> [..., T, T]: out[..., i, j] = x[j+1] + ... + x[i] for
+    i >= j, -inf above the diagonal (HF transformers' stable segment sum)."""
+    size = x.size(-1)
+    x = x[..., None].expand(*x.size(), size)
+    below = torch.tril(torch.ones(size, size, device=x.device, dtype=torch.bool), diagonal=-1)
+    sums = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
+    on_or_below = torch.tril(torch.ones(size, size, device=x.device, dtype=torch.bool))
+    return sums.masked_fill(~on_or_below, -torch.inf)
+
+
+def chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                 C: torch.Tensor, chunk: int, state: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's SSD over one sequence, in chunks of ``chunk`` tokens (float32).
+
+    x [L, heads, head_dim]; dt [L, heads] (after softplus); A [heads];
+    B, C [L, heads, state] (groups repeated per head); state [heads,
+    head_dim, state]: the state before the first token. Returns y [L, heads,
+    head_dim] (without the D skip) and the state after the last token."""
+    length, heads, head_dim = x.shape
+    pad = (chunk - length % chunk) % chunk
+    x = x * dt[..., None]
+    A = A * dt  # [L, heads]
+    if pad:
+        x, A, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (x, A, B, C))
+    chunks = (length + pad) // chunk
+    x = x.view(chunks, chunk, heads, head_dim)
+    B = B.reshape(chunks, chunk, heads, -1)
+    C = C.reshape(chunks, chunk, heads, -1)
+    A = A.view(chunks, chunk, heads).permute(2, 0, 1)  # [heads, chunks, chunk]
+    A_cumsum = torch.cumsum(A, dim=-1)
+
+    # Within each chunk: attention-like, masked by the decay between positions.
+    decay = torch.exp(segment_sum(A))  # [heads, chunks, l, s]
+    scores = torch.einsum("clhn,cshn->clsh", C, B) * decay.permute(1, 2, 3, 0)
+    y = torch.einsum("clsh,cshp->clhp", scores, x)
+
+    # Each chunk's own contribution to the state at its end.
+    decay_to_end = torch.exp(A_cumsum[..., -1:] - A_cumsum)  # [heads, chunks, chunk]
+    B_decayed = B * decay_to_end.permute(1, 2, 0)[..., None]
+    states = torch.einsum("clhn,clhp->chpn", B_decayed, x)
+
+    # Across chunks: the state at each chunk's start (from the initial state on).
+    states = torch.cat([state[None].to(states.dtype), states], dim=0)  # [chunks + 1, ...]
+    decay_chunks = torch.exp(segment_sum(F.pad(A_cumsum[..., -1], (1, 0))))  # [h, c+1, c+1]
+    states = torch.einsum("hiz,zhpn->ihpn", decay_chunks, states)
+    states, final = states[:-1], states[-1]
+
+    # The state at each chunk's start, seen by its tokens.
+    y = y + torch.einsum("clhn,chpn->clhp", C, states) \
+        * torch.exp(A_cumsum).permute(1, 2, 0)[..., None]
+    return y.reshape(-1, heads, head_dim)[:length], final
+
+
+def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor,
+                  conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                  D: torch.Tensor, first: torch.Tensor, second: torch.Tensor,
+                  group: torch.Tensor, groups: int, head_dim: int, state_size: int,
+                  chunk: int, ssm_dtype: torch.dtype, conv_dtype: torch.dtype) -> torch.Tensor:
+    """xbc [1, tokens, conv_dim] (the convolution's input: x, B and C), dt
+    [1, tokens, heads] -> y [1, tokens, heads * head_dim] float32 (before the
+    gated norm); reads and writes the states of the forward's segments."""
+    layout = get_forward_context().recurrent
+    assert layout is not None, "mamba2_mixer runs inside set_forward_context with a layout"
+    heads = A_log.shape[0]
+    conv_dim, kernel = conv_weight.shape
+    shapes = StateShapes(heads, head_dim, state_size, conv_dim, kernel, ssm_dtype, conv_dtype)
+    blocks = layout.state_blocks[int(group)]
+    A = -torch.exp(A_log.float())
+    out = torch.zeros(xbc.shape[1], heads * head_dim, dtype=torch.float32, device=xbc.device)
+    width = conv_dim - 2 * groups * state_size  # x's part of xbc (heads * head_dim)
+
+    def split(conv_out: torch.Tensor):  # [n, conv_dim] -> x [n, h, p], B, C [n, h, state]
+        x, B, C = torch.split(conv_out.float(), [width, groups * state_size,
+                                                 groups * state_size], dim=-1)
+        repeat = heads // groups
+        B, C = (t.reshape(-1, groups, state_size).repeat_interleave(repeat, dim=1)
+                for t in (B, C))
+        return x.reshape(-1, heads, head_dim), B, C
+
+    def time_steps(rows: slice) -> torch.Tensor:
+        return F.softplus(dt[0, rows].float() + dt_bias.float())  # [n, heads]
+
+    n = layout.num_decodes
+    if n:
+        ssm, conv = _read_states(first, second, blocks[:n], shapes)
+        keep = layout.has_state[:n]
+        ssm = torch.where(keep[:, None, None, None], ssm.float(), 0.0)
+        window = torch.cat([torch.where(keep[:, None, None], conv, 0).to(xbc.dtype),
+                            xbc[0, :n, :, None]], dim=-1)  # [n, conv_dim, kernel]
+        conv_out = (window * conv_weight).sum(-1)
+        if conv_bias is not None:
+            conv_out = conv_out + conv_bias
+        x, B, C = split(F.silu(conv_out))
+        step = time_steps(slice(0, n))
+        ssm = ssm * torch.exp(step * A)[..., None, None] \
+            + (step[..., None] * x)[..., None] * B[:, :, None, :]
+        y = torch.einsum("nhps,nhs->nhp", ssm, C) + D.float()[:, None] * x
+        out[:n] = y.reshape(n, -1)
+        _write_states(first, second, blocks[:n], ssm, window[..., 1:], shapes)
+
+    for i in range(n, len(layout.starts)):
+        rows = slice(layout.starts[i], layout.ends[i])
+        block = blocks[i:i + 1]
+        ssm, conv = _read_states(first, second, block, shapes)
+        if not bool(layout.has_state[i]):
+            ssm, conv = torch.zeros_like(ssm), torch.zeros_like(conv)
+        inputs = torch.cat([conv[0].to(xbc.dtype), xbc[0, rows].transpose(0, 1)], dim=-1)
+        conv_out = F.conv1d(inputs[None], conv_weight[:, None, :], conv_bias,
+                            groups=conv_dim)[0].transpose(0, 1)  # [length, conv_dim]
+        x, B, C = split(F.silu(conv_out))
+        y, final = chunked_scan(x, time_steps(rows), A, B, C, chunk, ssm[0].float())
+        y = y + D.float()[:, None] * x
+        out[rows] = y.reshape(y.shape[0], -1)
+        _write_states(first, second, block, final[None], inputs[None, :, 1 - kernel:], shapes)
+    return out[None]
+
+
+def _mamba2_mixer_shape(xbc, dt, conv_weight, conv_bias, dt_bias, A_log, D, first, second,
+                        group, groups, head_dim, state_size, chunk, ssm_dtype, conv_dtype):
+    return xbc.new_empty((1, xbc.shape[1], A_log.shape[0] * head_dim), dtype=torch.float32)
+
+
+# The op writes the states of the forward's segments in place (a!, b!): a
+# compiler orders every read of those pages after the write.
+mamba2_mixer = ops.define(
+    "mamba2_mixer(Tensor xbc, Tensor dt, Tensor conv_weight, Tensor? conv_bias, "
+    "Tensor dt_bias, Tensor A_log, Tensor D, Tensor(a!) first, Tensor(b!) second, "
+    "Tensor group, int groups, int head_dim, int state_size, int chunk, "
+    "ScalarType ssm_dtype, ScalarType conv_dtype) -> Tensor",
+    _mamba2_mixer, _mamba2_mixer_shape)
+
+
+class PagedMamba2(nn.Module):
+    """FMS's Mamba2 mixer (``fms.modules.ssm.SSM``: its weights and
+    submodules) with its state in vLLM's paged KV cache: forward(x, state)
+    with ``state`` = (first, second, group), the layer's pages
+    (``state_page_views``) and the index of its KV cache group among the
+    recurrent ones ([1] int64)."""
+
+    def __init__(self, ssm: nn.Module):
+        super().__init__()
+        if ssm.activation not in ("silu", "swish"):
+            raise ValueError(f"vllm-accel runs Mamba2 layers with a SiLU convolution "
+                             f"activation, not {ssm.activation!r}")
+        if tuple(ssm.time_step_limit) != (0.0, float("inf")):
+            raise ValueError("vllm-accel runs Mamba2 layers without a time step limit")
+        self.in_proj, self.conv1d, self.norm, self.out_proj = (
+            ssm.in_proj, ssm.conv1d, ssm.norm, ssm.out_proj)
+        self.dt_bias, self.A_log, self.D = ssm.dt_bias, ssm.A_log, ssm.D
+        self.heads, self.head_dim = ssm.nheads, ssm.head_dim
+        self.groups, self.state_size = ssm.n_groups, ssm.ssm_state_size
+        self.intermediate_size, self.conv_dim = ssm.intermediate_size, ssm.conv_dim
+        self.conv_kernel, self.chunk_size = ssm.conv_kernel_size, ssm.chunk_size
+        # The state's dtypes (set by the runner from vLLM's cache config).
+        self.ssm_dtype = self.conv_dtype = ssm.dt_bias.dtype
+
+    def state_shapes(self) -> StateShapes:
+        return StateShapes(self.heads, self.head_dim, self.state_size, self.conv_dim,
+                           self.conv_kernel, self.ssm_dtype, self.conv_dtype)
+
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [1, tokens, emb] -> [1, tokens, emb]."""
+        gate, xbc, dt = self.in_proj(x).split(
+            [self.intermediate_size, self.conv_dim, self.heads], dim=-1)
+        first, second, group = state
+        y = mamba2_mixer(
+            xbc, dt, self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias, self.A_log,
+            self.D, first, second, group, self.groups, self.head_dim, self.state_size,
+            self.chunk_size, self.ssm_dtype, self.conv_dtype)
+        return self.out_proj(self.norm(y, gate).to(x.dtype))
+
+
+def recurrent_mixers(model: nn.Module) -> dict[int, PagedMamba2]:
+    """Layer index -> its paged Mamba2 mixer, for the layers of ``model``'s
+    decoder (``base_model.layers``) that keep recurrent state."""
+    mixers = {}
+    for index, layer in enumerate(model.base_model.layers):
+        found = [m for m in layer.modules() if isinstance(m, PagedMamba2)]
+        if found:
+            mixers[index] = found[0]
+    return mixers
