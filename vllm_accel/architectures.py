@@ -156,9 +156,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 # Architectures FMS maps (its HF registry) that the runner cannot execute
 # yet, with the layer kinds it lacks for them: what FMS's registry cannot say.
 MISSING_LAYER_KINDS: dict[str, str] = {
-    "GptOssForCausalLM": "mixture of experts, attention sinks, sliding-window attention",
+    "GptOssForCausalLM": ("attention sinks, windowed and full-attention layers mixed, "
+                          "experts with biases and a clamped SwiGLU"),
     "GraniteMoeHybridForCausalLM": "recurrent state (Mamba2), mixture of experts",
-    "GraniteSWAForCausalLM": "sliding-window attention",
+    "GraniteSWAForCausalLM": "attention sinks, windowed and full-attention layers mixed",
     "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",
     "BertForMaskedLM": "pooling (encoder-only models)",
