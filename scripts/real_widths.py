@@ -56,13 +56,17 @@ CONFIGS = {
 }
 
 
-def write_checkpoint(name: str, out: Path, dtype) -> Path:
+def write_checkpoint(name: str, out: Path, dtype, layers: int | None = None) -> Path:
     import torch
     import transformers
 
     from vllm_accel.testing.tiny_models import CHAT_TEMPLATE, _save_tokenizer, build_tokenizer
 
     config_class, fields, cut = CONFIGS[name]
+    if layers is not None:  # a deeper or shallower cut (Mamba2 layer kinds stay as listed)
+        cut = {**cut, "num_hidden_layers": layers}
+        if "layer_types" in cut:
+            cut["layer_types"] = cut["layer_types"][:layers]
     config = getattr(transformers, config_class)(**{**fields, **cut})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -110,12 +114,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--layers", type=int, help="the depth cut (default: each entry's)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     results = {}
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            path = write_checkpoint(name, Path(tmp) / name, dtype)
+            path = write_checkpoint(name, Path(tmp) / name, dtype, args.layers)
             vocab = CONFIGS[name][1]["vocab_size"]
             gen = torch.Generator().manual_seed(1)
             prompts = torch.randint(1000, vocab - 1, (2, 40), generator=gen).tolist()
