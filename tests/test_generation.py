@@ -2,7 +2,8 @@
 (float32), through vLLM's offline API: single prompts, batches, chunked
 prefill, prefix caching and requests that arrive while others decode; and
 for a model whose layers keep recurrent state (Bamba's Mamba2), requests
-preempted and computed again."""
+preempted and computed again. The Mamba2 hybrids (Bamba, a dense Granite 4)
+run with prefix caching off (documented), which their prefix test asserts."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> lis
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.fixture(scope="module",
-                params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3", "bamba"])
+@pytest.fixture(scope="module", params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3",
+                                        "bamba", "granitemoehybrid"])
 def arch_llm(request, tiny_models):
     model_dir = tiny_models[request.param]
     with running_llm(model_dir, disable_log_stats=False, **ENGINE_OPTIONS) as llm:

@@ -38,8 +38,9 @@ class Architecture:
     # checkpoint's HF config (fms_config_overrides).
     fms_overrides: tuple[tuple[str, object], ...] = ()
     # Layers that keep recurrent state (Mamba2): the state's dimensions, from
-    # the checkpoint's HF config (None: every layer attends).
-    recurrent_state: Callable[[Any], Mamba2Dims] | None = None
+    # the checkpoint's HF config (None, or a config without such layers:
+    # every layer attends).
+    recurrent_state: Callable[[Any], Mamba2Dims | None] | None = None
     # "module:function" swapping the stateful layers of a loaded FMS model
     # for ones over vLLM's paged state (None: none to swap).
     paged_layers: str | None = None
@@ -47,6 +48,10 @@ class Architecture:
     @property
     def name(self) -> str:
         return self.hf_names[0]
+
+    def recurrent_dims(self, hf_config) -> Mamba2Dims | None:
+        """The state of this checkpoint's recurrent layers; None: it has none."""
+        return None if self.recurrent_state is None else self.recurrent_state(hf_config)
 
     def fms_config_overrides(self, hf_config) -> dict[str, object]:
         """``fms_overrides`` for this checkpoint: keyword arguments of FMS's ``get_model``."""
@@ -84,8 +89,12 @@ class Mamba2Dims:
         return self.intermediate + 2 * self.groups * self.state_size
 
 
-def _mamba2_dims(hf_config) -> Mamba2Dims:
-    """Bamba's and Granite 4's config fields (those vLLM's own models read)."""
+def _mamba2_dims(hf_config) -> Mamba2Dims | None:
+    """Bamba's and Granite 4's config fields (those vLLM's own models read);
+    None where no layer is a Mamba2 one (transformers names them
+    "linear_attention" in ``layer_types``, older configs "mamba")."""
+    if not {"linear_attention", "mamba"} & set(hf_config.layer_types or ()):
+        return None
     return Mamba2Dims(
         heads=hf_config.mamba_n_heads, head_dim=hf_config.mamba_d_head,
         groups=hf_config.mamba_n_groups, state_size=hf_config.mamba_d_state,
@@ -130,6 +139,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                                 ("max_expected_seq_len", _max_positions)),
                  recurrent_state=_mamba2_dims,
                  paged_layers="vllm_accel.model.bamba:page_recurrent_layers"),
+    # Granite 4: Mamba2 and attention layers (or attention only), dense
+    # (num_local_experts 0; mixture of experts is refused, check_layer_kinds).
+    # FMS maps it to its Granite, which has no Mamba2 layers: our port.
+    Architecture(("GraniteMoeHybridForCausalLM",), "granitemoehybrid",
+                 fms_port="vllm_accel.model.granite_moe_hybrid:FMS_PORT",
+                 recurrent_state=_mamba2_dims),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -153,7 +168,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 MISSING_LAYER_KINDS: dict[str, str] = {
     "MixtralForCausalLM": "mixture of experts",
     "GptOssForCausalLM": "mixture of experts, attention sinks, sliding-window attention",
-    "GraniteMoeHybridForCausalLM": "recurrent state (Mamba2), mixture of experts",
     "GraniteSWAForCausalLM": "sliding-window attention",
     "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",
@@ -185,10 +199,17 @@ def find_architecture(hf_names: list[str] | None) -> Architecture:
 
 def check_layer_kinds(hf_config) -> None:
     """Fail, naming the setting, for a config that asks for a layer kind the
-    runner does not execute yet. Sliding-window attention runs where every
+    runner does not execute yet: mixture of experts (a Granite 4 with
+    experts; its dense form is served). Sliding-window attention runs where every
     layer has the same window (``sliding_window``); a config whose
     ``layer_types`` mix windowed and full-attention layers needs a KV cache
     group per kind, which the runner does not keep yet."""
+    experts = getattr(hf_config, "num_local_experts", 0) or 0
+    if experts:
+        raise ValueError(
+            f"vllm-accel does not run mixture-of-experts layers yet: "
+            f"{hf_config.architectures[0]}'s config has num_local_experts={experts}. "
+            f"Allowed: 0 (dense).")
     kinds = set(getattr(hf_config, "layer_types", None) or ())
     if getattr(hf_config, "sliding_window", None) and len(kinds & _ATTENTION_KINDS) > 1:
         raise ValueError(

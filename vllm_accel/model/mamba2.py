@@ -315,6 +315,26 @@ class PagedMamba2(nn.Module):
         return self.out_proj(self.norm(y, gate).to(x.dtype))
 
 
+class Mamba2Block(nn.Module):
+    """A pre-norm decoder block around a ``PagedMamba2`` (Bamba's, Granite
+    4's): norm, mixer, residual, norm, MLP, residual, each branch scaled by
+    ``residual_multiplier`` (Granite's; 1 for Bamba). Called as FMS's
+    headless models call their blocks; its ``past_key_value_state`` is the
+    layer's paged state."""
+
+    def __init__(self, ln: nn.Module, mixer: PagedMamba2, ff_ln: nn.Module,
+                 ff_sub_layer: nn.Module, residual_multiplier: float = 1.0):
+        super().__init__()
+        self.ln, self.mixer, self.ff_ln, self.ff_sub_layer = ln, mixer, ff_ln, ff_sub_layer
+        self.residual_multiplier = residual_multiplier
+
+    def forward(self, x, *, position_ids=None, past_key_value_state=None, use_cache=False,
+                **kwargs):
+        x = x + self.mixer(self.ln(x), past_key_value_state) * self.residual_multiplier
+        x = x + self.ff_sub_layer(self.ff_ln(x)) * self.residual_multiplier
+        return (x, past_key_value_state) if use_cache else x
+
+
 def recurrent_mixers(model: nn.Module) -> dict[int, PagedMamba2]:
     """Layer index -> its paged Mamba2 mixer, for the layers of ``model``'s
     decoder (``base_model.layers``) that keep recurrent state."""
