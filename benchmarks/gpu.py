@@ -38,8 +38,18 @@ from pathlib import Path
 
 import torch
 
-SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-             num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
+# The model shapes (random weights): ``--shape``.
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=32000),
+    # TinyLlama-1.1B's published widths.
+    "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                      num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),
+    # Llama-3.1-8B's published widths.
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+}
+SHAPE = SHAPES["1b"]  # main() sets the chosen one
 NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 64, 128, 64
 MIN_TIMED_S = 10.0
 
@@ -291,7 +301,8 @@ def profile_decode(model: Path, prompts: list[list[int]], cache: Path) -> None:
     shutdown(llm)
 
 
-def gpu_profile(model: Path, prompts: list[list[int]], cache: Path) -> None:
+def gpu_profile(model: Path, prompts: list[list[int]], cache: Path,
+                output_len: int | None = None) -> None:
     """Where one throughput batch's time goes (torch profiler, engine core in
     this process): wall time against the GPU's busy time, the kernels that
     take it and the host functions around them."""
@@ -302,6 +313,8 @@ def gpu_profile(model: Path, prompts: list[list[int]], cache: Path) -> None:
     llm = engine(model, cache, True, enable_prefix_caching=False)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = params_like_hf()
+    if output_len is not None:
+        params.max_tokens = output_len
     for _ in range(2):
         llm.generate(requests, params, use_tqdm=False)
     torch.cuda.synchronize()
@@ -313,8 +326,10 @@ def gpu_profile(model: Path, prompts: list[list[int]], cache: Path) -> None:
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events
                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"gpu_profile: wall {wall * 1e3:.1f} ms, kernels {gpu_us / 1e3:.1f} ms "
-          f"({100 * gpu_us / 1e6 / wall:.0f} % busy), {NUM_PROMPTS * OUTPUT_LEN / wall:.0f} tok/s")
+          f"({100 * gpu_us / 1e6 / wall:.0f} % busy), {kernels} kernel runs, "
+          f"{len(prompts) * params.max_tokens / wall:.0f} tok/s")
     print(events.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
     print_host_profile(llm, requests, params)
@@ -322,7 +337,8 @@ def gpu_profile(model: Path, prompts: list[list[int]], cache: Path) -> None:
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
-def host_split(model: Path, prompts: list[list[int]], cache: Path, batches: int = 5) -> dict:
+def host_split(model: Path, prompts: list[list[int]], cache: Path, batches: int = 5,
+               output_len: int | None = None) -> dict:
     """Where an engine step's wall time goes on the host (engine core in this
     process, throughput batches): mean microseconds per step in vLLM's
     scheduler, in our runner (and the parts of it: layout, input copy, graph
@@ -367,11 +383,13 @@ def host_split(model: Path, prompts: list[list[int]], cache: Path, batches: int 
     timed(model_runner, "pack_step", "execute_model.pack_step")
     timed(model_runner, "tokens_in_flight", "execute_model.tokens_in_flight")
     timed(ForwardInputs, "send", "execute_model.send")
-    timed(runner, "_sample", "sample_tokens.vllm_sampler")
-    timed(runner, "_append_tokens", "sample_tokens.append_tokens")
+    timed(model_runner, "sample", "sample_tokens.vllm_sampler")
+    timed(runner.requests, "append_tokens", "sample_tokens.append_tokens")
     timed(InFlightOutput, "__init__", "sample_tokens.in_flight_output")
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = params_like_hf()
+    if output_len is not None:
+        params.max_tokens = output_len
     llm.generate(requests, params, use_tqdm=False)
     seconds.clear()
     calls.clear()
@@ -388,11 +406,102 @@ def host_split(model: Path, prompts: list[list[int]], cache: Path, batches: int 
     return out
 
 
+PEER_SCRIPT = """
+import json, os, statistics, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+model, prompts, output_len, options = json.loads(sys.argv[1])
+llm = LLM(model=model, dtype="bfloat16", max_model_len=512, max_num_seqs=len(prompts),
+          gpu_memory_utilization=0.35, seed=0, enable_prefix_caching=False, **options)
+params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+llm.generate(requests, params, use_tqdm=False)
+rates = []
+for _ in range(3):
+    runs, started = 0, time.perf_counter()
+    while time.perf_counter() - started < 10:
+        llm.generate(requests, params, use_tqdm=False)
+        runs += 1
+    rates.append(runs * len(prompts) * output_len / (time.perf_counter() - started))
+one = [TokensPrompt(prompt_token_ids=prompts[0][:16])]
+def seconds(n):
+    started = time.perf_counter()
+    llm.generate(one, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - started
+seconds(8)
+steps = sorted((seconds(264) - seconds(8)) / 256 for _ in range(3))
+print("PEER_RESULT", json.dumps({"output_tok_s": rates, "batch_1_step_s": steps}), flush=True)
+"""
+
+
+def vllm_gpu_peer(model: Path, prompts: list[list[int]]) -> dict:
+    """vLLM's own GPU model runner from the same vLLM build (no platform
+    plugin: VLLM_PLUGINS empty), CUDA graphs, the same max_num_seqs and dtype,
+    its custom ops on their native (PyTorch) paths and its Triton attention
+    backend, as the pure-Python build has no compiled ``_C`` ops. In its own
+    process; returns its figures, or the error that stopped it."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VLLM_PLUGINS="", VLLM_ATTENTION_BACKEND="TRITON_ATTN")
+    options = {"compilation_config": {"custom_ops": ["none"]}}
+    argument = json.dumps([str(model), prompts, OUTPUT_LEN, options])
+    done = subprocess.run([sys.executable, "-c", PEER_SCRIPT, argument], env=env,
+                          capture_output=True, text=True, timeout=540)
+    for line in done.stdout.splitlines():
+        if line.startswith("PEER_RESULT "):
+            figures = json.loads(line.removeprefix("PEER_RESULT "))
+            return {"output_tok_s": summary(figures["output_tok_s"]),
+                    "batch_1_step_s": summary(figures["batch_1_step_s"])}
+    log = (done.stdout + done.stderr).splitlines()
+    errors = [line for line in log if "Error" in line or "error" in line]
+    return {"failed": True, "returncode": done.returncode, "errors": errors[-15:],
+            "tail": log[-40:]}
+
+
+def hf_static_compiled(model: Path, prompts: list[list[int]]) -> dict:
+    """transformers' own static-cache generate, compiled by generate itself
+    (a static cache makes it compile the decoding forward, its documented
+    path), at batch 1 and the workload's batch: output tok/s, or the error."""
+    from transformers import AutoModelForCausalLM, CompileConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+    out = {}
+    for label, compile_config in (("reduce_overhead", CompileConfig(mode="reduce-overhead")),
+                                  ("default_mode", CompileConfig(mode="default"))):
+        for batch in (1, NUM_PROMPTS):
+            ids = torch.tensor(prompts[:batch], device="cuda")
+
+            def run():
+                with torch.no_grad():
+                    hf.generate(ids, attention_mask=torch.ones_like(ids),
+                                max_new_tokens=OUTPUT_LEN, min_new_tokens=OUTPUT_LEN,
+                                do_sample=False, pad_token_id=0, cache_implementation="static",
+                                compile_config=compile_config)
+            try:
+                run()
+                run()
+                seconds, _ = timed(run)
+                out[f"{label}_batch_{batch}_tok_s"] = batch * OUTPUT_LEN / seconds
+            except Exception as error:  # the peer's failure is the figure
+                out[f"{label}_batch_{batch}_error"] = f"{type(error).__name__}: {error}"[:500]
+            print("hf_static", label, batch, out, flush=True)
+    del hf
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
+    global SHAPE, OUTPUT_LEN
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="gpu_results.json")
-    parser.add_argument("--parts", default="throughput,floor,start,vision")
+    parser.add_argument("--parts", default="throughput,floor,start,vision",
+                        help="any of throughput, floor, start, vision, peers (vLLM's GPU "
+                             "runner, HF's compiled static-cache generate), profile, "
+                             "gpu_profile, host_split")
+    parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     parser.add_argument("--variants", default=",".join(v[0] for v in VARIANTS),
                         help="throughput variants: CUDA graphs or not, async scheduling "
                              "(on) or not (_sync)")
@@ -400,10 +509,12 @@ def main() -> None:
                         help="engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
                              "no overlap of vLLM's output processing with the engine's steps")
     args = parser.parse_args()
+    SHAPE, OUTPUT_LEN = SHAPES[args.shape], args.output_len
     parts = args.parts.split(",")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "shape": args.shape, "workload": f"{NUM_PROMPTS} x ({PROMPT_LEN}/{OUTPUT_LEN})",
                "engine_core": "in process" if args.in_process else "own process (vLLM's default)"}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -418,12 +529,21 @@ def main() -> None:
         if "throughput" in parts:
             results.update(throughput(model, prompts, args.rounds, root / "cache",
                                        args.variants.split(",")))
+        if "peers" in parts:
+            results["vllm_gpu_runner"] = vllm_gpu_peer(model, prompts)
+            print("vllm_gpu_runner", json.dumps(results["vllm_gpu_runner"]), flush=True)
+            results["hf_static_compiled"] = hf_static_compiled(model, prompts)
         if "profile" in parts:
             profile_decode(model, prompts, root / "cache")
         if "gpu_profile" in parts:
             gpu_profile(model, prompts, root / "cache")
+        if "gpu_profile_1" in parts:  # one request decoding
+            gpu_profile(model, prompts[:1], root / "cache", output_len=256)
         if "host_split" in parts:
             results["host_split"] = host_split(model, prompts, root / "cache")
+        if "host_split_1" in parts:  # one request decoding: the batch-1 step
+            results["host_split_1"] = host_split(model, prompts[:1], root / "cache",
+                                                 batches=3, output_len=256)
         if "vision" in parts:
             results["vision"] = vision_ttft_llava(root)
             print("vision", results["vision"], flush=True)

@@ -105,7 +105,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--models", default=",".join(
+        name for name, shape in SHAPES.items() if "num_local_experts" not in shape))
     parser.add_argument("--layers", type=int, default=1,
                         help="decoder layers per call, each its own weights")
     args = parser.parse_args()

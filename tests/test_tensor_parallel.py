@@ -44,7 +44,8 @@ def _prefix_cache_hits(llm) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
 
 
-@pytest.fixture(scope="module", params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3",
+                                              "mixtral"])
 def tp_llm(request, tiny_models):
     """A TP=2 engine. The engine core stays in this process (conftest), its two
     workers are processes of vLLM's multiprocessing executor."""

@@ -52,6 +52,12 @@ def test_files_and_keys(ckpt):
                 "transformer.h.3.attn.c_attn.weight", "transformer.ln_f.bias"} <= set(sd)
         assert len(sd) == 4 + 4 * 12  # wte, wpe, final norm (2), 12 tensors per layer
         return
+    if arch == "mixtral":  # a router and 4 experts (w1, w2, w3 each) in place of the MLP
+        assert {"model.layers.3.block_sparse_moe.gate.weight",
+                "model.layers.3.block_sparse_moe.experts.3.w2.weight"} <= set(sd)
+        assert not any(".mlp." in key for key in sd)
+        assert len(sd) == 2 + 1 + 4 * (6 + 1 + 4 * 3)
+        return
     if arch == "bamba":  # Mamba2 in layers 0, 2, 3; attention in layer 1
         assert {"model.embed_tokens.weight", "model.final_layernorm.weight", "lm_head.weight",
                 "model.layers.0.mamba.A_log", "model.layers.3.mamba.conv1d.weight",
@@ -104,21 +110,25 @@ def test_cli(tmp_path, capsys):
 def test_fms_matches_hf(ckpt, hf_model, tokenizer, caplog):
     from fms.models import get_model
 
-    from vllm_accel.architectures import by_model_type
+    from vllm_accel.architectures import by_model_type, load_object
+    from vllm_accel.model.ports import register_port
 
     arch, path = ckpt
-    if by_model_type(arch).fms_port is not None:
+    entry = by_model_type(arch)
+    if entry.fms_port is not None and entry.recurrent_state is not None:
         pytest.skip("our FMS port (its Mamba2 layers run over vLLM's paged state, inside an "
                     "engine): tests/test_generation.py compares it with HF")
+    if entry.fms_port is not None:  # FMS's own class, loaded our way (Mixtral)
+        register_port(load_object(entry.fms_port))
     with caplog.at_level(logging.WARNING):
         fms_model = get_model(
             "hf_pretrained", model_path=str(path), device_type="cpu", data_type=torch.float32,
-            **by_model_type(arch).fms_config_overrides(hf_model.config)).eval()
+            **entry.fms_config_overrides(hf_model.config)).eval()
     # FMS logs (and otherwise ignores) checkpoint keys it could not place.
     assert "not copied into model" not in caplog.text
 
     # Every parameter must come from the checkpoint: FMS fuses q/k/v and
-    # gate/up, so compare total sizes plus a couple of tensors directly.
+    # gate/up (stacks experts), so compare total sizes plus a couple of tensors directly.
     sd = load_file(path / "model.safetensors")
     fms_params = dict(fms_model.named_parameters())  # a tied head once
     assert sum(t.numel() for t in fms_params.values()) == sum(t.numel() for t in sd.values())
@@ -134,6 +144,8 @@ def test_fms_matches_hf(ckpt, hf_model, tokenizer, caplog):
     # Token 0 (the pad token) inside a prompt computes as any token in HF
     # (FMS's GPT-BigCode zeroed its position embedding: fms_overrides).
     ids = torch.cat([ids[:, :3], torch.tensor([[0]]), ids[:, 3:]], dim=1)
+    # FMS's own attention has no window (the engine's op applies it): within it.
+    ids = ids[:, : getattr(hf_model.config, "sliding_window", None) or ids.shape[1]]
     with torch.no_grad():
         hf_logits = hf_model(ids).logits
         # Both FMS Granite and HF GraniteForCausalLM already divide by
@@ -143,6 +155,34 @@ def test_fms_matches_hf(ckpt, hf_model, tokenizer, caplog):
     torch.testing.assert_close(fms_logits, hf_logits, atol=1e-4, rtol=1e-4)
     # Logits are not flat.
     assert hf_logits[0, -1].std() > 0.5
+
+
+def test_router_choices_are_clear(ckpt, hf_model):
+    """Mixtral's fixture routes each token to 2 of 4 experts: the 2nd and 3rd
+    router logits stay far apart compared with float32 rounding, so that
+    implementations that differ in the last bits pick the same experts
+    (tiny_models.ROUTER_STD)."""
+    import random
+
+    if ckpt[0] != "mixtral":
+        pytest.skip("no experts")
+    gaps = []
+
+    def record(module, args, output):
+        top = output[0].topk(3, dim=-1).values  # the router's logits first
+        gaps.append(top[:, 1] - top[:, 2])
+
+    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in hf_model.model.layers]
+    rng = random.Random(0)
+    try:
+        with torch.no_grad():
+            for length in (1, 7, 33, 100, 300):
+                ids = torch.tensor([[rng.randrange(6, 384) for _ in range(length)]])
+                hf_model.generate(ids, max_new_tokens=16, do_sample=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.cat(gaps).min() > 1e-4
 
 
 def test_greedy_generation_varied(ckpt, hf_model, tokenizer):

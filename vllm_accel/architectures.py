@@ -23,8 +23,9 @@ from typing import Any
 class Architecture:
     hf_names: tuple[str, ...]  # HF config.architectures values
     model_type: str  # HF config.model_type (also the tiny test fixture's name)
-    # "module:FMS_PORT" of our FMS-style port (model/ports.FmsPort); None when
-    # FMS has the model itself.
+    # "module:FMS_PORT" of our FMS-style port (model/ports.FmsPort): a model
+    # FMS lacks, or FMS's own class where FMS cannot load the HF checkpoint
+    # (Mixtral); None when FMS loads the model itself.
     fms_port: str | None = None
     # "module:Class" of the vision adapter (mm_mappings); None for text models.
     vision_adapter: str | None = None
@@ -128,6 +129,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # sets 1).
     Architecture(("Qwen3ForCausalLM",), "qwen3", tensor_parallel=True,
                  fms_overrides=(("rope_theta", _rope_theta), ("multiple_of", 1))),
+    # FMS's own model class, through our port of its loading (model/mixtral.py);
+    # its experts run as model/experts.py computes them.
+    Architecture(("MixtralForCausalLM",), "mixtral", fms_port="vllm_accel.model.mixtral:FMS_PORT",
+                 tensor_parallel=True),
     # Mamba2 layers, attention in attn_layer_indices. FMS's param builder
     # leaves out which layers attend (FMS's default: none), the rotary base
     # and the rotary table's length (FMS's default 262144 positions); its
@@ -166,9 +171,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 # Architectures FMS maps (its HF registry) that the runner cannot execute
 # yet, with the layer kinds it lacks for them: what FMS's registry cannot say.
 MISSING_LAYER_KINDS: dict[str, str] = {
-    "MixtralForCausalLM": "mixture of experts",
-    "GptOssForCausalLM": "mixture of experts, attention sinks, sliding-window attention",
-    "GraniteSWAForCausalLM": "sliding-window attention",
+    "GptOssForCausalLM": ("attention sinks, windowed and full-attention layers mixed, "
+                          "experts with biases and a clamped SwiGLU"),
+    "GraniteSWAForCausalLM": "attention sinks, windowed and full-attention layers mixed",
     "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",
     "BertForMaskedLM": "pooling (encoder-only models)",
@@ -205,7 +210,7 @@ def check_layer_kinds(hf_config) -> None:
     ``layer_types`` mix windowed and full-attention layers needs a KV cache
     group per kind, which the runner does not keep yet."""
     experts = getattr(hf_config, "num_local_experts", 0) or 0
-    if experts:
+    if experts and hf_config.architectures[0] == "GraniteMoeHybridForCausalLM":
         raise ValueError(
             f"vllm-accel does not run mixture-of-experts layers yet: "
             f"{hf_config.architectures[0]}'s config has num_local_experts={experts}. "

@@ -36,6 +36,8 @@ in place: ``torch._dynamo.guards.CheckFunctionManager`` and the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -88,26 +90,79 @@ def compile_sampler_logprob_ranks(vocab_size: int) -> None:
         batched_count_greater_than(logprobs, values)
 
 
+@dataclass(frozen=True)
+class SplitKvScratch:
+    """The scratch of vLLM's Triton attention for its split-KV (3-D) launch:
+    each query's KV range cut into ``segments`` attended in parallel, then
+    merged. Few sequences then fill the GPU (one decode: 16 times the
+    one-pass launch's blocks). Shared by every layer (they run in turn)."""
+
+    output: object  # [rows, heads, segments, head_dim_padded] float32
+    max: object  # [rows, heads, segments] float32
+    expsum: object  # [rows, heads, segments] float32
+    # The launch splits while sequences x query blocks stay at most this many:
+    # vLLM's backend's (its 2-D launch's smallest grid over the KV heads).
+    max_query_blocks: int
+    segments: int = 16
+
+    @classmethod
+    def allocate(cls, heads: int, kv_heads: int, head_dim: int, device):
+        import torch
+        from vllm.v1.attention.ops.triton_unified_attention import MAX_3D_QUERY_LEN
+
+        # Only forwards of at most MAX_3D_QUERY_LEN tokens split: so many rows.
+        rows, padded = MAX_3D_QUERY_LEN, 1 << (head_dim - 1).bit_length()
+        new = lambda *shape: torch.empty(shape, dtype=torch.float32, device=device)
+        return cls(new(rows, heads, cls.segments, padded), new(rows, heads, cls.segments),
+                   new(rows, heads, cls.segments), max(1, 128 // kv_heads))
+
+
 def triton_paged_attention(query, key_cache, value_cache, out, query_start, seq_lens,
-                           block_table, scale: float, window: int = 0) -> None:
+                           block_table, scale: float, window: int = 0,
+                           split: SplitKvScratch | None = None) -> None:
     """Causal attention of every sequence of a forward in one launch of vLLM's
     Triton kernel (its Triton attention backend's), into ``out``: query/out
     [tokens, heads, dim]; caches [blocks, block_size, kv_heads, dim];
     query_start [rows + 1], seq_lens [rows], block_table [rows, width], int32;
     ``window``: a query sees its last ``window`` keys (0: all).
-    Without split-K scratch buffers it always takes its one-pass (2-D) path,
-    whose launch depends on the tensors' shapes only: the maximum lengths it
-    asks for do not matter then (but for a tuning of head size 256 on
-    Blackwell GPUs, which a longest query above one switches on)."""
+    The launch depends on the tensors' shapes only (so a CUDA graph per token
+    bucket holds it): the longest query it is told is the forward's token
+    count. With ``split``, forwards of few tokens (decodes) take the split-KV
+    launch, as vLLM's backend decides it from those shapes."""
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
+    scratch = {} if split is None else dict(
+        seq_threshold_3D=split.max_query_blocks, num_par_softmax_segments=split.segments,
+        softmax_segm_output=split.output, softmax_segm_max=split.max,
+        softmax_segm_expsum=split.expsum)
     unified_attention(
         q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=query_start,
         max_seqlen_q=query.shape[0], seqused_k=seq_lens,
         max_seqlen_k=block_table.shape[1] * key_cache.shape[1], softmax_scale=scale,
         causal=True,
         window_size=(window - 1, 0) if window else (-1, -1), block_table=block_table, softcap=0,
-        q_descale=None, k_descale=None, v_descale=None)
+        q_descale=None, k_descale=None, v_descale=None, **scratch)
+
+
+_unit_scales: dict = {}
+
+
+def triton_store_kv(key, value, key_cache, value_cache, slots) -> None:
+    """Write key/value [tokens, kv_heads, dim] into their cache slots in one
+    launch of vLLM's Triton kernel (two index_copy_ launches otherwise)."""
+    import torch
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
+        triton_reshape_and_cache_flash,
+    )
+
+    # Read only for an fp8 cache: unit scales, made once (not while a CUDA
+    # graph captures).
+    scale = _unit_scales.get(key.device)
+    if scale is None:
+        scale = _unit_scales[key.device] = torch.ones((), dtype=torch.float32,
+                                                      device=key.device)
+    triton_reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto",
+                                   scale, scale)
 
 
 def mamba2_state_dtypes(model_dtype, cache_config):

@@ -112,9 +112,10 @@ class FmsCausalLM(nn.Module):
         attn = next(m for m in fms_model.base_model.layers.modules()
                     if isinstance(m, MultiHeadAttention))
         self.num_kv_heads: int = attn.kvheads
+        self.num_heads: int = attn.nheads  # this rank's query heads
         # A head's width as the attention computes it (not always hidden / heads).
         self.head_dim: int = attn.emb_kq_per_head
-        self.hidden_size: int = config.emb_dim
+        self.hidden_size: int = getattr(config, "emb_dim", None) or config.dim  # FMS names vary
         # FMS shards the head for some architectures (a TP module), not for these.
         self.head_replicated: bool = not isinstance(fms_model.head, TPModule)
         # Granite divides its logits by this; other models have no such field.

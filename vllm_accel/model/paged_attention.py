@@ -105,6 +105,8 @@ class PagedAttentionMetadata:
     # is longer than the window (else the window changes nothing for them).
     window: int = 0
     decodes_outrun_window: bool = False
+    # cuda: the Triton kernel's split-KV scratch (forwards of few tokens).
+    split_kv: compat.SplitKvScratch | None = None
 
     @property
     def tokens(self) -> int:
@@ -131,7 +133,7 @@ class PagedAttentionMetadata:
              for c in self.prefills],
             None if table is None else SequenceTable(
                 copy(table.query_start), copy(table.seq_lens), copy(table.block_table)),
-            self.window, self.decodes_outrun_window,
+            self.window, self.decodes_outrun_window, self.split_kv,
         )
 
 
@@ -162,6 +164,16 @@ def _paged_attention(
     context = get_forward_context()
     md = context.attention
     assert md is not None, "paged_attention runs inside set_forward_context with a layout"
+    if md.sequences is not None:
+        # Rows past the forward's sequences stay unwritten: padding, which no
+        # real row reads.
+        out = query.new_empty(query.shape)
+        table = md.sequences
+        compat.triton_store_kv(key[0], value[0], key_cache, value_cache, md.slot_mapping)
+        compat.triton_paged_attention(
+            query[0].contiguous(), key_cache, value_cache, out[0], table.query_start,
+            table.seq_lens, table.block_table, scale, md.window, md.split_kv)
+        return out
     decode_kernel = context.kernels.decode
     if decode_kernel is None or not decode_kernel.store(key[0], value[0], key_cache,
                                                          value_cache, md.slot_mapping):
@@ -169,13 +181,6 @@ def _paged_attention(
         key_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, key[0])
         value_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0])
 
-    if md.sequences is not None:
-        out = query.new_zeros(query.shape)
-        table = md.sequences
-        compat.triton_paged_attention(
-            query[0].contiguous(), key_cache, value_cache, out[0], table.query_start,
-            table.seq_lens, table.block_table, scale, md.window)
-        return out
     # Every row is written below but the padding.
     out = query.new_empty(query.shape)
     out[0, md.tokens:].zero_()

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 # The fixtures this module writes (fixtures.py dispatches every architecture).
-ARCHS = ("llama", "granite", "mistral", "qwen3", "llava_next")
+ARCHS = ("llama", "granite", "mistral", "qwen3", "mixtral", "llava_next")
 
 # Shapes: small enough to build/run in well under a second, but with GQA
 # (4 query heads sharing 2 KV heads) and head_dim 64 so parity tests exercise
@@ -44,6 +44,24 @@ MAX_POS = 2048
 # Qwen3 sets head_dim apart from hidden / heads (Qwen3-0.6B: 1024 / 16 heads of
 # 128); this one is neither 64 (hidden / heads) nor a power of two.
 QWEN3_HEAD_DIM = 96
+
+# Mixtral: a sparse mixture of experts in place of each layer's MLP, each
+# token routed to its top 2 of 4 experts (softmax router, weights renormalized).
+EXPERTS = 4
+EXPERTS_PER_TOKEN = 2
+EXPERT_INTERMEDIATE = 256
+# The router's weight std, chosen so that the top-2 choice is clear. Its
+# logits are weight rows dotted with a normalized hidden state (~1 per element,
+# 256 of them): std 0.25 spreads them over ~4, and a token's 2nd and 3rd
+# logits stay far apart compared with float32 rounding, so implementations
+# that differ in the last bits (HF's matmul, oneDNN's, our kernel's) route
+# every token alike. With HF's init std 0.02 they spread over ~0.3 and the
+# 2nd-3rd gap came within 2e-5 on the tests' prompts: a choice left to
+# rounding. tests/test_tiny_models.py checks the gap.
+ROUTER_STD = 0.25
+# Each fixture's weights come from the seed plus its offset: not Llama's
+# weights under another architecture's name.
+SEED_OFFSETS = {"mistral": 7919, "mixtral": 104_729, "qwen3": 15_485_863}
 
 # std 0.1 (not the usual 0.02) so logits are clearly peaked and greedy
 # decoding wanders through many different tokens instead of repeating one.
@@ -160,7 +178,8 @@ MISTRAL_WINDOW = 40
 
 
 def _hf_config(arch: str, tokenizer):
-    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Qwen3Config
+    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Qwen3Config)
 
     common = dict(
         vocab_size=len(tokenizer),
@@ -194,6 +213,12 @@ def _hf_config(arch: str, tokenizer):
                       rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
         cfg = Qwen3Config(head_dim=QWEN3_HEAD_DIM, use_sliding_window=False, **common)
         cfg.architectures = ["Qwen3ForCausalLM"]
+    elif arch == "mixtral":  # full attention (no sliding window), experts in place of the MLP
+        common["intermediate_size"] = EXPERT_INTERMEDIATE
+        cfg = MixtralConfig(head_dim=HEAD_DIM, sliding_window=None, num_local_experts=EXPERTS,
+                            num_experts_per_tok=EXPERTS_PER_TOKEN, router_jitter_noise=0.0,
+                            **common)
+        cfg.architectures = ["MixtralForCausalLM"]
     else:
         # GraniteConfig has no head_dim argument: it is hidden // heads (= 64).
         cfg = GraniteConfig(**common, **GRANITE_MULTIPLIERS)
@@ -218,12 +243,13 @@ def _unprintable_ids(tokenizer, specials=tuple(SPECIAL_TOKENS)) -> list[int]:
 
 def _random_state_dict(
     vocab: int, seed: int, *, embed_std: float, lm_head_std: float, suppressed: list[int],
-    head_dim: int = HEAD_DIM, qk_norm: bool = False, tied: bool = False,
+    head_dim: int = HEAD_DIM, qk_norm: bool = False, tied: bool = False, experts: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Random weights in HF hub key layout, drawn in a fixed order.
     ``qk_norm``: Qwen3's per-head q/k RMSNorm weights (``head_dim`` wide).
     ``tied``: no ``lm_head`` (the head is the embedding, whose rows of
-    ``suppressed`` tokens are shrunk instead)."""
+    ``suppressed`` tokens are shrunk instead). ``experts``: Mixtral's router
+    and experts in place of each MLP."""
     g = torch.Generator().manual_seed(seed)
 
     def normal(*shape, std=WEIGHT_STD):
@@ -244,6 +270,14 @@ def _random_state_dict(
             sd[p + "self_attn.q_norm.weight"] = norm(head_dim)
             sd[p + "self_attn.k_norm.weight"] = norm(head_dim)
         sd[p + "post_attention_layernorm.weight"] = norm()
+        if experts:
+            sd[p + "block_sparse_moe.gate.weight"] = normal(experts, HIDDEN, std=ROUTER_STD)
+            for e in range(experts):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                sd[q + "w1.weight"] = normal(EXPERT_INTERMEDIATE, HIDDEN)  # gate
+                sd[q + "w2.weight"] = normal(HIDDEN, EXPERT_INTERMEDIATE)  # down
+                sd[q + "w3.weight"] = normal(EXPERT_INTERMEDIATE, HIDDEN)  # up
+            continue
         sd[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
         sd[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
         sd[p + "mlp.down_proj.weight"] = normal(HIDDEN, INTERMEDIATE)
@@ -468,10 +502,6 @@ def _make_llava_next(out: pathlib.Path, *, seed: int, printable_only: bool) -> p
     return out
 
 
-# Added to the seed, so that no two architectures share Llama's weights.
-SEED_OFFSETS = {"mistral": 7919, "qwen3": 104729}
-
-
 def make_tiny_checkpoint(
     arch: str, out_dir: str | os.PathLike, *, seed: int = 0, printable_only: bool = True
 ) -> pathlib.Path:
@@ -508,6 +538,7 @@ def make_tiny_checkpoint(
         lm_head_std=WEIGHT_STD * (GRANITE_MULTIPLIERS["logits_scaling"] if granite else 1.0),
         suppressed=_unprintable_ids(tokenizer) if printable_only else [],
         head_dim=QWEN3_HEAD_DIM if qwen3 else HEAD_DIM, qk_norm=qwen3, tied=qwen3,
+        experts=EXPERTS if arch == "mixtral" else 0,
     )
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

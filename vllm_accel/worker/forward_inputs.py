@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_accel.compat import SplitKvScratch
 from vllm_accel.model.paged_attention import PagedAttentionMetadata, SequenceTable
 from vllm_accel.worker.step_layout import BucketedForward
 
@@ -87,7 +88,8 @@ class ForwardInputs:
     bucket's sequence table rows, ``TableShape.rows``)."""
 
     def __init__(self, bucket: int, rows: int, width: int, position_axes: int,
-                 device: torch.device, window: int = 0):
+                 device: torch.device, window: int = 0,
+                 split_kv: SplitKvScratch | None = None):
         self.bucket, self.rows = bucket, rows
         self._layout = _Layout(bucket, rows, width, position_axes)
         self._buffer = torch.zeros(self._layout.words, dtype=torch.int64, device=device)
@@ -96,7 +98,7 @@ class ForwardInputs:
         self.metadata = PagedAttentionMetadata(
             slot_mapping=views["slots"], num_decodes=0,
             sequences=SequenceTable(views["query_start"], views["seq_lens"],
-                                    views["block_table"]), window=window)
+                                    views["block_table"]), window=window, split_kv=split_kv)
         self.logit_rows = views["logit_rows"]
         self._in_flight = views["in_flight_targets"], views["in_flight_sources"]
         # Pinned host buffers and the event of each one's last copy: the host

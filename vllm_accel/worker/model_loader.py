@@ -1,5 +1,6 @@
 """Loading a model for the runner: the FMS model, our CPU kernels and the
-layers packed for them, the vision adapter and encoder, compiled layers."""
+layers packed for them (mixture-of-experts layers too), the vision adapter and
+encoder, compiled layers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from vllm_accel import kernels
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.kernels import CpuKernels
 from vllm_accel.log import get_logger
-from vllm_accel.model import half_split_rope
+from vllm_accel.model import experts, half_split_rope
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
 from vllm_accel.model.packed_linear import pack_linear_layers
 from vllm_accel.model.saved_graphs import SavedGraphs
@@ -50,6 +51,7 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
     vision = adapter_class(model_config, fms_model) if adapter_class is not None else None
     text_model = fms_model if vision is None else vision.text_model
     cpu_kernels = kernels.load(kernel_dir) if use_kernels else kernels.NO_KERNELS
+    experts.install(fms_model, cpu_kernels.linear)  # mixture-of-experts layers, if any
     if on_cpu:
         packed = pack_linear_layers(fms_model, cpu_kernels.linear, decoder=text_model)
         by_kernel = sum(getattr(m, "by_kernel", False) for m in fms_model.modules())

@@ -35,7 +35,8 @@ from vllm_accel.buckets import (
     token_buckets,
     token_count_costs,
 )
-from vllm_accel.compat import compile_sampler_logprob_ranks, mamba2_state_dtypes
+from vllm_accel.compat import (SplitKvScratch, compile_sampler_logprob_ranks,
+                               mamba2_state_dtypes)
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.forward_context import ForwardContext, set_forward_context
 from vllm_accel.kernels import NO_KERNELS, CpuKernels
@@ -187,10 +188,13 @@ class AccelModelRunner:
                                      self.device, self.dtype, self.model.hidden_size)
         if self.table_shape is not None:
             axes = 3 if self.vision is not None and self.vision.uses_3d_positions else 1
+            model = self.model
+            split_kv = SplitKvScratch.allocate(model.num_heads, model.num_kv_heads,
+                                               model.head_dim, self.device)
             self.forward_inputs = {
                 bucket: ForwardInputs(bucket, self.table_shape.rows(bucket),
                                       self.table_shape.width, axes, self.device,
-                                      self.attention_window)
+                                      self.attention_window, split_kv)
                 for bucket in self.token_buckets}
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:

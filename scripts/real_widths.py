@@ -1,0 +1,139 @@
+"""Published widths, depth cut: does vllm-accel load and generate them?
+
+Each entry below is a published config.json's fields (random weights, written
+offline by HF's own class, fewer layers). The engine loads the checkpoint and
+generates greedily from token ids; HF's own class generates from the same
+ids, and the script prints how many leading tokens agree (bfloat16 and random
+weights: near ties may part them, so agreement is reported, not required).
+
+    .venv/bin/python scripts/real_widths.py [--models mixtral,...] [--device cpu|cuda]
+                                            [--dtype bfloat16|float32] [--tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+# model -> (HF config class name, the published fields, the depth cut)
+CONFIGS = {
+    # Mixtral-8x7B-v0.1
+    "mixtral": ("MixtralConfig", dict(
+        architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
+        num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, rms_norm_eps=1e-5,
+        max_position_embeddings=32768, rope_theta=1e6, sliding_window=None,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2), dict(num_hidden_layers=2)),
+    # granite-4.0-h-tiny: Mamba2 layers, attention in every tenth from the sixth,
+    # 64 experts (top 6) beside a shared MLP in every layer.
+    "granite4_hybrid": ("GraniteMoeHybridConfig", dict(
+        architectures=["GraniteMoeHybridForCausalLM"], hidden_size=1536,
+        intermediate_size=512, shared_intermediate_size=1024, num_local_experts=64,
+        num_experts_per_tok=6, num_attention_heads=12, num_key_value_heads=4,
+        num_hidden_layers=40,
+        layer_types=["attention" if i % 10 == 5 else "mamba" for i in range(40)],
+        mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
+        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, mamba_conv_bias=True,
+        mamba_proj_bias=False, position_embedding_type="nope", vocab_size=100352,
+        embedding_multiplier=12.0, logits_scaling=6.0, residual_multiplier=0.22,
+        attention_multiplier=0.0078125, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        tie_word_embeddings=True, bos_token_id=100257, eos_token_id=100257,
+        pad_token_id=100256),
+        dict(num_hidden_layers=7, layer_types=["mamba"] * 5 + ["attention", "mamba"])),
+    # Bamba-9B: Mamba2 layers, attention in layers 9, 18 and 27.
+    "bamba": ("BambaConfig", dict(
+        architectures=["BambaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
+        attn_layer_indices=[9, 18, 27], mamba_n_heads=128, mamba_d_head=64,
+        mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False,
+        vocab_size=128256, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=262144, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0), dict(num_hidden_layers=3, attn_layer_indices=[1])),
+}
+
+
+def write_checkpoint(name: str, out: Path, dtype) -> Path:
+    import torch
+    import transformers
+
+    from vllm_accel.testing.tiny_models import CHAT_TEMPLATE, _save_tokenizer, build_tokenizer
+
+    config_class, fields, cut = CONFIGS[name]
+    config = getattr(transformers, config_class)(**{**fields, **cut})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+    _save_tokenizer(build_tokenizer(), out, CHAT_TEMPLATE)  # ids are sent directly
+    return out
+
+
+def engine_tokens(path: Path, prompts, tokens: int, dtype: str, device: str) -> tuple:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=256, seed=0,
+              additional_config={"accel": {"device": device}})
+    start_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs], start_s
+
+
+def hf_tokens(path: Path, prompts, tokens: int, dtype, device: str) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        with torch.no_grad():
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                       max_new_tokens=tokens, min_new_tokens=tokens,
+                                       do_sample=False, pad_token_id=0)
+        out.append(generated[0, len(prompt):].tolist())
+    return out
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(CONFIGS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=8)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    results = {}
+    for name in args.models.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_checkpoint(name, Path(tmp) / name, dtype)
+            vocab = CONFIGS[name][1]["vocab_size"]
+            gen = torch.Generator().manual_seed(1)
+            prompts = torch.randint(1000, vocab - 1, (2, 40), generator=gen).tolist()
+            try:
+                ours, start_s = engine_tokens(path, prompts, args.tokens, args.dtype,
+                                              args.device)
+            except Exception as error:  # the failure is the result
+                results[name] = {"error": f"{type(error).__name__}: {error}"[:800]}
+                print(name, json.dumps(results[name]), flush=True)
+                continue
+            hf = hf_tokens(path, prompts, args.tokens, dtype, args.device)
+            agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                     for x, y in zip(ours, hf)]
+            results[name] = {"generated": [len(t) for t in ours], "engine_start_s": start_s,
+                             "leading_tokens_equal_to_hf": agree, "of": args.tokens}
+            print(name, json.dumps(results[name]), flush=True)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

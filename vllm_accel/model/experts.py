@@ -1,0 +1,241 @@
+"""Mixture-of-experts feed-forward layers: FMS's ``MOEFeedForward`` replaced at
+load by ``Experts``, which runs fast on the cpu device, compiles whole (static
+shapes, no graph break) and runs under FMS's tensor parallelism.
+
+What FMS does (ibm-fms 1.13.1, ``fms/modules/feedforward.py``): the router
+(``gate``, softmax in the model's dtype, top-k, weights renormalized) feeds
+``ConditionalFeedForward``, whose two matmuls are FMS's custom op
+``moe::moe_mm``: a Triton kernel on CUDA; on the CPU a loop over every expert
+that picks its rows with a boolean mask (a sum and a host sync per expert),
+after computing a block alignment only the Triton kernel reads. Under tensor
+parallelism FMS's strategy swaps in ``TPConditionalFeedForward`` (each rank
+holds a slice of every expert's intermediate dimension), whose ``forward``
+takes ``(x, expert_indices)`` while ``MOEFeedForward`` calls it with three
+arguments: the first call fails.
+
+``Experts`` keeps FMS's router weights and expert weights (a rank's slice of
+them under TP) and computes:
+
+- the routing in the graph, with static shapes: logits [tokens, experts],
+  softmax in float32 (as HF's classes do), top-k, renormalized weights;
+- on the cpu device, the experts as one opaque op (``vllm_accel::experts``):
+  the routed (token, expert) pairs sorted by expert, each expert multiplying
+  only its own rows, with its weights packed once at load as the linear
+  layers' are (model/packed_linear.py): by our kernel where it runs the
+  dtype (gate and up in one call that stores silu(gate) * up), else oneDNN,
+  else torch's own matmul. The rows that only pad a bucket are not routed
+  (``ForwardContext.live_rows``). The op's output is [tokens, hidden] whatever
+  the routing, so the compiled graph is static; the grouping, whose sizes
+  depend on the routing, happens inside the op, eagerly;
+- elsewhere (cuda), the experts dense in the graph: every expert over every
+  token, scaled by the token's routing weight for it (zero where not
+  routed): no host sync, so CUDA graphs can capture it, at experts / top-k
+  times the arithmetic;
+- under TP each rank computes its slice's partial sums and all-reduces them
+  (the router is whole on every rank: every rank routes alike).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from fms.distributed.tensorparallel import reduce_from_tensor_model_parallel_region
+from fms.modules.feedforward import (
+    ConditionalFeedForward,
+    MOEFeedForward,
+    TPConditionalFeedForward,
+)
+from fms.modules.tp import TPModule
+from torch import nn
+
+from vllm_accel import compat
+from vllm_accel.forward_context import get_forward_context
+from vllm_accel.kernels import linear as linear_kernel
+from vllm_accel.kernels import ops
+from vllm_accel.kernels.linear import LinearKernel
+from vllm_accel.log import get_logger
+
+logger = get_logger(__name__)
+
+# How an expert's weights are held and multiplied: packed for our linear
+# kernel (gate and up as one gated weight), packed for oneDNN, plain (torch's
+# matmul: [2 * intermediate, hidden] and [hidden, intermediate]); or all
+# experts dense in the graph (no op).
+KERNEL, ONEDNN, TORCH, DENSE = "kernel", "onednn", "torch", "dense"
+_OP_FORMS = {KERNEL: 0, ONEDNN: 1, TORCH: 2}
+
+
+def _expert(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+            intermediate: int, form: int) -> torch.Tensor:
+    """One expert over its ``rows`` [n, hidden] -> [n, hidden]."""
+    if form == _OP_FORMS[KERNEL]:
+        kernel = get_forward_context().kernels.linear
+        assert kernel is not None, \
+            "experts packed for the linear kernel run inside set_forward_context with that kernel"
+        gated = kernel(rows, gate_up, None, intermediate, linear_kernel.GATED_SILU)
+        return kernel(gated, down, None, rows.shape[1])
+    if form == _OP_FORMS[ONEDNN]:
+        gate, up = compat.onednn_linear(rows, gate_up, None).split(intermediate, dim=-1)
+        return compat.onednn_linear(F.silu(gate) * up, down, None)
+    gate, up = F.linear(rows, gate_up).split(intermediate, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def _experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+             gate_up: list[torch.Tensor], down: list[torch.Tensor], intermediate: int,
+             form: int) -> torch.Tensor:
+    """x [tokens, hidden]; expert_ids [tokens, k] (int64) and expert_weights
+    [tokens, k] (float32): each token's experts and their weights. Returns
+    [tokens, hidden]: each token's experts' outputs, weighted and summed in
+    float32 (in expert order, as HF's classes add them); rows that only pad
+    a bucket are zero."""
+    tokens, top_k = expert_ids.shape
+    live = get_forward_context().rows_to_compute(tokens)
+    out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    ids = expert_ids[:live].reshape(-1)
+    order = torch.argsort(ids, stable=True)  # pairs grouped by expert, tokens in order
+    counts = torch.bincount(ids, minlength=len(gate_up)).tolist()
+    token_of = order // top_k
+    weight_of = expert_weights[:live].reshape(-1)[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        token = token_of[start:start + count]
+        y = _expert(x.index_select(0, token), gate_up[expert], down[expert], intermediate, form)
+        out.index_add_(0, token, y.float() * weight_of[start:start + count, None])
+        start += count
+    return out.to(x.dtype)
+
+
+def _experts_shape(x, expert_ids, expert_weights, gate_up, down, intermediate, form):
+    return x.new_empty(x.shape)
+
+
+# experts(x, expert_ids, expert_weights, each expert's gate/up weight, each
+# expert's down weight, intermediate size, form) -> [tokens, hidden]
+experts_op = ops.define(
+    "experts(Tensor x, Tensor expert_ids, Tensor expert_weights, Tensor[] gate_up, "
+    "Tensor[] down, int intermediate, int form) -> Tensor", _experts, _experts_shape)
+
+
+def dense_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Every expert over every token, each token's outputs scaled by its
+    routing weights (zero for an expert it is not routed to): static
+    torch code. w13 [experts, 2 * intermediate, hidden] (gate rows first),
+    w2 [experts, hidden, intermediate]."""
+    routing = torch.zeros(x.shape[0], w13.shape[0], dtype=torch.float32, device=x.device)
+    routing = routing.scatter(1, expert_ids, expert_weights)  # [tokens, experts]
+    gate, up = torch.einsum("td,ehd->eth", x, w13).chunk(2, dim=-1)
+    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [experts, tokens, hidden]
+    return (y.float() * routing.t().unsqueeze(-1)).sum(0).to(x.dtype)
+
+
+def supported(moe: nn.Module) -> bool:
+    """An FMS MoE layer ``Experts`` computes exactly: no biases, no clamped
+    SwiGLU (GPT-OSS's), FMS's own expert module (or its TP form)."""
+    return (isinstance(moe, MOEFeedForward) and not moe.use_bias
+            and type(moe.cond_ffn) in (ConditionalFeedForward, TPConditionalFeedForward)
+            and moe.cond_ffn.swiglu_limit is None)
+
+
+def choose_form(w13: torch.Tensor, w2: torch.Tensor, kernel: LinearKernel | None) -> str:
+    """How to run experts of these weights: the op on the cpu device (by our
+    kernel where it packs both weights, else oneDNN where it packs the
+    dtype, else torch), dense elsewhere."""
+    if w13.device.type != "cpu":
+        return DENSE
+    if linear_kernel.packs(kernel, w13[0]) and linear_kernel.packs(kernel, w2[0]):
+        return KERNEL
+    if compat.onednn_packs_dtype(w13.dtype):
+        return ONEDNN
+    return TORCH
+
+
+class Experts(nn.Module):
+    """FMS's ``MOEFeedForward`` (its weights taken over) computed as this
+    module's docstring says; ``form``: see ``choose_form``."""
+
+    def __init__(self, moe: MOEFeedForward, form: str, kernel: LinearKernel | None = None):
+        super().__init__()
+        if not supported(moe):
+            raise ValueError(f"Experts does not compute this MoE layer: {moe}")
+        cond = moe.cond_ffn
+        self.gate = moe.gate  # the router: [experts, hidden], whole on every rank
+        self.hidden = moe.dim
+        self.num_experts = cond.num_experts
+        self.top_k = moe.num_activated_experts
+        self.topk_first = bool(moe.topk_first)
+        self.intermediate = cond.intermediate_size  # this rank's slice under TP
+        self.group = cond.group if isinstance(cond, TPModule) else None
+        self.form = form
+        w13, w2 = cond.w13.detach(), cond.w2.detach()
+        if form == DENSE:
+            self.register_buffer("w13", w13, persistent=False)
+            self.register_buffer("w2", w2, persistent=False)
+            return
+        for expert in range(self.num_experts):
+            gate_up, down = w13[expert], w2[expert]
+            if form == KERNEL:
+                gate_up = kernel.pack_gated(gate_up[:self.intermediate],
+                                            gate_up[self.intermediate:])[0]
+                down = kernel.pack(down)
+            elif form == ONEDNN:
+                gate_up = compat.onednn_pack_linear_weight(gate_up)
+                down = compat.onednn_pack_linear_weight(down)
+            self.register_buffer(f"gate_up_{expert}", gate_up, persistent=False)
+            self.register_buffer(f"down_{expert}", down, persistent=False)
+
+    def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [tokens, hidden] -> (expert ids [tokens, k], their weights
+        [tokens, k] float32)."""
+        logits = self.gate(rows).float()
+        if self.topk_first:  # softmax over the top-k logits
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return ids, F.softmax(top, dim=-1)
+        weights, ids = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
+        return ids, weights / weights.sum(dim=-1, keepdim=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.hidden)
+        ids, weights = self.route(rows)
+        if self.form == DENSE:
+            out = dense_experts(rows, ids, weights, self.w13, self.w2)
+        else:
+            experts = range(self.num_experts)
+            out = experts_op(rows.contiguous(), ids, weights,
+                             [getattr(self, f"gate_up_{e}") for e in experts],
+                             [getattr(self, f"down_{e}") for e in experts],
+                             self.intermediate, _OP_FORMS[self.form])
+        if self.group is not None:
+            out = reduce_from_tensor_model_parallel_region(out, self.group)
+        return out.view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden}, "
+                f"intermediate={self.intermediate}, form={self.form}, "
+                f"tensor_parallel={self.group is not None}")
+
+
+def install(model: nn.Module, kernel: LinearKernel | None = None) -> int:
+    """Replace every MoE layer of ``model`` that ``Experts`` computes by one
+    (``kernel``: ours, if the engine runs it; None: none); returns how many.
+    Before the linear layers are packed (the router is one of them)."""
+    replaced, forms = 0, set()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, MOEFeedForward):
+                continue
+            if not supported(child):
+                logger.warning("vllm_accel: MoE layer %s kept FMS's forward (biases or a "
+                               "clamped SwiGLU)", name)
+                continue
+            form = choose_form(child.cond_ffn.w13, child.cond_ffn.w2, kernel)
+            setattr(parent, name, Experts(child, form, kernel))
+            replaced += 1
+            forms.add(form)
+    if replaced:
+        logger.info("vllm_accel mixture-of-experts layers: %d (experts %s)", replaced,
+                    ", ".join(sorted(forms)))
+    return replaced
