@@ -193,28 +193,14 @@ def test_the_block_holds_a_state_and_prefix_caching_is_off(tiny_models):
     assert cache.block_size == 32 and cache.enable_prefix_caching
 
 
-def test_granite_4_with_experts_is_refused_naming_the_setting(tiny_models, tmp_path):
-    """Granite 4's dense form is served; one with experts fails at start-up
-    naming num_local_experts (the runner has no mixture-of-experts kind yet)."""
-    import json
-    import shutil
-
-    model_dir = shutil.copytree(tiny_models["granitemoehybrid"], tmp_path / "moe")
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(num_local_experts=4, num_experts_per_tok=2)
-    (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"GraniteMoeHybridForCausalLM.*num_local_experts=4"
-                                         r".*Allowed: 0"):
-        _engine_config(model_dir)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["rope", "attention_only"])
+@pytest.mark.parametrize("variant", ["dense", "rope", "attention_only"])
 def test_granite_4_variants_match_hf(tmp_path, monkeypatch, variant):
-    """The dense Granite 4 fixture has no position encoding (granite-4.0-h);
-    with a rotary embedding it runs FMS's rotary in its attention layers, and
-    with attention in every layer it keeps no recurrent state (prefix caching
-    stays on, no Mamba2 block size)."""
+    """The Granite 4 fixture (experts beside a shared MLP, no position
+    encoding, as granite-4.0-h-tiny) in its other forms: dense (no experts,
+    granite-4.0-h-micro's form), with a rotary embedding (FMS's rotary in its
+    attention layers), and with attention in every layer (no recurrent state:
+    prefix caching stays on, no Mamba2 block size)."""
     from helpers import hf_greedy, model_runner, running_llm
     from test_generation import ENGINE_OPTIONS, MAX_TOKENS, generate, random_prompts
 
@@ -223,11 +209,11 @@ def test_granite_4_variants_match_hf(tmp_path, monkeypatch, variant):
     make_config = tiny_granite_hybrid.granite_hybrid_config
 
     def config(tokenizer):
-        hf = make_config(tokenizer)
+        hf = make_config(tokenizer, experts=0 if variant == "dense" else 4)
         if variant == "rope":
             hf.position_embedding_type = "rope"
             hf.rope_parameters = {"rope_type": "default", "rope_theta": 5000.0}
-        else:
+        elif variant == "attention_only":
             hf.layer_types = ["full_attention"] * hf.num_hidden_layers
         return hf
 
@@ -236,7 +222,7 @@ def test_granite_4_variants_match_hf(tmp_path, monkeypatch, variant):
     prompts = random_prompts([7, 150], seed=25)
     with running_llm(model_dir, **ENGINE_OPTIONS) as llm:
         runner = model_runner(llm)
-        assert bool(runner.state_groups) == (variant == "rope")
+        assert bool(runner.state_groups) == (variant != "attention_only")
         assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching == (
             variant == "attention_only")
         assert generate(llm, prompts) == hf_greedy(model_dir, prompts, MAX_TOKENS)

@@ -144,9 +144,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                                 ("max_expected_seq_len", _max_positions)),
                  recurrent_state=_mamba2_dims,
                  paged_layers="vllm_accel.model.bamba:page_recurrent_layers"),
-    # Granite 4: Mamba2 and attention layers (or attention only), dense
-    # (num_local_experts 0; mixture of experts is refused, check_layer_kinds).
-    # FMS maps it to its Granite, which has no Mamba2 layers: our port.
+    # Granite 4: Mamba2 and attention layers (or attention only), with
+    # experts beside a shared MLP or dense (num_local_experts 0). FMS maps it
+    # to its Granite, which has neither Mamba2 layers nor experts: our port.
     Architecture(("GraniteMoeHybridForCausalLM",), "granitemoehybrid",
                  fms_port="vllm_accel.model.granite_moe_hybrid:FMS_PORT",
                  recurrent_state=_mamba2_dims),
@@ -204,17 +204,10 @@ def find_architecture(hf_names: list[str] | None) -> Architecture:
 
 def check_layer_kinds(hf_config) -> None:
     """Fail, naming the setting, for a config that asks for a layer kind the
-    runner does not execute yet: mixture of experts (a Granite 4 with
-    experts; its dense form is served). Sliding-window attention runs where every
+    runner does not execute yet. Sliding-window attention runs where every
     layer has the same window (``sliding_window``); a config whose
     ``layer_types`` mix windowed and full-attention layers needs a KV cache
     group per kind, which the runner does not keep yet."""
-    experts = getattr(hf_config, "num_local_experts", 0) or 0
-    if experts and hf_config.architectures[0] == "GraniteMoeHybridForCausalLM":
-        raise ValueError(
-            f"vllm-accel does not run mixture-of-experts layers yet: "
-            f"{hf_config.architectures[0]}'s config has num_local_experts={experts}. "
-            f"Allowed: 0 (dense).")
     kinds = set(getattr(hf_config, "layer_types", None) or ())
     if getattr(hf_config, "sliding_window", None) and len(kinds & _ATTENTION_KINDS) > 1:
         raise ValueError(

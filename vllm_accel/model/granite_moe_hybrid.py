@@ -10,13 +10,18 @@ layers HF's config names Mamba2 (``layer_types``) swapped for ``Mamba2Block``s
 over vLLM's paged recurrent state (model/mamba2.py); attention runs without a
 rotary embedding where ``position_embedding_type`` is not "rope" (granite-4.0-h).
 
-Dense checkpoints only (``num_local_experts`` 0: each layer's MLP is the
-shared one); mixture-of-experts configs are refused at start-up
-(architectures.check_layer_kinds) until the runner has the experts' kind.
+With experts (``num_local_experts`` > 0) each layer's MLP is the experts'
+output plus the shared MLP's, as in HF's ``GraniteMoeHybridDecoderLayer``:
+the experts are FMS's ``MOEFeedForward`` (its router picks the top-k logits,
+then a softmax over them: ``topk_first``), which the loader replaces by
+``model/experts.py``; dense checkpoints (``num_local_experts`` 0) have the
+shared MLP alone.
 
     GraniteMoeHybrid
       base_model: FMS GraniteHeadless
         layers   GraniteBlock (attention) or Mamba2Block (ln, mixer, ff_ln, ff_sub_layer)
+                 ff_sub_layer: the shared MLP (FMS's GatedLinearUnit), or
+                 SharedMLPAndExperts(shared, moe)
       head
 """
 
@@ -28,7 +33,9 @@ from typing import Any, Mapping
 
 from fms.distributed.strategy import DistributedStrategy, NoOpStrategy
 from fms.models.granite import Granite, GraniteConfig
+from fms.modules.feedforward import MOEFeedForward
 from fms.modules.ssm import SSM
+from torch import nn
 
 from vllm_accel.model.mamba2 import Mamba2Block, PagedMamba2
 from vllm_accel.model.ports import FmsPort
@@ -53,6 +60,9 @@ class GraniteMoeHybridConfig(GraniteConfig):
     mamba_chunk_size: int = 256
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
+    num_experts: int = 0  # 0: dense, the shared MLP alone
+    experts_top_k: int = 2
+    experts_intermediate: int = 1024
 
 
 def config_from_hf(hf) -> GraniteMoeHybridConfig:
@@ -77,7 +87,19 @@ def config_from_hf(hf) -> GraniteMoeHybridConfig:
         mamba_n_groups=hf.mamba_n_groups, mamba_d_state=hf.mamba_d_state,
         mamba_d_conv=hf.mamba_d_conv, mamba_expand=hf.mamba_expand,
         mamba_chunk_size=hf.mamba_chunk_size, mamba_conv_bias=hf.mamba_conv_bias,
-        mamba_proj_bias=hf.mamba_proj_bias)
+        mamba_proj_bias=hf.mamba_proj_bias, num_experts=hf.num_local_experts or 0,
+        experts_top_k=hf.num_experts_per_tok, experts_intermediate=hf.intermediate_size)
+
+
+class SharedMLPAndExperts(nn.Module):
+    """A layer's MLP with experts: the experts' output plus the shared MLP's."""
+
+    def __init__(self, shared: nn.Module, moe: nn.Module):
+        super().__init__()
+        self.shared, self.moe = shared, moe
+
+    def forward(self, x):
+        return self.moe(x) + self.shared(x)
 
 
 class GraniteMoeHybrid(Granite):
@@ -88,15 +110,19 @@ class GraniteMoeHybrid(Granite):
         layers = self.base_model.layers
         for index, is_mamba in enumerate(c.mamba_layers):
             block = layers[index]
-            if not is_mamba:
-                if not c.rope:  # no position encoding (granite-4.0-h)
-                    block.attn.position_encoder = None
-                continue
-            ssm = SSM(c.mamba_n_heads, c.emb_dim, c.mamba_d_state, c.mamba_d_conv,
-                      c.mamba_expand, c.mamba_proj_bias, c.mamba_conv_bias, c.activation_fn,
-                      c.norm_eps, c.mamba_n_groups, c.mamba_d_head, c.mamba_chunk_size)
-            layers[index] = Mamba2Block(block.ln, PagedMamba2(ssm), block.ff_ln,
-                                        block.ff_sub_layer, c.residual_multiplier)
+            if is_mamba:
+                ssm = SSM(c.mamba_n_heads, c.emb_dim, c.mamba_d_state, c.mamba_d_conv,
+                          c.mamba_expand, c.mamba_proj_bias, c.mamba_conv_bias,
+                          c.activation_fn, c.norm_eps, c.mamba_n_groups, c.mamba_d_head,
+                          c.mamba_chunk_size)
+                block = layers[index] = Mamba2Block(block.ln, PagedMamba2(ssm), block.ff_ln,
+                                                    block.ff_sub_layer, c.residual_multiplier)
+            elif not c.rope:  # no position encoding (granite-4.0-h)
+                block.attn.position_encoder = None
+            if c.num_experts:
+                block.ff_sub_layer = SharedMLPAndExperts(block.ff_sub_layer, MOEFeedForward(
+                    c.num_experts, c.experts_top_k, c.emb_dim, c.experts_intermediate,
+                    topk_first=True))
 
 
 _RENAMES = [
@@ -110,25 +136,29 @@ _RENAMES = [
     (r"\.self_attn\.k_proj\.", ".attn.in_proj.key."),
     (r"\.self_attn\.v_proj\.", ".attn.in_proj.value."),
     (r"\.self_attn\.o_proj\.", ".attn.dense."),
-    (r"\.shared_mlp\.output_linear\.", ".ff_sub_layer.w2."),
     (r"\.mamba\.", ".mixer."),
+    # The experts: the router, then each expert's [gate; up] and down stacked.
+    (r"\.block_sparse_moe\.router\.layer\.", ".ff_sub_layer.moe.gate."),
+    (r"\.block_sparse_moe\.input_linear\.weight", ".ff_sub_layer.moe.cond_ffn.w13"),
+    (r"\.block_sparse_moe\.output_linear\.weight", ".ff_sub_layer.moe.cond_ffn.w2"),
 ]
 _ROTATED = re.compile(r"base_model\.layers\.\d+\.attn\.in_proj\.(query|key)\.(weight|bias)$")
 
 
 def _hf_to_fms_names(sd: Mapping[str, Any], model_config=None, **_) -> dict:
-    """HF names -> ours; the shared MLP's fused input (gate, then up) split
-    into FMS's wg and w1; with a rotary embedding, each head's query and key
-    rows from HF's rotate-half pairs (i, i + d/2) to FMS's adjacent ones."""
+    """HF names -> ours: the shared MLP's input ([gate; up], the layout of
+    FMS's fused ``wg1_fused``) and output under the layer's ``ff_sub_layer``
+    (its ``shared`` part where the layer has experts); with a rotary
+    embedding, each head's query and key rows from HF's rotate-half pairs
+    (i, i + d/2) to FMS's adjacent ones."""
+    shared = "ff_sub_layer.shared" if model_config is not None and model_config.num_experts \
+        else "ff_sub_layer"
     out = {}
     for name, tensor in sd.items():
         for pattern, repl in _RENAMES:
             name = re.sub(pattern, repl, name)
-        if ".shared_mlp.input_linear." in name:
-            gate, up = tensor.chunk(2, dim=0)
-            out[name.replace("shared_mlp.input_linear", "ff_sub_layer.wg")] = gate
-            out[name.replace("shared_mlp.input_linear", "ff_sub_layer.w1")] = up
-            continue
+        name = name.replace("shared_mlp.input_linear", f"{shared}.wg1_fused")
+        name = name.replace("shared_mlp.output_linear", f"{shared}.w2")
         if model_config is not None and model_config.rope and _ROTATED.search(name):
             head = model_config.head_dim
             rows = tensor.view(-1, 2, head // 2, *tensor.shape[1:])

@@ -20,8 +20,8 @@ import torch
 
 from vllm_accel.testing.tiny_models import (
     CHAT_TEMPLATE, HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MAX_POS, NORM_NOISE,
-    SUPPRESS_SCALE, WEIGHT_STD, _save_generation_config, _save_tokenizer, _unprintable_ids,
-    build_tokenizer,
+    ROUTER_STD, SEED_OFFSETS, SUPPRESS_SCALE, WEIGHT_STD, _save_generation_config,
+    _save_tokenizer, _unprintable_ids, build_tokenizer,
 )
 
 ATTENTION_LAYERS = [1]
@@ -31,7 +31,6 @@ MAMBA_GROUPS = 2
 MAMBA_STATE = 16
 MAMBA_CONV = 4
 MAMBA_CHUNK = 16
-SEED_OFFSET = 15485863  # its own weights, apart from the other fixtures'
 
 
 def bamba_config(tokenizer):
@@ -55,7 +54,8 @@ def bamba_config(tokenizer):
 def random_mamba_weights(model, g: torch.Generator) -> None:
     """Every parameter of a hybrid Mamba2 model drawn from ``g`` in name
     order: norms near 1, decay rates and time steps spread as Mamba2's own
-    init spreads them, the rest normal."""
+    init spreads them, routers (Granite 4's) wide enough for clear choices,
+    the rest normal."""
     for name, parameter in sorted(model.named_parameters()):
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name:  # RMSNorms, the mixer's gated norm among them
@@ -71,6 +71,8 @@ def random_mamba_weights(model, g: torch.Generator) -> None:
             value = 1.0 + 0.1 * torch.randn(parameter.shape, generator=g)
         elif name.endswith("conv1d.weight"):  # 4 taps per channel
             value = torch.randn(parameter.shape, generator=g) * 0.3
+        elif name.endswith("router.weight"):
+            value = torch.randn(parameter.shape, generator=g) * ROUTER_STD
         elif leaf == "bias":
             value = torch.randn(parameter.shape, generator=g) * 0.02
         else:
@@ -90,7 +92,7 @@ def make_tiny_bamba(out_dir: str | os.PathLike, *, seed: int = 0,
     tokenizer = build_tokenizer()
     _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
     config = bamba_config(tokenizer)
-    g = torch.Generator().manual_seed(seed + SEED_OFFSET)
+    g = torch.Generator().manual_seed(seed + SEED_OFFSETS["bamba"])
     model = BambaForCausalLM(config).eval()
     with torch.no_grad():
         random_mamba_weights(model, g)

@@ -1,12 +1,13 @@
-"""A tiny dense Granite 4 hybrid (GraniteMoeHybridForCausalLM with
-``num_local_experts`` 0: Mamba2 and attention layers, a shared SwiGLU MLP in
-each, Granite's multipliers, no rotary embedding as in granite-4.0-h), made
-offline and deterministically with transformers' own class and the tiny
-tokenizer the other text fixtures use.
+"""A tiny Granite 4 hybrid (GraniteMoeHybridForCausalLM, as granite-4.0-h-tiny:
+Mamba2 and attention layers, in each a shared SwiGLU MLP beside 4 experts
+routed top-2, Granite's multipliers, no rotary embedding), made offline and
+deterministically with transformers' own class and the tiny tokenizer the
+other text fixtures use.
 
 Four layers: Mamba2 in 0, 2 and 3, attention in 1; the Mamba2 shapes of the
 tiny Bamba (tiny_bamba.py): 8 SSM heads in 2 groups, a state of 16, a 4-tap
-convolution, 16-token scan chunks.
+convolution, 16-token scan chunks. ``granite_hybrid_config(tokenizer,
+experts=0)`` is its dense form (granite-4.0-h-micro's).
 """
 
 from __future__ import annotations
@@ -22,22 +23,23 @@ from vllm_accel.testing.tiny_bamba import (
 )
 from vllm_accel.testing.tiny_models import (
     CHAT_TEMPLATE, GRANITE_EMBED_STD, GRANITE_MULTIPLIERS, HEADS, HIDDEN, INTERMEDIATE,
-    KV_HEADS, LAYERS, MAX_POS, SUPPRESS_SCALE, WEIGHT_STD, _save_generation_config,
+    KV_HEADS, LAYERS, MAX_POS, SEED_OFFSETS, SUPPRESS_SCALE, WEIGHT_STD, _save_generation_config,
     _save_tokenizer, _unprintable_ids, build_tokenizer,
 )
 
 LAYER_TYPES = ["mamba", "attention", "mamba", "mamba"]
-SEED_OFFSET = 32452843  # its own weights, apart from the other fixtures'
+EXPERTS, TOP_K, EXPERT_INTERMEDIATE = 4, 2, 128
 
 
-def granite_hybrid_config(tokenizer):
+def granite_hybrid_config(tokenizer, experts: int = EXPERTS):
     from transformers import GraniteMoeHybridConfig
 
     config = GraniteMoeHybridConfig(
-        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=EXPERT_INTERMEDIATE,
         shared_intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS,
-        rms_norm_eps=1e-5, hidden_act="silu", num_local_experts=0, layer_types=list(LAYER_TYPES),
+        rms_norm_eps=1e-5, hidden_act="silu", num_local_experts=experts,
+        num_experts_per_tok=TOP_K, layer_types=list(LAYER_TYPES),
         position_embedding_type=None, mamba_n_heads=MAMBA_HEADS, mamba_d_head=MAMBA_HEAD_DIM,
         mamba_n_groups=MAMBA_GROUPS, mamba_d_state=MAMBA_STATE, mamba_d_conv=MAMBA_CONV,
         mamba_expand=2, mamba_chunk_size=MAMBA_CHUNK, mamba_conv_bias=True,
@@ -60,7 +62,7 @@ def make_tiny_granite_hybrid(out_dir: str | os.PathLike, *, seed: int = 0,
     tokenizer = build_tokenizer()
     _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
     config = granite_hybrid_config(tokenizer)
-    g = torch.Generator().manual_seed(seed + SEED_OFFSET)
+    g = torch.Generator().manual_seed(seed + SEED_OFFSETS["granitemoehybrid"])
     model = GraniteMoeHybridForCausalLM(config).eval()
     with torch.no_grad():
         random_mamba_weights(model, g)
