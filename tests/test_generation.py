@@ -2,7 +2,7 @@
 (float32), through vLLM's offline API: single prompts, batches, chunked
 prefill, prefix caching and requests that arrive while others decode; and
 for a model whose layers keep recurrent state (Bamba's Mamba2), requests
-preempted and computed again. The Mamba2 hybrids (Bamba, a dense Granite 4)
+preempted and computed again. The Mamba2 hybrids (Bamba; Granite 4, with experts)
 run with prefix caching off (documented), which their prefix test asserts."""
 
 from __future__ import annotations
