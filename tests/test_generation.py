@@ -78,7 +78,9 @@ def _prefix_cache_hits(llm) -> float:
 def _keeps_recurrent_state(llm) -> bool:
     from vllm_accel.architectures import find_architecture
 
-    return find_architecture(llm.llm_engine.model_config.architectures).recurrent_state is not None
+    model_config = llm.llm_engine.model_config
+    arch = find_architecture(model_config.architectures)
+    return arch.recurrent_dims(model_config.hf_text_config) is not None
 
 
 @pytest.mark.slow
