@@ -2,7 +2,8 @@
 (float32), through vLLM's offline API: single prompts, batches, chunked
 prefill, prefix caching and requests that arrive while others decode; and
 for a model whose layers keep recurrent state (Bamba's Mamba2), requests
-preempted and computed again."""
+preempted and computed again. The Mamba2 hybrids (Bamba; Granite 4, with experts)
+run with prefix caching off (documented), which their prefix test asserts."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> lis
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.fixture(scope="module",
-                params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3", "mixtral", "bamba"])
+@pytest.fixture(scope="module", params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3",
+                                        "mixtral", "bamba", "granitemoehybrid"])
 def arch_llm(request, tiny_models):
     model_dir = tiny_models[request.param]
     with running_llm(model_dir, disable_log_stats=False, **ENGINE_OPTIONS) as llm:
@@ -77,7 +78,9 @@ def _prefix_cache_hits(llm) -> float:
 def _keeps_recurrent_state(llm) -> bool:
     from vllm_accel.architectures import find_architecture
 
-    return find_architecture(llm.llm_engine.model_config.architectures).recurrent_state is not None
+    model_config = llm.llm_engine.model_config
+    arch = find_architecture(model_config.architectures)
+    return arch.recurrent_dims(model_config.hf_text_config) is not None
 
 
 @pytest.mark.slow

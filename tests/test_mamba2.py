@@ -191,3 +191,38 @@ def test_the_block_holds_a_state_and_prefix_caching_is_off(tiny_models):
     # Other models keep theirs.
     cache = _engine_config(tiny_models["llama"]).cache_config
     assert cache.block_size == 32 and cache.enable_prefix_caching
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["dense", "rope", "attention_only"])
+def test_granite_4_variants_match_hf(tmp_path, monkeypatch, variant):
+    """The Granite 4 fixture (experts beside a shared MLP, no position
+    encoding, as granite-4.0-h-tiny) in its other forms: dense (no experts,
+    granite-4.0-h-micro's form), with a rotary embedding (FMS's rotary in its
+    attention layers), and with attention in every layer (no recurrent state:
+    prefix caching stays on, no Mamba2 block size)."""
+    from helpers import hf_greedy, model_runner, running_llm
+    from test_generation import ENGINE_OPTIONS, MAX_TOKENS, generate, random_prompts
+
+    from vllm_accel.testing import tiny_granite_hybrid
+
+    make_config = tiny_granite_hybrid.granite_hybrid_config
+
+    def config(tokenizer):
+        hf = make_config(tokenizer, experts=0 if variant == "dense" else 4)
+        if variant == "rope":
+            hf.position_embedding_type = "rope"
+            hf.rope_parameters = {"rope_type": "default", "rope_theta": 5000.0}
+        elif variant == "attention_only":
+            hf.layer_types = ["full_attention"] * hf.num_hidden_layers
+        return hf
+
+    monkeypatch.setattr(tiny_granite_hybrid, "granite_hybrid_config", config)
+    model_dir = tiny_granite_hybrid.make_tiny_granite_hybrid(tmp_path / variant)
+    prompts = random_prompts([7, 150], seed=25)
+    with running_llm(model_dir, **ENGINE_OPTIONS) as llm:
+        runner = model_runner(llm)
+        assert bool(runner.state_groups) == (variant != "attention_only")
+        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching == (
+            variant == "attention_only")
+        assert generate(llm, prompts) == hf_greedy(model_dir, prompts, MAX_TOKENS)

@@ -39,8 +39,9 @@ class Architecture:
     # checkpoint's HF config (fms_config_overrides).
     fms_overrides: tuple[tuple[str, object], ...] = ()
     # Layers that keep recurrent state (Mamba2): the state's dimensions, from
-    # the checkpoint's HF config (None: every layer attends).
-    recurrent_state: Callable[[Any], Mamba2Dims] | None = None
+    # the checkpoint's HF config (None, or a config without such layers:
+    # every layer attends).
+    recurrent_state: Callable[[Any], Mamba2Dims | None] | None = None
     # "module:function" swapping the stateful layers of a loaded FMS model
     # for ones over vLLM's paged state (None: none to swap).
     paged_layers: str | None = None
@@ -48,6 +49,10 @@ class Architecture:
     @property
     def name(self) -> str:
         return self.hf_names[0]
+
+    def recurrent_dims(self, hf_config) -> Mamba2Dims | None:
+        """The state of this checkpoint's recurrent layers; None: it has none."""
+        return None if self.recurrent_state is None else self.recurrent_state(hf_config)
 
     def fms_config_overrides(self, hf_config) -> dict[str, object]:
         """``fms_overrides`` for this checkpoint: keyword arguments of FMS's ``get_model``."""
@@ -85,8 +90,12 @@ class Mamba2Dims:
         return self.intermediate + 2 * self.groups * self.state_size
 
 
-def _mamba2_dims(hf_config) -> Mamba2Dims:
-    """Bamba's and Granite 4's config fields (those vLLM's own models read)."""
+def _mamba2_dims(hf_config) -> Mamba2Dims | None:
+    """Bamba's and Granite 4's config fields (those vLLM's own models read);
+    None where no layer is a Mamba2 one (transformers names them
+    "linear_attention" in ``layer_types``, older configs "mamba")."""
+    if not {"linear_attention", "mamba"} & set(hf_config.layer_types or ()):
+        return None
     return Mamba2Dims(
         heads=hf_config.mamba_n_heads, head_dim=hf_config.mamba_d_head,
         groups=hf_config.mamba_n_groups, state_size=hf_config.mamba_d_state,
@@ -135,6 +144,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                                 ("max_expected_seq_len", _max_positions)),
                  recurrent_state=_mamba2_dims,
                  paged_layers="vllm_accel.model.bamba:page_recurrent_layers"),
+    # Granite 4: Mamba2 and attention layers (or attention only), with
+    # experts beside a shared MLP or dense (num_local_experts 0). FMS maps it
+    # to its Granite, which has neither Mamba2 layers nor experts: our port.
+    Architecture(("GraniteMoeHybridForCausalLM",), "granitemoehybrid",
+                 fms_port="vllm_accel.model.granite_moe_hybrid:FMS_PORT",
+                 recurrent_state=_mamba2_dims),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -158,7 +173,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 MISSING_LAYER_KINDS: dict[str, str] = {
     "GptOssForCausalLM": ("attention sinks, windowed and full-attention layers mixed, "
                           "experts with biases and a clamped SwiGLU"),
-    "GraniteMoeHybridForCausalLM": "recurrent state (Mamba2), mixture of experts",
     "GraniteSWAForCausalLM": "attention sinks, windowed and full-attention layers mixed",
     "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",

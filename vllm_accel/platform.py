@@ -215,8 +215,13 @@ class AccelPlatform(Platform):
         model_config = vllm_config.model_config
         if model_config is not None:
             arch = cls._check_model(model_config, parallel)
-            if arch.recurrent_state is not None:
-                _configure_recurrent_state(vllm_config, arch, backend)
+            dims = arch.recurrent_dims(model_config.hf_text_config)
+            if dims is not None:
+                _configure_recurrent_state(vllm_config, arch, dims, backend)
+            elif arch.recurrent_state is not None:
+                # No recurrent layer in this checkpoint (an all-attention
+                # Granite 4): none of vLLM's Mamba state handling either.
+                vllm_config.cache_config.mamba_cache_mode = "none"
 
     @classmethod
     def _check_model(cls, model_config, parallel):
@@ -227,7 +232,8 @@ class AccelPlatform(Platform):
             )
         arch = find_architecture(model_config.architectures)
         check_layer_kinds(model_config.hf_text_config)
-        if parallel.tensor_parallel_size > 1 and arch.recurrent_state is not None:
+        if (parallel.tensor_parallel_size > 1
+                and arch.recurrent_dims(model_config.hf_text_config) is not None):
             raise ValueError(
                 f"vllm-accel cannot shard {arch.name} across workers: FMS's tensor-parallel "
                 f"strategy does not shard its Mamba2 layers (recurrent state). "
@@ -294,7 +300,7 @@ class AccelPlatform(Platform):
                 logger.warning("Unknown vLLM environment variable detected: %s", name)
 
 
-def _configure_recurrent_state(vllm_config, arch, backend: DeviceBackend) -> None:
+def _configure_recurrent_state(vllm_config, arch, dims, backend: DeviceBackend) -> None:
     """Layers that keep recurrent state (Mamba2) keep it in vLLM's hybrid KV
     cache: a KV cache group of them beside the attention layers', one block
     per request (vLLM's ``mamba_cache_mode`` "none"), in pages as large as an
@@ -323,7 +329,6 @@ def _configure_recurrent_state(vllm_config, arch, backend: DeviceBackend) -> Non
     cache.mamba_cache_mode = "none"
     cache.mamba_block_size = model_config.max_model_len
     hf_config = model_config.hf_text_config
-    dims = arch.recurrent_state(hf_config)
     conv_dtype, ssm_dtype = mamba2_state_dtypes(model_config.dtype, cache)
     state = StateShapes(dims.heads, dims.head_dim, dims.state_size, dims.conv_dim,
                         dims.conv_kernel, ssm_dtype, conv_dtype).nbytes

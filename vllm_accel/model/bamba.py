@@ -4,7 +4,7 @@ FMS's ``BambaBlock`` runs its Mamba2 mixer (``fms.modules.ssm.SSM``) on an
 ``SSMCacheUnit`` it mutates (a per-batch state object, its offset counted in
 Python), which neither continues a state across prefill chunks nor keeps
 several requests' states apart in one packed sequence. ``page_recurrent_layers``
-swaps each Mamba2 block of a loaded model for ``Mamba2Block``: the same
+swaps each Mamba2 block of a loaded model for a ``Mamba2Block``: the same
 weights and arithmetic (pre-norm, mixer, residual, pre-norm, gated MLP,
 residual), the mixer a ``PagedMamba2``. Attention blocks stay FMS's own.
 """
@@ -13,24 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from vllm_accel.model.mamba2 import PagedMamba2
-
-
-class Mamba2Block(nn.Module):
-    """One of Bamba's Mamba2 decoder blocks (FMS's ``BambaBlock`` with an
-    ``ssm``), called as FMS's headless model calls its blocks; its
-    ``past_key_value_state`` is the layer's paged state (``PagedMamba2``)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.ln, self.ff_ln, self.ff_sub_layer = block.ln, block.ff_ln, block.ff_sub_layer
-        self.mixer = PagedMamba2(block.ssm)
-
-    def forward(self, x, *, position_ids=None, past_key_value_state=None, use_cache=False,
-                **kwargs):
-        x = x + self.mixer(self.ln(x), past_key_value_state)
-        x = x + self.ff_sub_layer(self.ff_ln(x))
-        return (x, past_key_value_state) if use_cache else x
+from vllm_accel.model.mamba2 import Mamba2Block, PagedMamba2
 
 
 def page_recurrent_layers(model: nn.Module) -> int:
@@ -40,6 +23,7 @@ def page_recurrent_layers(model: nn.Module) -> int:
     swapped = 0
     for index, block in enumerate(layers):
         if getattr(block, "is_mamba_layer", False):
-            layers[index] = Mamba2Block(block)
+            layers[index] = Mamba2Block(block.ln, PagedMamba2(block.ssm), block.ff_ln,
+                                        block.ff_sub_layer)
             swapped += 1
     return swapped

@@ -113,32 +113,36 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
 
 
-def _read_states(first: torch.Tensor, second: torch.Tensor, blocks: torch.Tensor,
-                 shapes: StateShapes) -> tuple[torch.Tensor, torch.Tensor]:
-    """The states of ``blocks``: ssm [n, heads, head_dim, state] and conv
-    [n, conv_dim, kernel - 1], copies in their dtypes."""
-    half, total = first.shape[1], shapes.nbytes
-    raw = first[:, :min(total, half)].index_select(0, blocks)
-    if total > half:
-        raw = torch.cat([raw, second[:, :total - half].index_select(0, blocks)], dim=1)
-    n, start = blocks.shape[0], shapes.conv_offset
-    ssm = raw[:, :shapes.ssm_bytes].view(shapes.ssm_dtype).view(n, *shapes.ssm_shape)
-    conv = raw[:, start:start + shapes.conv_bytes].view(shapes.conv_dtype)
-    return ssm, conv.view(n, *shapes.conv_shape)
+class _States:
+    """Some blocks' states, their bytes read into one buffer: ``ssm``
+    [n, heads, head_dim, state] and ``conv`` [n, conv_dim, kernel - 1] are
+    views of it in their dtypes, changed in place and written back by
+    ``write``."""
 
+    def __init__(self, first: torch.Tensor, second: torch.Tensor, blocks: torch.Tensor,
+                 shapes: StateShapes):
+        self.first, self.second, self.blocks = first, second, blocks
+        half, total = first.shape[1], shapes.nbytes
+        raw = first[:, :min(total, half)].index_select(0, blocks)
+        if total > half:
+            raw = torch.cat([raw, second[:, :total - half].index_select(0, blocks)], dim=1)
+        self.raw = raw
+        n, start = blocks.shape[0], shapes.conv_offset
+        self.ssm = raw[:, :shapes.ssm_bytes].view(shapes.ssm_dtype).view(n, *shapes.ssm_shape)
+        self.conv = raw[:, start:start + shapes.conv_bytes].view(shapes.conv_dtype).view(
+            n, *shapes.conv_shape)
 
-def _write_states(first: torch.Tensor, second: torch.Tensor, blocks: torch.Tensor,
-                  ssm: torch.Tensor, conv: torch.Tensor, shapes: StateShapes) -> None:
-    n, total = blocks.shape[0], shapes.nbytes
-    raw = torch.zeros(n, total, dtype=torch.uint8, device=first.device)
-    raw[:, :shapes.ssm_bytes] = ssm.to(shapes.ssm_dtype).reshape(n, -1).view(torch.uint8)
-    start = shapes.conv_offset
-    raw[:, start:start + shapes.conv_bytes] = \
-        conv.to(shapes.conv_dtype).reshape(n, -1).view(torch.uint8)
-    half = first.shape[1]
-    first[:, :min(total, half)].index_copy_(0, blocks, raw[:, :half])
-    if total > half:
-        second[:, :total - half].index_copy_(0, blocks, raw[:, half:])
+    def clear(self, keep: torch.Tensor) -> None:
+        """Zero the states of the rows not in ``keep`` (requests that start here)."""
+        if not bool(keep.all()):
+            self.ssm.masked_fill_(~keep[:, None, None, None], 0)
+            self.conv.masked_fill_(~keep[:, None, None], 0)
+
+    def write(self) -> None:
+        half, total = self.first.shape[1], self.raw.shape[1]
+        self.first[:, :min(total, half)].index_copy_(0, self.blocks, self.raw[:, :half])
+        if total > half:
+            self.second[:, :total - half].index_copy_(0, self.blocks, self.raw[:, half:])
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -226,37 +230,42 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
         return F.softplus(dt[0, rows].float() + dt_bias.float())  # [n, heads]
 
     n = layout.num_decodes
-    if n:
-        ssm, conv = _read_states(first, second, blocks[:n], shapes)
-        keep = layout.has_state[:n]
-        ssm = torch.where(keep[:, None, None, None], ssm.float(), 0.0)
-        window = torch.cat([torch.where(keep[:, None, None], conv, 0).to(xbc.dtype),
-                            xbc[0, :n, :, None]], dim=-1)  # [n, conv_dim, kernel]
+    if n:  # one recurrence step each, in one batch
+        states = _States(first, second, blocks[:n], shapes)
+        states.clear(layout.has_state[:n])
+        window = torch.cat([states.conv.to(xbc.dtype), xbc[0, :n, :, None]],
+                           dim=-1)  # [n, conv_dim, kernel]
         conv_out = (window * conv_weight).sum(-1)
         if conv_bias is not None:
             conv_out = conv_out + conv_bias
         x, B, C = split(F.silu(conv_out))
         step = time_steps(slice(0, n))
-        ssm = ssm * torch.exp(step * A)[..., None, None] \
-            + (step[..., None] * x)[..., None] * B[:, :, None, :]
+        # state * exp(dt A) + (dt x) B, in place where the state is float32.
+        ssm = states.ssm if ssm_dtype == torch.float32 else states.ssm.float()
+        ssm.mul_(torch.exp(step * A)[..., None, None]).addcmul_(
+            (step[..., None] * x)[..., None], B[:, :, None, :])
         y = torch.einsum("nhps,nhs->nhp", ssm, C) + D.float()[:, None] * x
         out[:n] = y.reshape(n, -1)
-        _write_states(first, second, blocks[:n], ssm, window[..., 1:], shapes)
+        if ssm is not states.ssm:
+            states.ssm.copy_(ssm)
+        states.conv.copy_(window[..., 1:])
+        states.write()
 
-    for i in range(n, len(layout.starts)):
+    for i in range(n, len(layout.starts)):  # each prefill chunk: a chunked scan
         rows = slice(layout.starts[i], layout.ends[i])
-        block = blocks[i:i + 1]
-        ssm, conv = _read_states(first, second, block, shapes)
-        if not bool(layout.has_state[i]):
-            ssm, conv = torch.zeros_like(ssm), torch.zeros_like(conv)
-        inputs = torch.cat([conv[0].to(xbc.dtype), xbc[0, rows].transpose(0, 1)], dim=-1)
+        states = _States(first, second, blocks[i:i + 1], shapes)
+        states.clear(layout.has_state[i:i + 1])
+        inputs = torch.cat([states.conv[0].to(xbc.dtype), xbc[0, rows].transpose(0, 1)],
+                           dim=-1)
         conv_out = F.conv1d(inputs[None], conv_weight[:, None, :], conv_bias,
                             groups=conv_dim)[0].transpose(0, 1)  # [length, conv_dim]
         x, B, C = split(F.silu(conv_out))
-        y, final = chunked_scan(x, time_steps(rows), A, B, C, chunk, ssm[0].float())
+        y, final = chunked_scan(x, time_steps(rows), A, B, C, chunk, states.ssm[0].float())
         y = y + D.float()[:, None] * x
         out[rows] = y.reshape(y.shape[0], -1)
-        _write_states(first, second, block, final[None], inputs[None, :, 1 - kernel:], shapes)
+        states.ssm[0].copy_(final)
+        states.conv[0].copy_(inputs[:, 1 - kernel:])
+        states.write()
     return out[None]
 
 
@@ -313,6 +322,26 @@ class PagedMamba2(nn.Module):
             self.D, first, second, group, self.groups, self.head_dim, self.state_size,
             self.chunk_size, self.ssm_dtype, self.conv_dtype)
         return self.out_proj(self.norm(y, gate).to(x.dtype))
+
+
+class Mamba2Block(nn.Module):
+    """A pre-norm decoder block around a ``PagedMamba2`` (Bamba's, Granite
+    4's): norm, mixer, residual, norm, MLP, residual, each branch scaled by
+    ``residual_multiplier`` (Granite's; 1 for Bamba). Called as FMS's
+    headless models call their blocks; its ``past_key_value_state`` is the
+    layer's paged state."""
+
+    def __init__(self, ln: nn.Module, mixer: PagedMamba2, ff_ln: nn.Module,
+                 ff_sub_layer: nn.Module, residual_multiplier: float = 1.0):
+        super().__init__()
+        self.ln, self.mixer, self.ff_ln, self.ff_sub_layer = ln, mixer, ff_ln, ff_sub_layer
+        self.residual_multiplier = residual_multiplier
+
+    def forward(self, x, *, position_ids=None, past_key_value_state=None, use_cache=False,
+                **kwargs):
+        x = x + self.mixer(self.ln(x), past_key_value_state) * self.residual_multiplier
+        x = x + self.ff_sub_layer(self.ff_ln(x)) * self.residual_multiplier
+        return (x, past_key_value_state) if use_cache else x
 
 
 def recurrent_mixers(model: nn.Module) -> dict[int, PagedMamba2]:

@@ -20,8 +20,8 @@ import torch
 
 from vllm_accel.testing.tiny_models import (
     CHAT_TEMPLATE, HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MAX_POS, NORM_NOISE,
-    SUPPRESS_SCALE, WEIGHT_STD, _save_generation_config, _save_tokenizer, _unprintable_ids,
-    build_tokenizer,
+    ROUTER_STD, SEED_OFFSETS, SUPPRESS_SCALE, WEIGHT_STD, _save_generation_config,
+    _save_tokenizer, _unprintable_ids, build_tokenizer,
 )
 
 ATTENTION_LAYERS = [1]
@@ -31,7 +31,6 @@ MAMBA_GROUPS = 2
 MAMBA_STATE = 16
 MAMBA_CONV = 4
 MAMBA_CHUNK = 16
-SEED_OFFSET = 15485863  # its own weights, apart from the other fixtures'
 
 
 def bamba_config(tokenizer):
@@ -52,6 +51,35 @@ def bamba_config(tokenizer):
     return config
 
 
+def random_mamba_weights(model, g: torch.Generator) -> None:
+    """Every parameter of a hybrid Mamba2 model drawn from ``g`` in name
+    order: norms near 1, decay rates and time steps spread as Mamba2's own
+    init spreads them, routers (Granite 4's) wide enough for clear choices,
+    the rest normal."""
+    for name, parameter in sorted(model.named_parameters()):
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name:  # RMSNorms, the mixer's gated norm among them
+            value = 1.0 + NORM_NOISE * torch.randn(parameter.shape, generator=g)
+        elif leaf == "A_log":  # decay rates spread as Mamba2's init spreads them
+            value = torch.log(torch.linspace(1.0, 16.0, parameter.numel())) \
+                + 0.1 * torch.randn(parameter.shape, generator=g)
+        elif leaf == "dt_bias":  # softplus(dt_bias) ~ 0.01 .. 0.3: slow and fast heads
+            dt = torch.exp(torch.rand(parameter.shape, generator=g)
+                           * (math.log(0.3) - math.log(0.01)) + math.log(0.01))
+            value = dt + torch.log(-torch.expm1(-dt))
+        elif leaf == "D":
+            value = 1.0 + 0.1 * torch.randn(parameter.shape, generator=g)
+        elif name.endswith("conv1d.weight"):  # 4 taps per channel
+            value = torch.randn(parameter.shape, generator=g) * 0.3
+        elif name.endswith("router.weight"):
+            value = torch.randn(parameter.shape, generator=g) * ROUTER_STD
+        elif leaf == "bias":
+            value = torch.randn(parameter.shape, generator=g) * 0.02
+        else:
+            value = torch.randn(parameter.shape, generator=g) * WEIGHT_STD
+        parameter.copy_(value)
+
+
 def make_tiny_bamba(out_dir: str | os.PathLike, *, seed: int = 0,
                     printable_only: bool = True) -> pathlib.Path:
     """The checkpoint in ``out_dir``. ``printable_only``: the head rows of
@@ -64,29 +92,10 @@ def make_tiny_bamba(out_dir: str | os.PathLike, *, seed: int = 0,
     tokenizer = build_tokenizer()
     _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
     config = bamba_config(tokenizer)
-    g = torch.Generator().manual_seed(seed + SEED_OFFSET)
+    g = torch.Generator().manual_seed(seed + SEED_OFFSETS["bamba"])
     model = BambaForCausalLM(config).eval()
     with torch.no_grad():
-        for name, parameter in sorted(model.named_parameters()):
-            leaf = name.rsplit(".", 1)[-1]
-            if "norm" in name:  # RMSNorms, the mixer's gated norm among them
-                value = 1.0 + NORM_NOISE * torch.randn(parameter.shape, generator=g)
-            elif leaf == "A_log":  # decay rates spread as Mamba2's init spreads them
-                value = torch.log(torch.linspace(1.0, 16.0, parameter.numel())) \
-                    + 0.1 * torch.randn(parameter.shape, generator=g)
-            elif leaf == "dt_bias":  # softplus(dt_bias) ~ 0.01 .. 0.3: slow and fast heads
-                dt = torch.exp(torch.rand(parameter.shape, generator=g)
-                               * (math.log(0.3) - math.log(0.01)) + math.log(0.01))
-                value = dt + torch.log(-torch.expm1(-dt))
-            elif leaf == "D":
-                value = 1.0 + 0.1 * torch.randn(parameter.shape, generator=g)
-            elif name.endswith("conv1d.weight"):  # 4 taps per channel
-                value = torch.randn(parameter.shape, generator=g) * 0.3
-            elif leaf == "bias":
-                value = torch.randn(parameter.shape, generator=g) * 0.02
-            else:
-                value = torch.randn(parameter.shape, generator=g) * WEIGHT_STD
-            parameter.copy_(value)
+        random_mamba_weights(model, g)
         if printable_only:
             model.lm_head.weight[_unprintable_ids(tokenizer)] *= SUPPRESS_SCALE
     model.save_pretrained(out)

@@ -61,7 +61,8 @@ EXPERT_INTERMEDIATE = 256
 ROUTER_STD = 0.25
 # Each fixture's weights come from the seed plus its offset: not Llama's
 # weights under another architecture's name.
-SEED_OFFSETS = {"mistral": 7919, "mixtral": 104_729, "qwen3": 15_485_863}
+SEED_OFFSETS = {"mistral": 7919, "mixtral": 104_729, "qwen3": 15_485_863,
+                "bamba": 49_979_687, "granitemoehybrid": 32_452_843}
 
 # std 0.1 (not the usual 0.02) so logits are clearly peaked and greedy
 # decoding wanders through many different tokens instead of repeating one.
