@@ -258,10 +258,10 @@ def test_forward_inputs_send_a_forward_in_one_buffer():
     staged = ForwardInputs(4, shape.rows(4), shape.width, 1, torch.device("cpu"))
     for forward in layout.forwards:
         sent = staged.send(forward, (np.array([0]), np.array([2])))
-        table, got = forward.attn_metadata.sequences, sent.metadata.sequences
+        table, got = forward.attn_metadata.sequences, sent.metadata[0].sequences
         assert torch.equal(sent.input_ids, forward.input_ids)
         assert torch.equal(sent.positions, forward.positions)
-        assert torch.equal(sent.metadata.slot_mapping, forward.attn_metadata.slot_mapping)
+        assert torch.equal(sent.metadata[0].slot_mapping, forward.attn_metadata.slot_mapping)
         for name in ("query_start", "seq_lens", "block_table"):
             assert torch.equal(getattr(got, name), getattr(table, name)), name
         n = len(forward.logit_rows)
@@ -272,8 +272,8 @@ def test_forward_inputs_send_a_forward_in_one_buffer():
     # The views are the buffer a captured graph reads: the same tensors each time.
     assert sent.input_ids.data_ptr() == staged.input_ids.data_ptr()
     staged.clear()
-    assert staged.metadata.slot_mapping.tolist() == [0] * 4
-    assert staged.metadata.sequences.seq_lens.tolist() == [0] * 3
+    assert staged.metadata[0].slot_mapping.tolist() == [0] * 4
+    assert staged.metadata[0].sequences.seq_lens.tolist() == [0] * 3
 
 
 def test_the_memory_profile_fills_a_bucket_with_prompts_within_the_context():
