@@ -66,6 +66,10 @@ def test_files_and_keys(ckpt):
         # embed, head, final norm; 2 norms and 3 MLP weights a layer; 8 in a mixer
         assert len(sd) == 3 + 4 * 5 + 3 * 8 + 4
         return
+    if arch == "granite_swa":  # a sink per head in every layer
+        assert sd["model.layers.3.self_attn.sinks"].shape == (4,)
+        assert len(sd) == 2 + 1 + 4 * 10  # embed, head, final norm, 10 tensors per layer
+        return
     assert "model.embed_tokens.weight" in sd and "model.norm.weight" in sd
     assert "model.layers.3.self_attn.q_proj.weight" in sd
     if arch == "qwen3":  # the head tied to the embedding; q/k norms of head_dim, not 64

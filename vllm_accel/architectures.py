@@ -143,6 +143,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                                 ("max_expected_seq_len", _max_positions)),
                  recurrent_state=_mamba2_dims,
                  paged_layers="vllm_accel.model.bamba:page_recurrent_layers"),
+    # Granite with sliding-window attention in the layers its layer_types
+    # name and a learned attention sink per head in every layer. FMS's block
+    # names its own attention op (it would replace ours): model/granite_swa.py
+    # swaps the blocks for ones that keep ours and pass their KV cache group.
+    Architecture(("GraniteSWAForCausalLM",), "granite_swa", tensor_parallel=True,
+                 paged_layers="vllm_accel.model.granite_swa:page_attention_layers",
+                 windows_by_layer_types=True),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -164,9 +171,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 # Architectures FMS maps (its HF registry) that the runner cannot execute
 # yet, with the layer kinds it lacks for them: what FMS's registry cannot say.
 MISSING_LAYER_KINDS: dict[str, str] = {
-    "GptOssForCausalLM": ("attention sinks, windowed and full-attention layers mixed, "
-                          "experts with biases and a clamped SwiGLU"),
-    "GraniteSWAForCausalLM": "attention sinks, windowed and full-attention layers mixed",
+    "GptOssForCausalLM": "experts with biases and a clamped SwiGLU",
     "GraniteMoeHybridForCausalLM": "recurrent state (Mamba2), mixture of experts",
     "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",
