@@ -9,7 +9,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.utils.math_utils import cdiv
 
-from helpers import hf_greedy, running_llm
+from helpers import hf_greedy, model_runner, running_llm
 from test_generation import random_prompts
 from vllm_accel.testing.tiny_models import MISTRAL_WINDOW
 
@@ -82,3 +82,22 @@ def _held(manager) -> int:
     """Real (not null) blocks the one running request holds in a group."""
     (blocks,) = manager.req_to_blocks.values()
     return sum(not block.is_null for block in blocks)
+
+
+def test_windows_hold_with_the_hybrid_kv_cache_manager_off(tiny_models):
+    """--disable-hybrid-kv-cache-manager: vLLM keeps every layer in one KV
+    cache group (no block is freed behind a window); the runner still gives
+    the windowed layers a layout with their window, so the output is HF's."""
+    from vllm_accel.testing.tiny_granite_swa import GRANITE_SWA_WINDOW
+
+    model_dir = tiny_models["granite_swa"]
+    prompts = random_prompts([7, 60, 150], seed=13)
+    with running_llm(model_dir, max_num_batched_tokens=64,
+                     disable_hybrid_kv_cache_manager=True) as llm:
+        runner = model_runner(llm)
+        assert runner.attention_groups == [0]
+        assert runner.layouts == [(0, 0), (0, GRANITE_SWA_WINDOW)]
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)]
+    assert got == hf_greedy(model_dir, prompts, 16)
