@@ -318,8 +318,12 @@ def test_each_attention_group_has_its_slots_blocks_and_window():
     assert windowed.slot_mapping[:10].tolist() == [s + 20 * BLOCK for s in
                                                    full.slot_mapping[:10].tolist()]
     assert windowed.slot_mapping[10:].tolist() == [0] * 6  # padding: the null block
-    assert torch.equal(windowed.decode_block_table, full.decode_block_table + 20 * (
-        full.decode_block_table > 0))
+    # Row 1's decode at position 9 (blocks 7, 8, 9): its window (7..9) starts in
+    # its second block, so the windowed layout leaves the first out.
+    assert full.decode_block_table.tolist() == [[7, 8, 9, 0]]
+    assert full.decode_context_lens.tolist() == [10]
+    assert windowed.decode_block_table.tolist() == [[28, 29, 0, 0]]
+    assert windowed.decode_context_lens.tolist() == [6]
     assert windowed.decodes_outrun_window and not full.decodes_outrun_window
     assert [(c.start, c.end) for c in windowed.prefills] == [(c.start, c.end)
                                                             for c in full.prefills]
@@ -348,3 +352,19 @@ def test_forward_inputs_hold_each_attention_groups_slots_and_blocks():
         for name in ("query_start", "seq_lens", "block_table"):
             assert torch.equal(getattr(got.sequences, name), getattr(want.sequences, name))
     assert not torch.equal(sent.metadata[0].slot_mapping, sent.metadata[1].slot_mapping)
+
+
+def test_a_windowed_chunk_reads_from_the_first_block_its_window_reaches():
+    """A chunk at positions 9..11 with a window of 3: its first query sees
+    7..9, so its context starts at block 1 (positions 4..11); the mask is
+    over those keys, and the blocks behind (freed by vLLM) are not read."""
+    from vllm_accel.model.paged_attention import causal_context_mask
+
+    token_ids = np.zeros((1, 16), dtype=np.int64)
+    block_table = np.array([[5, 6, 7, 0]])
+    (forward,) = pack_step(token_ids, block_table, np.array([3]), np.array([9]), BLOCK,
+                           _one_forward(4), lambda b: b, window=3).forwards
+    (chunk,) = forward.attn_metadata.prefills
+    assert chunk.block_table.tolist() == [[6, 7]] and chunk.context_len == 8
+    expected = causal_context_mask(torch.arange(9, 12)[None], torch.tensor([12]), 12, 3)
+    assert torch.equal(chunk.mask, expected[..., 4:])

@@ -274,13 +274,20 @@ def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
                     num_decodes: int, block_table: np.ndarray, bs: int,
                     context_bucket: Callable[[int], int], window: int) -> PagedAttentionMetadata:
     """The layout of packed tokens [begin, end) as decodes and prefill chunks
-    apart (cpu, hpu)."""
+    apart (cpu, hpu). With a window, each one's context starts at the first
+    block its window reaches: the blocks wholly behind it (vLLM's null block
+    once freed) are neither gathered nor masked."""
     pos = packed.pos
     # Decodes are the first packed tokens, one per request.
     decodes = np.arange(begin, min(end, packed.num_decodes))
     decode_rows = packed.order[decodes]
     context_lens = pos[decodes] + 1
+    skipped = np.maximum(context_lens - window, 0) // bs if window else 0 * context_lens
+    context_lens = context_lens - skipped * bs
     width = context_bucket(cdiv(int(context_lens.max(initial=1)), bs))
+    columns = skipped[:, None] + np.arange(width)[None, :]
+    decode_table = np.take_along_axis(
+        np.pad(block_table[decode_rows], ((0, 0), (0, width))), columns, axis=1)
     prefills = []
     for i in range(packed.num_decodes, len(packed.order)):
         # The part of request i's chunk inside this forward (if any).
@@ -296,21 +303,24 @@ def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
             prefills.append(chunk)
             continue
         row = packed.order[i]
-        context_len = int(pos[hi - 1]) + 1
+        # From the first block the chunk's first query's window reaches.
+        skip = max(0, int(pos[lo]) - window + 1) // bs if window else 0
+        context_len = int(pos[hi - 1]) + 1 - skip * bs
         blocks = cdiv(context_len, bs)
         prefills.append(PrefillChunk(
             start=lo - begin,
             end=hi - begin,
-            block_table=torch.from_numpy(block_table[row : row + 1, :blocks].astype(np.int64)),
+            block_table=torch.from_numpy(
+                block_table[row : row + 1, skip : skip + blocks].astype(np.int64)),
             mask=causal_context_mask(
-                torch.from_numpy(pos[lo:hi][None]), torch.tensor([context_len]), blocks * bs,
-                window),
+                torch.from_numpy(pos[lo:hi][None] - skip * bs), torch.tensor([context_len]),
+                blocks * bs, window),
             context_len=context_len,
         ))
     return PagedAttentionMetadata(
         slot_mapping=slots,
         num_decodes=num_decodes,
-        decode_block_table=torch.from_numpy(block_table[decode_rows, :width].astype(np.int64)),
+        decode_block_table=torch.from_numpy(decode_table.astype(np.int64)),
         decode_context_lens=torch.from_numpy(context_lens.astype(np.int64)),
         prefills=prefills,
         window=window,
