@@ -43,14 +43,15 @@ class Architecture:
     recurrent_state: Callable[[Any], Mamba2Dims] | None = None
     # "module:function" swapping layers of a loaded FMS model for ones the
     # runner drives its way: stateful layers over vLLM's paged state (Bamba),
-    # attention blocks that keep our attention op and pass their layer's KV
-    # cache group (Granite SWA); None: none to swap.
+    # attention blocks that keep our attention op and pass their layer's
+    # attention layout (Granite SWA); None: none to swap.
     paged_layers: str | None = None
     # Each layer's attention window comes from the config's layer_types
     # ("sliding_attention": sliding_window; others full attention), and its
-    # blocks (paged_layers) pass the runner's KV cache group of each layer to
-    # the attention op: windowed and full-attention layers may mix. Else one
-    # window (sliding_window, or none) for every layer, and a mix is refused.
+    # blocks (paged_layers) pass each layer's attention layout (its KV cache
+    # group and window) to the attention op: windowed and full-attention
+    # layers may mix. Else one window (sliding_window, or none) for every
+    # layer, and a mix is refused.
     windows_by_layer_types: bool = False
 
     @property
@@ -146,7 +147,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # Granite with sliding-window attention in the layers its layer_types
     # name and a learned attention sink per head in every layer. FMS's block
     # names its own attention op (it would replace ours): model/granite_swa.py
-    # swaps the blocks for ones that keep ours and pass their KV cache group.
+    # swaps the blocks for ones that keep ours and pass their layout.
     Architecture(("GraniteSWAForCausalLM",), "granite_swa", tensor_parallel=True,
                  paged_layers="vllm_accel.model.granite_swa:page_attention_layers",
                  windows_by_layer_types=True),

@@ -28,10 +28,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ForwardContext:
-    # The step's token layout the paged attention op reads, one per KV cache
-    # group of attention layers (one group unless the model's attention
-    # layers are of several kinds, e.g. windowed and full); None: no paged
-    # attention runs, e.g. a vision tower's call.
+    # The step's token layout the paged attention op reads, one per (KV
+    # cache group, window) of the attention layers (one unless they are of
+    # several kinds, e.g. windowed and full); None: no paged attention runs,
+    # e.g. a vision tower's call.
     attention: AttentionLayouts | None = None
     # The step's requests as segments of the forward with their recurrent
     # state's blocks, for the layers that keep one (Mamba2); None: none run.

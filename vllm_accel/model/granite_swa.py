@@ -9,10 +9,10 @@ attention the layer's window as an int of its own, which would make each
 window a graph of its own. ``page_attention_layers`` swaps every block for
 ``AttentionBlock``: the same submodules and weights (pre-norm, attention
 with its sinks, residual scaled, pre-norm, gated MLP, residual scaled) and
-FMS's arithmetic, our op kept, and the layer's KV cache group (from its KV
-cache entry) passed to the op, whose layout for that group carries the
-window (vLLM's hybrid KV cache manager keeps windowed and full-attention
-layers in groups of their own). FMS's attention passes the sinks itself
+FMS's arithmetic, our op kept, and the index of the layer's attention
+layout (from its KV cache entry) passed to the op: the layout of its KV
+cache group and window (vLLM's hybrid KV cache manager keeps windowed and
+full-attention layers in groups of their own). FMS's attention passes the sinks itself
 (``MultiHeadAttention(has_sinks=True)``).
 """
 
@@ -24,8 +24,7 @@ from torch import nn
 class AttentionBlock(nn.Module):
     """One of Granite SWA's decoder blocks, called as FMS's headless model
     calls its blocks; ``past_key_value_state`` is the layer's KV cache entry:
-    its keys and values, and its KV cache group where the model's attention
-    layers form several."""
+    its keys and values, and its layout's index where a forward has several."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -35,9 +34,9 @@ class AttentionBlock(nn.Module):
 
     def forward(self, x, *, position_ids=None, past_key_value_state=None, use_cache=False,
                 **attn_kwargs):
-        keys, values, *group = past_key_value_state
-        if group:
-            attn_kwargs["kv_cache_group"] = group[0]
+        keys, values, *layout = past_key_value_state
+        if layout:
+            attn_kwargs["attention_layout"] = layout[0]
         attended = self.attn(q=self.ln(x), position_ids=position_ids,
                              past_key_value_state=(keys, values), use_cache=use_cache,
                              **attn_kwargs)

@@ -28,11 +28,11 @@ over chunks, and tensors of fixed shapes that a CUDA graph can capture.
 
 Layers of different attention kinds (full attention beside sliding windows)
 sit in different KV cache groups of vLLM's hybrid KV cache manager, each with
-its own block table and so its own slots: the forward's context holds one
-layout per group (``AttentionLayouts``), and a layer's op is told its group
-(an int tensor, kept on the host, that its KV cache entry carries: a graph
-input, so that every layer runs one graph). The layout carries its group's
-window. A layer with attention sinks (a learned logit per head that joins
+its own block table and so its own slots: the forward's context holds a
+layout per (group, window) (``AttentionLayouts``), and a layer's op is told
+which (an index in an int tensor, kept on the host, that the layer's KV cache
+entry carries: a graph input, so that every layer runs one graph). The
+layout carries its window. A layer with attention sinks (a learned logit per head that joins
 the softmax's denominator only) hands the op its sinks: on the CPU those
 layers attend by PyTorch with an explicit softmax (SDPA and our kernels take
 no sinks); vLLM's Triton kernel takes them.
@@ -162,9 +162,8 @@ def causal_context_mask(
     return visible.unsqueeze(1)
 
 
-# A forward's layout per KV cache group of attention layers (one for a model
-# whose attention layers are all of one kind), indexed by the group's place
-# among the attention groups.
+# A forward's layouts: one per (KV cache group, window) of its attention
+# layers (one for a model whose attention layers are all of one kind).
 AttentionLayouts = tuple[PagedAttentionMetadata, ...]
 
 
@@ -180,17 +179,17 @@ def _paged_attention(
     value_cache: torch.Tensor,
     scale: float,
     sinks: torch.Tensor | None = None,
-    group: torch.Tensor | None = None,
+    layout: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [1, tokens, heads, dim], key/value [1, tokens, kv_heads, dim] ->
     [1, tokens, heads, dim]; writes key/value into their cache slots.
-    ``sinks`` [heads]: each head's sink logit (None: no sinks); ``group``
-    [1] int64 on the host: the layer's KV cache group among the attention
-    groups (None: the first)."""
+    ``sinks`` [heads]: each head's sink logit (None: no sinks); ``layout``
+    [1] int64 on the host: the index of the layer's layout among the
+    forward's (None: the first)."""
     context = get_forward_context()
     layouts = context.attention
     assert layouts, "paged_attention runs inside set_forward_context with a layout"
-    md = layouts[0 if group is None else int(group)]
+    md = layouts[0 if layout is None else int(layout)]
     if md.sequences is not None:
         # Rows past the forward's sequences stay unwritten: padding, which no
         # real row reads.
@@ -320,7 +319,7 @@ def _sdpa(query, keys, values, mask, scale, sinks=None, is_causal=False):
 
 
 def _paged_attention_shape(query, key, value, key_cache, value_cache, scale, sinks=None,
-                           group=None):
+                           layout=None):
     return query.new_empty(query.shape)
 
 
@@ -329,7 +328,7 @@ def _paged_attention_shape(query, key, value, key_cache, value_cache, scale, sin
 # updates the caches in place; it does not copy them).
 paged_attention = ops.define(
     "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
-    "Tensor(b!) value_cache, float scale, Tensor? sinks=None, Tensor? group=None) -> Tensor",
+    "Tensor(b!) value_cache, float scale, Tensor? sinks=None, Tensor? layout=None) -> Tensor",
     _paged_attention, _paged_attention_shape)
 
 
@@ -340,16 +339,16 @@ def _store(keys, values, key_cache, value_cache, **_):
 
 
 def _compute(query, keys_and_cache, values_and_cache, nheads, kvheads, p_dropout,
-             scale_factor, sinks=None, kv_cache_group=None, **_):
+             scale_factor, sinks=None, attention_layout=None, **_):
     """FMS's compute step. ``sinks``: FMS passes a sinks model's per-head sink
     logits (with its ``sliding_window``, which the op ignores: a layer's window
-    is its KV cache group's, in the layout); ``kv_cache_group``: the layer's
-    group among the attention groups, passed by the layers of models whose
-    attention layers form several (its int64 tensor on the host)."""
+    is its layout's); ``attention_layout``: the index of the layer's layout
+    (its KV cache group and window) among the forward's, passed by the layers
+    of models whose forwards have several (an int64 tensor on the host)."""
     (keys, key_cache), (values, value_cache) = keys_and_cache, values_and_cache
     scale = scale_factor if scale_factor is not None else 1.0 / math.sqrt(query.shape[-1])
     return paged_attention(query, keys, values, key_cache, value_cache, scale, sinks,
-                           kv_cache_group)
+                           attention_layout)
 
 
 _registered = False
