@@ -229,7 +229,8 @@ def test_compiled_graphs_are_kept_per_op_schemas(compiled, cache_dir, monkeypatc
     graphs = model_runner(compiled[0]).compile_stats.cache_dir
     assert graphs == cache_dir / "inductor" / f"ops-{ops.fingerprint()}"
     assert {schema.split("(")[0] for schema in ops._schemas} == {
-        "blocked_linear", "packed_linear", "span_attention", "paged_attention", "mamba2_mixer"}
+        "blocked_linear", "packed_linear", "span_attention", "paged_attention", "mamba2_mixer",
+        "experts"}
     assert any(graphs.rglob("*.py")), "the engine cached no graph there"
     before = ops.fingerprint()
     monkeypatch.setattr(ops, "_schemas", [*ops._schemas[:-1], ops._schemas[-1] + " "])
