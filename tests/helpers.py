@@ -175,8 +175,12 @@ def kill_a_worker_and_wait_for_exit(proc, log, num_workers: int) -> str:
 
 def in_forward(attention=None, **kernels):
     """Within: a forward's context with the step's ``attention`` layout (if
-    any) and these CPU kernels (linear=, span=, decode=; None: torch's path)."""
+    any: one, or one per KV cache group) and these CPU kernels (linear=,
+    span=, decode=; None: torch's path)."""
     from vllm_accel.forward_context import ForwardContext, set_forward_context
     from vllm_accel.kernels import CpuKernels
+    from vllm_accel.model.paged_attention import PagedAttentionMetadata
 
+    if isinstance(attention, PagedAttentionMetadata):
+        attention = (attention,)
     return set_forward_context(ForwardContext(attention=attention, kernels=CpuKernels(**kernels)))

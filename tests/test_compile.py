@@ -252,6 +252,24 @@ def test_a_hybrid_model_compiles_each_layer_kind_per_bucket_and_matches_hf(tiny_
         assert runner.compile_stats.runtime_compiles == 0
 
 
+def test_windowed_and_full_attention_layers_share_one_graph_per_bucket_and_match_hf(
+        tiny_models, cache_dir):
+    """Granite SWA: a full-attention layer and three windowed ones (four KV
+    cache groups, each its own attention layout), all with attention sinks.
+    A layer's group reaches the op as a tensor, not a constant, so all four
+    layers run one graph per bucket (per_bucket: static shapes); serving
+    (decodes and chunks packed, prompts past the window and past a step)
+    compiles nothing and equals HF."""
+    config = accel_config(cache_dir, bucket_graphs="per_bucket")
+    prompts = random_prompts([1, 3, 16, 30, 63, 200], seed=24)
+    with running_llm(tiny_models["granite_swa"], additional_config=config, **ENGINE) as llm:
+        runner = model_runner(llm)
+        assert len(runner.layouts) == 4
+        assert runner.compile_stats.warmup_graphs == 4  # one kind of layer x 4 buckets
+        assert greedy(llm, prompts) == hf_greedy(tiny_models["granite_swa"], prompts, 8)
+        assert runner.compile_stats.runtime_compiles == 0
+
+
 def test_step_beyond_every_bucket_runs_as_several_forwards(tiny_models, cache_dir):
     config = accel_config(cache_dir, token_buckets="1,4,16")
     with running_llm(tiny_models["llama"], additional_config=config, **ENGINE) as llm:

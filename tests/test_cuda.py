@@ -53,10 +53,14 @@ def hf_cuda_greedy(model_dir, prompts, max_tokens=MAX_TOKENS):
     return out
 
 
+@pytest.mark.parametrize("sinks,window", [(False, 0), (True, 0), (True, 24)],
+                         ids=["plain", "sinks", "sinks+window"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_launch_attention_equals_the_pytorch_path(dtype):
+def test_one_launch_attention_equals_the_pytorch_path(dtype, sinks, window):
     """One step (two decodes, a chunk with earlier context, a new prompt cut
-    by the forward's end) laid out both ways: the same attention output."""
+    by the forward's end) laid out both ways: the same attention output;
+    also with attention sinks (Triton's sinks= against the explicit softmax)
+    and a window that cuts the decodes' and the chunk's context."""
     from helpers import in_forward
     from vllm_accel.model.paged_attention import (TableShape, paged_attention,
                                                   register_paged_attention)
@@ -73,18 +77,19 @@ def test_one_launch_attention_equals_the_pytorch_path(dtype):
     token_ids = np.zeros((4, 256), dtype=np.int64)
     # 72 tokens: the first forward takes 64 (the new prompt's first 22).
     layouts = [pack_step(token_ids, block_table, num_scheduled, start, block,
-                         lambda n: [64, 64], lambda b: 8, table_shape=shape
+                         lambda n: [64, 64], lambda b: 8, table_shape=shape, window=window
                          ).forwards[0].attn_metadata.to("cuda")
                for shape in (None, TableShape(max_sequences=4, width=8))]
     shape = (1, 64, heads, dim)
     query, key, value = (torch.randn(*s, generator=g).to("cuda", dtype)
                          for s in (shape, shape[:2] + (kv_heads, dim), shape[:2] + (kv_heads, dim)))
+    head_sinks = (torch.randn(heads, generator=g) + 1).to("cuda", dtype) if sinks else None
     outputs = []
     for metadata in layouts:
         caches = [torch.randn(blocks, block, kv_heads, dim, generator=torch.Generator().manual_seed(1)
                               ).to("cuda", dtype) for _ in range(2)]
         with in_forward(metadata):
-            out = paged_attention(query, key, value, *caches, dim ** -0.5)
+            out = paged_attention(query, key, value, *caches, dim ** -0.5, head_sinks)
         outputs.append(out[0].float())
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
@@ -94,6 +99,8 @@ def test_one_launch_attention_equals_the_pytorch_path(dtype):
 @pytest.fixture(scope="module", params=[a for a in SUPPORTED_ARCHS
                                         if by_model_type(a).recurrent_state is None])
 def text_model(request, tmp_path_factory):
+    if request.param == "granite_swa":  # transformers has it since after some hosts' versions
+        pytest.importorskip("transformers.models.granite_swa")
     return make_tiny_model(request.param, tmp_path_factory.mktemp("cuda") / request.param)
 
 

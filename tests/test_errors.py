@@ -65,13 +65,29 @@ def test_additional_config_overrides_environment(monkeypatch):
 
 
 def test_mixed_attention_layer_kinds_fail_naming_the_setting(tiny_models, tmp_path):
-    """A config whose layer_types mix windowed and full attention: refused at
-    start-up, naming the setting and what is allowed."""
+    """A config whose layer_types mix windowed and full attention, for an
+    architecture whose model attends every layer with one window (HF's
+    Mistral ignores layer_types): refused at start-up, naming the setting and
+    what is allowed (Granite SWA mixes them)."""
     model_dir = copy_model(tiny_models["mistral"], tmp_path / "mistral-mixed")
     config = json.loads((model_dir / "config.json").read_text())
     layers = config["num_hidden_layers"]
     config.update(layer_types=["sliding_attention", "full_attention"] * (layers // 2))
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(Exception, match=r"layer_types.*Allowed: one attention kind"):
+    with pytest.raises(Exception, match=r"layer_types.*Allowed: one attention kind.*"
+                                         r"GraniteSWAForCausalLM"):
+        with running_llm(model_dir, max_model_len=512):
+            pass
+
+
+def test_a_rotary_base_per_layer_fails_naming_the_setting(tiny_models, tmp_path):
+    """Granite SWA's layer_rope_theta (a rotary base per layer, 0 for none):
+    FMS's model has one rotary embedding, so any other base is refused at
+    start-up, naming the setting."""
+    model_dir = copy_model(tiny_models["granite_swa"], tmp_path / "granite-swa-nope")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["layer_rope_theta"][1] = 0
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match=r"rotary base per layer.*layer_rope_theta.*Allowed"):
         with running_llm(model_dir, max_model_len=512):
             pass

@@ -155,3 +155,95 @@ def test_bfloat16_prompts_attend_by_the_kernel(kernel_cache, with_bfloat16):
     expected = span_attention.reference(more[0], keys, values, 0.25, causal=True)
     torch.testing.assert_close(got, expected, atol=2 ** -6, rtol=2 ** -7)
     assert torch.equal(keys[0, 7:], more[1][0])
+
+
+def _hf_sink_attention(query, keys, values, mask, scale, sinks):
+    """HF transformers' own eager attention of Granite SWA (its sinks as a
+    post-softmax scale): query [1, heads, q, dim], keys/values [1, kv_heads,
+    k, dim], mask bool [1, 1, q, k]."""
+    from torch import nn
+    from transformers.models.granite_swa.modeling_granite_swa import eager_attention_forward
+
+    module = nn.Module()
+    module.sinks, module.num_key_value_groups = sinks, query.shape[1] // keys.shape[1]
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    out, _ = eager_attention_forward(module, query, keys, values, additive, scale)
+    return out  # [1, q, heads, dim]
+
+
+def test_sinks_join_the_softmax_as_hfs_eager_attention_computes(kernel_cache):
+    """Layers with attention sinks (a logit per head in the softmax's
+    denominator only) attend by PyTorch, not our kernels, and equal HF's
+    formula: a prompt's start (causal over its own keys), a chunk over its
+    blocks with a window, decodes (one of them past the window); with sinks
+    of -inf (no sink) they equal attention without sinks."""
+    from vllm_accel.model.paged_attention import causal_context_mask
+
+    g = torch.Generator().manual_seed(3)
+    sinks = torch.tensor([2.0, -1.0, 0.5, 1.5])
+    tokens = 6
+    query = torch.randn(1, tokens, HEADS, DIM, generator=g)
+    key, value = (torch.randn(1, tokens, KV_HEADS, DIM, generator=g) for _ in range(2))
+    caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
+    kernel = decode_kernel.load(kernel_cache)
+    layout = PagedAttentionMetadata(torch.arange(4, 4 + tokens), 0,
+                                    prefills=[PrefillChunk(0, tokens)])
+    with in_forward(layout, decode=kernel):
+        got = paged_attention(query, key, value, *caches, 0.25, sinks)
+        plain = paged_attention(query, key, value, *caches, 0.25, torch.full((HEADS,), -1e30))
+        without = paged_attention(query, key, value, *caches, 0.25)
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None]
+    expected = _hf_sink_attention(query.transpose(1, 2), key.transpose(1, 2),
+                                  value.transpose(1, 2), causal, 0.25, sinks)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(plain, without)
+    assert not torch.allclose(got, without, atol=1e-3)
+
+    # Positions 6..8 of the same prompt over its blocks 1..2, window 4; then
+    # two decodes: at position 9 (window 4: keys 6..9) and (another request
+    # whose blocks are the same) at position 2.
+    more = [torch.randn(1, 3, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    chunk = PrefillChunk(0, 3, torch.tensor([[1, 2, 3]]), causal_context_mask(
+        torch.arange(6, 9)[None], torch.tensor([9]), 3 * BLOCK, window=4), context_len=9)
+    with in_forward(PagedAttentionMetadata(torch.arange(10, 13), 0, prefills=[chunk],
+                                           window=4)):
+        got = paged_attention(*more, *caches, 0.25, sinks)
+    # The prompt's keys from slot 4 (block 1) on.
+    keys, values = (c.view(1, -1, KV_HEADS, DIM)[:, 4:13].transpose(1, 2) for c in caches)
+    expected = _hf_sink_attention(more[0].transpose(1, 2), keys, values,
+                                  chunk.mask[..., :9], 0.25, sinks)
+    torch.testing.assert_close(got, expected)
+
+    decode = [torch.randn(1, 2, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    layout = PagedAttentionMetadata(
+        torch.tensor([13, 6]), 2, decode_block_table=torch.tensor([[1, 2, 3], [1, 0, 0]]),
+        decode_context_lens=torch.tensor([10, 3]), window=4, decodes_outrun_window=True)
+    with in_forward(layout, decode=kernel):
+        got = paged_attention(*decode, *caches, 0.25, sinks)
+    keys, values = (c.view(1, -1, KV_HEADS, DIM).transpose(1, 2) for c in caches)
+    for row, (lo, hi) in enumerate([(6, 10), (0, 3)]):
+        visible = torch.zeros(1, 1, 1, keys.shape[2], dtype=torch.bool)
+        visible[..., 4 + lo:4 + hi] = True  # the prompt's keys start at slot 4 (block 1)
+        expected = _hf_sink_attention(decode[0][:, row:row + 1].transpose(1, 2), keys, values,
+                                      visible, 0.25, sinks)
+        torch.testing.assert_close(got[:, row:row + 1], expected)
+
+
+def test_each_layer_reads_the_layout_of_its_group():
+    """A forward holds a layout per KV cache group (slots, blocks, window of
+    its own); the op takes the one its layer's group index names, and no
+    index means the first."""
+    g = torch.Generator().manual_seed(4)
+    query = torch.randn(1, 1, HEADS, DIM, generator=g)
+    key, value = (torch.randn(1, 1, KV_HEADS, DIM, generator=g) for _ in range(2))
+    layouts = tuple(PagedAttentionMetadata(
+        torch.tensor([slot]), 1, decode_block_table=torch.tensor([[slot // BLOCK]]),
+        decode_context_lens=torch.tensor([1])) for slot in (4, 8))
+    for group, slot in ((None, 4), (torch.tensor([0]), 4), (torch.tensor([1]), 8)):
+        caches = [torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM) for _ in range(2)]
+        with in_forward(layouts):
+            out = paged_attention(query, key, value, *caches, 0.25, None, group)
+        written = caches[0].view(-1, KV_HEADS, DIM).abs().sum(dim=(1, 2)).nonzero().flatten()
+        assert written.tolist() == [slot]
+        # One key of its own: each head's output is its value.
+        torch.testing.assert_close(out[0, 0], value[0, 0].repeat_interleave(2, dim=0))

@@ -258,10 +258,10 @@ def test_forward_inputs_send_a_forward_in_one_buffer():
     staged = ForwardInputs(4, shape.rows(4), shape.width, 1, torch.device("cpu"))
     for forward in layout.forwards:
         sent = staged.send(forward, (np.array([0]), np.array([2])))
-        table, got = forward.attn_metadata.sequences, sent.metadata.sequences
+        table, got = forward.attn_metadata.sequences, sent.metadata[0].sequences
         assert torch.equal(sent.input_ids, forward.input_ids)
         assert torch.equal(sent.positions, forward.positions)
-        assert torch.equal(sent.metadata.slot_mapping, forward.attn_metadata.slot_mapping)
+        assert torch.equal(sent.metadata[0].slot_mapping, forward.attn_metadata.slot_mapping)
         for name in ("query_start", "seq_lens", "block_table"):
             assert torch.equal(getattr(got, name), getattr(table, name)), name
         n = len(forward.logit_rows)
@@ -272,8 +272,8 @@ def test_forward_inputs_send_a_forward_in_one_buffer():
     # The views are the buffer a captured graph reads: the same tensors each time.
     assert sent.input_ids.data_ptr() == staged.input_ids.data_ptr()
     staged.clear()
-    assert staged.metadata.slot_mapping.tolist() == [0] * 4
-    assert staged.metadata.sequences.seq_lens.tolist() == [0] * 3
+    assert staged.metadata[0].slot_mapping.tolist() == [0] * 4
+    assert staged.metadata[0].sequences.seq_lens.tolist() == [0] * 3
 
 
 def test_the_memory_profile_fills_a_bucket_with_prompts_within_the_context():
@@ -292,3 +292,79 @@ def test_the_memory_profile_fills_a_bucket_with_prompts_within_the_context():
     assert len(set(slots.tolist())) == 600 and int(slots.min()) >= 32  # never block 0
     assert num_blocks == 8 + 8 + 3 + 1
     assert forward.attn_metadata.sequences.seq_lens.tolist()[:4] == [256, 256, 88, 0]
+
+
+def _two_groups(window: int = 3):
+    """The batch's blocks in a full-attention group and, with blocks of its
+    own (vLLM hands a block to one group at a time), a windowed one."""
+    from vllm_accel.worker.step_layout import AttentionGroup
+
+    token_ids, block_table, num_scheduled, start = _batch()
+    other = np.where(block_table > 0, block_table + 20, 0)
+    return (token_ids, [AttentionGroup(block_table), AttentionGroup(other, window)],
+            num_scheduled, start)
+
+
+def test_each_attention_group_has_its_slots_blocks_and_window():
+    """Layers of several kinds (full, windowed) sit in KV cache groups with
+    block tables of their own: each forward has a layout per group, whose
+    slots follow its own blocks and whose masks its own window; the tokens,
+    positions and chunks are the same."""
+    layout = pack_step(*_two_groups(), BLOCK, _one_forward(16), lambda b: 4)
+    (forward,) = layout.forwards
+    full, windowed = forward.attention_layouts
+    assert forward.attn_metadata is full
+    assert full.window == 0 and windowed.window == 3
+    assert windowed.slot_mapping[:10].tolist() == [s + 20 * BLOCK for s in
+                                                   full.slot_mapping[:10].tolist()]
+    assert windowed.slot_mapping[10:].tolist() == [0] * 6  # padding: the null block
+    # Row 1's decode at position 9 (blocks 7, 8, 9): its window (7..9) starts in
+    # its second block, so the windowed layout leaves the first out.
+    assert full.decode_block_table.tolist() == [[7, 8, 9, 0]]
+    assert full.decode_context_lens.tolist() == [10]
+    assert windowed.decode_block_table.tolist() == [[28, 29, 0, 0]]
+    assert windowed.decode_context_lens.tolist() == [6]
+    assert windowed.decodes_outrun_window and not full.decodes_outrun_window
+    assert [(c.start, c.end) for c in windowed.prefills] == [(c.start, c.end)
+                                                            for c in full.prefills]
+    # Row 2's chunk (positions 4..6): position 6 sees 4..6 in the window, 0..6 in full.
+    assert windowed.prefills[1].mask[0, 0, 2].tolist()[:8] == [False] * 4 + [True] * 3 + [False]
+    assert full.prefills[1].mask[0, 0, 2].tolist()[:8] == [True] * 7 + [False]
+    # Row 0's prompt start (6 tokens) outruns the window: causal within it.
+    assert full.prefills[0].mask is None and windowed.prefills[0].mask is not None
+
+
+def test_forward_inputs_hold_each_attention_groups_slots_and_blocks():
+    """cuda: one buffer per bucket holds every group's slots and block table
+    (the queries and context lengths are the groups' alike), each group's
+    layout its window."""
+    from vllm_accel.worker.forward_inputs import ForwardInputs
+
+    shape = TableShape(max_sequences=3, width=3)
+    layout = pack_step(*_two_groups(), BLOCK, lambda n: [16], lambda blocks: 4,
+                       table_shape=shape)
+    staged = ForwardInputs(16, shape.rows(16), shape.width, 1, torch.device("cpu"), [0, 3])
+    (forward,) = layout.forwards
+    sent = staged.send(forward, (np.array([], dtype=np.int64),) * 2)
+    assert [md.window for md in sent.metadata] == [0, 3]
+    for got, want in zip(sent.metadata, forward.attention_layouts):
+        assert torch.equal(got.slot_mapping, want.slot_mapping)
+        for name in ("query_start", "seq_lens", "block_table"):
+            assert torch.equal(getattr(got.sequences, name), getattr(want.sequences, name))
+    assert not torch.equal(sent.metadata[0].slot_mapping, sent.metadata[1].slot_mapping)
+
+
+def test_a_windowed_chunk_reads_from_the_first_block_its_window_reaches():
+    """A chunk at positions 9..11 with a window of 3: its first query sees
+    7..9, so its context starts at block 1 (positions 4..11); the mask is
+    over those keys, and the blocks behind (freed by vLLM) are not read."""
+    from vllm_accel.model.paged_attention import causal_context_mask
+
+    token_ids = np.zeros((1, 16), dtype=np.int64)
+    block_table = np.array([[5, 6, 7, 0]])
+    (forward,) = pack_step(token_ids, block_table, np.array([3]), np.array([9]), BLOCK,
+                           _one_forward(4), lambda b: b, window=3).forwards
+    (chunk,) = forward.attn_metadata.prefills
+    assert chunk.block_table.tolist() == [[6, 7]] and chunk.context_len == 8
+    expected = causal_context_mask(torch.arange(9, 12)[None], torch.tensor([12]), 12, 3)
+    assert torch.equal(chunk.mask, expected[..., 4:])

@@ -45,7 +45,7 @@ def _prefix_cache_hits(llm) -> float:
 
 
 @pytest.fixture(scope="module", params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3",
-                                              "mixtral"])
+                                              "mixtral", "granite_swa"])
 def tp_llm(request, tiny_models):
     """A TP=2 engine. The engine core stays in this process (conftest), its two
     workers are processes of vLLM's multiprocessing executor."""

@@ -75,6 +75,10 @@ def test_files_and_keys(ckpt):
         # layer; 8 in a mixer, 4 in attention
         assert len(sd) == 3 + 4 * 7 + 3 * 8 + 4
         return
+    if arch == "granite_swa":  # a sink per head in every layer
+        assert sd["model.layers.3.self_attn.sinks"].shape == (4,)
+        assert len(sd) == 2 + 1 + 4 * 10  # embed, head, final norm, 10 tensors per layer
+        return
     assert "model.embed_tokens.weight" in sd and "model.norm.weight" in sd
     assert "model.layers.3.self_attn.q_proj.weight" in sd
     if arch == "qwen3":  # the head tied to the embedding; q/k norms of head_dim, not 64

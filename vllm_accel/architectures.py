@@ -42,9 +42,18 @@ class Architecture:
     # the checkpoint's HF config (None, or a config without such layers:
     # every layer attends).
     recurrent_state: Callable[[Any], Mamba2Dims | None] | None = None
-    # "module:function" swapping the stateful layers of a loaded FMS model
-    # for ones over vLLM's paged state (None: none to swap).
+    # "module:function" swapping layers of a loaded FMS model for ones the
+    # runner drives its way: stateful layers over vLLM's paged state (Bamba),
+    # attention blocks that keep our attention op and pass their layer's
+    # attention layout (Granite SWA); None: none to swap.
     paged_layers: str | None = None
+    # Each layer's attention window comes from the config's layer_types
+    # ("sliding_attention": sliding_window; others full attention), and its
+    # blocks (paged_layers) pass each layer's attention layout (its KV cache
+    # group and window) to the attention op: windowed and full-attention
+    # layers may mix. Else one window (sliding_window, or none) for every
+    # layer, and a mix is refused.
+    windows_by_layer_types: bool = False
 
     @property
     def name(self) -> str:
@@ -150,6 +159,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(("GraniteMoeHybridForCausalLM",), "granitemoehybrid",
                  fms_port="vllm_accel.model.granite_moe_hybrid:FMS_PORT",
                  recurrent_state=_mamba2_dims),
+    # Granite with sliding-window attention in the layers its layer_types
+    # name and a learned attention sink per head in every layer. FMS's block
+    # names its own attention op (it would replace ours): model/granite_swa.py
+    # swaps the blocks for ones that keep ours and pass their layout.
+    Architecture(("GraniteSWAForCausalLM",), "granite_swa", tensor_parallel=True,
+                 paged_layers="vllm_accel.model.granite_swa:page_attention_layers",
+                 windows_by_layer_types=True),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -171,9 +187,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 # Architectures FMS maps (its HF registry) that the runner cannot execute
 # yet, with the layer kinds it lacks for them: what FMS's registry cannot say.
 MISSING_LAYER_KINDS: dict[str, str] = {
-    "GptOssForCausalLM": ("attention sinks, windowed and full-attention layers mixed, "
-                          "experts with biases and a clamped SwiGLU"),
-    "GraniteSWAForCausalLM": "attention sinks, windowed and full-attention layers mixed",
+    "GptOssForCausalLM": "experts with biases and a clamped SwiGLU",
     "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",
     "BertForMaskedLM": "pooling (encoder-only models)",
@@ -202,18 +216,43 @@ def find_architecture(hf_names: list[str] | None) -> Architecture:
     )
 
 
-def check_layer_kinds(hf_config) -> None:
+def layer_windows(arch: Architecture, hf_config, num_layers: int) -> list[int]:
+    """Each layer's attention window (0: full attention): from the config's
+    ``layer_types`` where the architecture reads them
+    (``windows_by_layer_types``), else the config's ``sliding_window`` for
+    every layer (what vLLM's ``get_sliding_window`` reads)."""
+    window = getattr(hf_config, "sliding_window", None) or 0
+    kinds = getattr(hf_config, "layer_types", None)
+    if arch.windows_by_layer_types and kinds:
+        return [window if kind == "sliding_attention" else 0 for kind in kinds]
+    return [window] * num_layers
+
+
+def check_layer_kinds(arch: Architecture, hf_config) -> None:
     """Fail, naming the setting, for a config that asks for a layer kind the
-    runner does not execute yet. Sliding-window attention runs where every
-    layer has the same window (``sliding_window``); a config whose
-    ``layer_types`` mix windowed and full-attention layers needs a KV cache
-    group per kind, which the runner does not keep yet."""
+    runner does not execute. Windowed and full-attention layers mix (a KV
+    cache group per kind) only where the architecture attends each layer by
+    its ``layer_types`` (``windows_by_layer_types``); elsewhere every layer
+    has the same window. A rotary base per layer (``layer_rope_theta``,
+    0 for no rotary) is refused unless it is one base for every layer: FMS's
+    models have one rotary embedding."""
+    name = arch.name
     kinds = set(getattr(hf_config, "layer_types", None) or ())
-    if getattr(hf_config, "sliding_window", None) and len(kinds & _ATTENTION_KINDS) > 1:
+    if (getattr(hf_config, "sliding_window", None) and len(kinds & _ATTENTION_KINDS) > 1
+            and not arch.windows_by_layer_types):
         raise ValueError(
-            f"vllm-accel runs sliding-window attention only where every layer has the "
-            f"window: {hf_config.architectures[0]}'s config mixes {sorted(kinds)} in its "
-            f"layer_types. Allowed: one attention kind for every layer.")
+            f"vllm-accel runs {name}'s sliding-window attention only where every layer has "
+            f"the window: its config mixes {sorted(kinds)} in its layer_types. Allowed: one "
+            f"attention kind for every layer (windowed and full-attention layers mix for "
+            f"{', '.join(a.name for a in ARCHITECTURES if a.windows_by_layer_types)}).")
+    thetas = set(getattr(hf_config, "layer_rope_theta", None) or ())
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    base = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if thetas and thetas != {base}:
+        raise ValueError(
+            f"vllm-accel cannot run {name} with a rotary base per layer: its config's "
+            f"layer_rope_theta holds {sorted(thetas)} (0: no rotary). Allowed: every layer "
+            f"at the model's rope_theta ({base}).")
 
 
 _ATTENTION_KINDS = {"full_attention", "sliding_attention"}

@@ -119,12 +119,14 @@ class SplitKvScratch:
 
 def triton_paged_attention(query, key_cache, value_cache, out, query_start, seq_lens,
                            block_table, scale: float, window: int = 0,
-                           split: SplitKvScratch | None = None) -> None:
+                           split: SplitKvScratch | None = None, sinks=None) -> None:
     """Causal attention of every sequence of a forward in one launch of vLLM's
     Triton kernel (its Triton attention backend's), into ``out``: query/out
     [tokens, heads, dim]; caches [blocks, block_size, kv_heads, dim];
     query_start [rows + 1], seq_lens [rows], block_table [rows, width], int32;
-    ``window``: a query sees its last ``window`` keys (0: all).
+    ``window``: a query sees its last ``window`` keys (0: all); ``sinks``
+    [heads]: a logit per head that joins each softmax's denominator (None:
+    none; vLLM's kernel takes them as its gpt-oss layers hand them over).
     The launch depends on the tensors' shapes only (so a CUDA graph per token
     bucket holds it): the longest query it is told is the forward's token
     count. With ``split``, forwards of few tokens (decodes) take the split-KV
@@ -141,7 +143,7 @@ def triton_paged_attention(query, key_cache, value_cache, out, query_start, seq_
         max_seqlen_k=block_table.shape[1] * key_cache.shape[1], softmax_scale=scale,
         causal=True,
         window_size=(window - 1, 0) if window else (-1, -1), block_table=block_table, softcap=0,
-        q_descale=None, k_descale=None, v_descale=None, **scratch)
+        q_descale=None, k_descale=None, v_descale=None, sinks=sinks, **scratch)
 
 
 _unit_scales: dict = {}

@@ -23,14 +23,16 @@ from vllm_accel.patches import inductor_cache_dir
 
 if TYPE_CHECKING:
     from vllm_accel.model.mamba2 import RecurrentLayout
-    from vllm_accel.model.paged_attention import PagedAttentionMetadata
+    from vllm_accel.model.paged_attention import AttentionLayouts
 
 
 @dataclass(frozen=True)
 class ForwardContext:
-    # The step's token layout the paged attention op reads (None: no paged
-    # attention runs, e.g. a vision tower's call).
-    attention: PagedAttentionMetadata | None = None
+    # The step's token layout the paged attention op reads, one per (KV
+    # cache group, window) of the attention layers (one unless they are of
+    # several kinds, e.g. windowed and full); None: no paged attention runs,
+    # e.g. a vision tower's call.
+    attention: AttentionLayouts | None = None
     # The step's requests as segments of the forward with their recurrent
     # state's blocks, for the layers that keep one (Mamba2); None: none run.
     recurrent: RecurrentLayout | None = None

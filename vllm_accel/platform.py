@@ -231,7 +231,7 @@ class AccelPlatform(Platform):
                 f"'{model_config.runner_type}'."
             )
         arch = find_architecture(model_config.architectures)
-        check_layer_kinds(model_config.hf_text_config)
+        check_layer_kinds(arch, model_config.hf_text_config)
         if (parallel.tensor_parallel_size > 1
                 and arch.recurrent_dims(model_config.hf_text_config) is not None):
             raise ValueError(

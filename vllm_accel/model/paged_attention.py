@@ -25,6 +25,17 @@ On a GPU the layout comes as one ``SequenceTable`` instead (decodes and
 chunks alike are sequences of queries over their blocks), and one launch of
 vLLM's Triton kernel attends the whole forward: no gathered copies, no loop
 over chunks, and tensors of fixed shapes that a CUDA graph can capture.
+
+Layers of different attention kinds (full attention beside sliding windows)
+sit in different KV cache groups of vLLM's hybrid KV cache manager, each with
+its own block table and so its own slots: the forward's context holds a
+layout per (group, window) (``AttentionLayouts``), and a layer's op is told
+which (an index in an int tensor, kept on the host, that the layer's KV cache
+entry carries: a graph input, so that every layer runs one graph). The
+layout carries its window. A layer with attention sinks (a learned logit per head that joins
+the softmax's denominator only) hands the op its sinks: on the CPU those
+layers attend by PyTorch with an explicit softmax (SDPA and our kernels take
+no sinks); vLLM's Triton kernel takes them.
 """
 
 from __future__ import annotations
@@ -151,6 +162,15 @@ def causal_context_mask(
     return visible.unsqueeze(1)
 
 
+# A forward's layouts: one per (KV cache group, window) of its attention
+# layers (one for a model whose attention layers are all of one kind).
+AttentionLayouts = tuple[PagedAttentionMetadata, ...]
+
+
+def layouts_to(layouts: AttentionLayouts, device: torch.device) -> AttentionLayouts:
+    return tuple(md.to(device) for md in layouts)
+
+
 def _paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -158,12 +178,18 @@ def _paged_attention(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    layout: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [1, tokens, heads, dim], key/value [1, tokens, kv_heads, dim] ->
-    [1, tokens, heads, dim]; writes key/value into their cache slots."""
+    [1, tokens, heads, dim]; writes key/value into their cache slots.
+    ``sinks`` [heads]: each head's sink logit (None: no sinks); ``layout``
+    [1] int64 on the host: the index of the layer's layout among the
+    forward's (None: the first)."""
     context = get_forward_context()
-    md = context.attention
-    assert md is not None, "paged_attention runs inside set_forward_context with a layout"
+    layouts = context.attention
+    assert layouts, "paged_attention runs inside set_forward_context with a layout"
+    md = layouts[0 if layout is None else int(layout)]
     if md.sequences is not None:
         # Rows past the forward's sequences stay unwritten: padding, which no
         # real row reads.
@@ -172,7 +198,7 @@ def _paged_attention(
         compat.triton_store_kv(key[0], value[0], key_cache, value_cache, md.slot_mapping)
         compat.triton_paged_attention(
             query[0].contiguous(), key_cache, value_cache, out[0], table.query_start,
-            table.seq_lens, table.block_table, scale, md.window, md.split_kv)
+            table.seq_lens, table.block_table, scale, md.window, md.split_kv, sinks)
         return out
     decode_kernel = context.kernels.decode
     if decode_kernel is None or not decode_kernel.store(key[0], value[0], key_cache,
@@ -186,8 +212,8 @@ def _paged_attention(
     out[0, md.tokens:].zero_()
     if md.num_decodes:
         _attend_decodes(query[0, : md.num_decodes], key_cache, value_cache, md, scale,
-                        out[0, : md.num_decodes], decode_kernel)
-    by_kernel = span_attention.supported(query)
+                        out[0, : md.num_decodes], decode_kernel, sinks)
+    by_kernel = sinks is None and span_attention.supported(query)
     for chunk in md.prefills:
         # One request's chunk: its tokens are the query rows of one sequence.
         rows = slice(chunk.start, chunk.end)
@@ -210,25 +236,24 @@ def _paged_attention(
             # SDPA (flash on the CPU) needs no gathered copy and no mask (but
             # where a window cuts them).
             keys, values = (t[0, rows].transpose(0, 1).unsqueeze(0) for t in (key, value))
-            attended = F.scaled_dot_product_attention(
-                chunk_query, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                scale=scale, enable_gqa=chunk_query.shape[1] != keys.shape[1])
+            attended = _sdpa(chunk_query, keys, values, chunk.mask, scale, sinks,
+                             is_causal=chunk.mask is None)
         else:
             attended = _attend(chunk_query, key_cache, value_cache, chunk.block_table,
-                               chunk.mask, scale)
+                               chunk.mask, scale, sinks)
         out[0, rows] = attended[0].transpose(0, 1)
     return out
 
 
-def _attend_decodes(query, key_cache, value_cache, md, scale, out, kernel):
+def _attend_decodes(query, key_cache, value_cache, md, scale, out, kernel, sinks=None):
     """query [rows, heads, dim], one decode token per row -> out [rows, heads, dim]
-    (by ``kernel``, the decode kernel, where it supports the tensors)."""
+    (by ``kernel``, the decode kernel, where it supports the tensors and no
+    sinks join the softmax)."""
     block_table, context_lens = md.decode_block_table, md.decode_context_lens
-    if kernel is not None and kernel.supports(query, key_cache) and not md.decodes_outrun_window:
+    if (kernel is not None and sinks is None and kernel.supports(query, key_cache)
+            and not md.decodes_outrun_window):
         kernel(query, key_cache, value_cache, block_table, context_lens, scale, out)
         return
-    # PyTorch: the query heads that share a KV head are that row's queries (one
-    # SDPA without repeating keys/values), over the gathered context.
     rows, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     width = block_table.shape[1] * key_cache.shape[1]
@@ -236,6 +261,13 @@ def _attend_decodes(query, key_cache, value_cache, md, scale, out, kernel):
     mask = key_pos < context_lens[:, None]
     if md.decodes_outrun_window:
         mask &= key_pos >= context_lens[:, None] - md.window
+    if sinks is not None:  # one query per row: [rows, heads, 1, dim]
+        attended = _attend(query[:, :, None], key_cache, value_cache, block_table,
+                           mask[:, None, None, :], scale, sinks)
+        out.copy_(attended[:, :, 0])
+        return
+    # PyTorch: the query heads that share a KV head are that row's queries (one
+    # SDPA without repeating keys/values), over the gathered context.
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
     attended = _attend(grouped, key_cache, value_cache, block_table, mask[:, None, None, :],
                        scale)
@@ -250,17 +282,44 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return context.view(rows, -1, kv_heads, head_dim).transpose(1, 2)
 
 
-def _attend(query, key_cache, value_cache, block_table, mask, scale):
+def _attend(query, key_cache, value_cache, block_table, mask, scale, sinks=None):
     """query [rows, heads, queries, dim] over each row's cached context ->
     [rows, heads, queries, dim]; query heads share KV heads (grouped query)."""
     keys, values = _gather(key_cache, block_table), _gather(value_cache, block_table)
-    return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scale,
-        enable_gqa=query.shape[1] != keys.shape[1],
-    )
+    return _sdpa(query, keys, values, mask, scale, sinks)
 
 
-def _paged_attention_shape(query, key, value, key_cache, value_cache, scale):
+def _sdpa(query, keys, values, mask, scale, sinks=None, is_causal=False):
+    """query [rows, heads, queries, dim] over keys/values [rows, kv_heads,
+    keys, dim] (query heads in groups per KV head), ``mask`` bool [rows or 1,
+    1, queries, keys] (True: visible) or causal: PyTorch's SDPA, or with
+    ``sinks`` [heads] an explicit softmax whose denominator also holds each
+    head's sink: HF's formula (its eager attention scales the softmax's
+    output by sigmoid(logsumexp(scores) - sink))."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale,
+            enable_gqa=query.shape[1] != keys.shape[1])
+    rows, heads, queries, dim = query.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    if is_causal:  # the queries are the last of the keys
+        mask = torch.ones(queries, num_keys, dtype=torch.bool, device=query.device).tril(
+            num_keys - queries)[None, None]
+    # Each KV head's query heads as one run of queries: no repeated keys.
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads * queries, dim)
+    scores = (grouped @ keys.transpose(-1, -2)).view(rows, heads, queries, num_keys) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.float()
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    # softmax over [scores, sink]: softmax(scores) * sigmoid(lse - sink)
+    weights = torch.exp(scores - lse) * torch.sigmoid(lse - sinks.float().view(1, heads, 1, 1))
+    weights = weights.to(values.dtype).view(rows, kv_heads, -1, num_keys)
+    return (weights @ values).view(rows, heads, queries, dim)
+
+
+def _paged_attention_shape(query, key, value, key_cache, value_cache, scale, sinks=None,
+                           layout=None):
     return query.new_empty(query.shape)
 
 
@@ -269,7 +328,8 @@ def _paged_attention_shape(query, key, value, key_cache, value_cache, scale):
 # updates the caches in place; it does not copy them).
 paged_attention = ops.define(
     "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
-    "Tensor(b!) value_cache, float scale) -> Tensor", _paged_attention, _paged_attention_shape)
+    "Tensor(b!) value_cache, float scale, Tensor? sinks=None, Tensor? layout=None) -> Tensor",
+    _paged_attention, _paged_attention_shape)
 
 
 def _store(keys, values, key_cache, value_cache, **_):
@@ -279,10 +339,16 @@ def _store(keys, values, key_cache, value_cache, **_):
 
 
 def _compute(query, keys_and_cache, values_and_cache, nheads, kvheads, p_dropout,
-             scale_factor, **_):
+             scale_factor, sinks=None, attention_layout=None, **_):
+    """FMS's compute step. ``sinks``: FMS passes a sinks model's per-head sink
+    logits (with its ``sliding_window``, which the op ignores: a layer's window
+    is its layout's); ``attention_layout``: the index of the layer's layout
+    (its KV cache group and window) among the forward's, passed by the layers
+    of models whose forwards have several (an int64 tensor on the host)."""
     (keys, key_cache), (values, value_cache) = keys_and_cache, values_and_cache
     scale = scale_factor if scale_factor is not None else 1.0 / math.sqrt(query.shape[-1])
-    return paged_attention(query, keys, values, key_cache, value_cache, scale)
+    return paged_attention(query, keys, values, key_cache, value_cache, scale, sinks,
+                           attention_layout)
 
 
 _registered = False

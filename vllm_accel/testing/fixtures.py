@@ -48,6 +48,10 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0,
         from vllm_accel.testing.tiny_granite_hybrid import make_tiny_granite_hybrid
 
         return make_tiny_granite_hybrid(out_dir, seed=seed, printable_only=printable_only)
+    if arch == "granite_swa":
+        from vllm_accel.testing.tiny_granite_swa import make_tiny_granite_swa
+
+        return make_tiny_granite_swa(out_dir, seed=seed, printable_only=printable_only)
     if arch == "molmo":
         from vllm_accel.testing.tiny_molmo import make_tiny_molmo
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_accel.model.paged_attention import PagedAttentionMetadata
+from vllm_accel.model.paged_attention import AttentionLayouts
 from vllm_accel.worker.forward_inputs import ForwardInputs
 
-# (inputs, positions, metadata, logit_rows) -> (hidden states, logits or None):
+# (inputs, positions, layouts, logit_rows) -> (hidden states, logits or None):
 # the runner's model call.
-ModelCall = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata, torch.Tensor],
+ModelCall = Callable[[torch.Tensor, torch.Tensor, AttentionLayouts, torch.Tensor],
                      tuple[torch.Tensor, torch.Tensor | None]]
 
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from vllm_accel.compat import SplitKvScratch
-from vllm_accel.model.paged_attention import PagedAttentionMetadata, SequenceTable
+from vllm_accel.model.paged_attention import (AttentionLayouts, PagedAttentionMetadata,
+                                               SequenceTable, layouts_to)
 from vllm_accel.worker.step_layout import BucketedForward
 
 
@@ -29,7 +30,7 @@ class DeviceForward:
 
     input_ids: torch.Tensor  # [1, bucket]
     positions: torch.Tensor  # [1, bucket] or [3, 1, bucket]
-    metadata: PagedAttentionMetadata
+    metadata: AttentionLayouts  # a layout per attention group
     logit_rows: torch.Tensor  # [rows]: the real ones first, then padding (row 0)
     num_logits: int  # how many of logit_rows are real
     # Tokens in flight (async scheduling): input_ids[0, targets[:n]] takes the
@@ -48,20 +49,23 @@ def device_forward(forward: BucketedForward, in_flight: tuple[np.ndarray, np.nda
 
     targets, sources = (torch.from_numpy(a) for a in in_flight)
     return DeviceForward(copy(forward.input_ids), copy(forward.positions),
-                         forward.attn_metadata.to(device), copy(forward.logit_rows),
+                         layouts_to(forward.attention_layouts, device),
+                         copy(forward.logit_rows),
                          len(forward.logit_rows), copy(targets), copy(sources), len(targets))
 
 
 class _Layout:
-    """Where each input sits in the buffer: int64 ones first, then int32 ones."""
+    """Where each input sits in the buffer: int64 ones first, then int32 ones
+    (slots and block table: one of each per attention group)."""
 
-    def __init__(self, bucket: int, rows: int, width: int, position_axes: int):
-        self.shapes64 = {"input_ids": (1, bucket), "slots": (bucket,), "logit_rows": (rows,),
+    def __init__(self, bucket: int, rows: int, width: int, position_axes: int, groups: int):
+        self.shapes64 = {"input_ids": (1, bucket), "logit_rows": (rows,),
                          "in_flight_targets": (rows,), "in_flight_sources": (rows,),
                          "positions": (1, bucket) if position_axes == 1
-                         else (position_axes, 1, bucket)}
+                         else (position_axes, 1, bucket),
+                         **{f"slots{g}": (bucket,) for g in range(groups)}}
         self.shapes32 = {"query_start": (rows + 1,), "seq_lens": (rows,),
-                         "block_table": (rows, width)}
+                         **{f"block_table{g}": (rows, width) for g in range(groups)}}
         self.size64 = sum(int(np.prod(s)) for s in self.shapes64.values())
         size32 = sum(int(np.prod(s)) for s in self.shapes32.values())
         self.words = self.size64 + -(-size32 // 2)  # int64 words in all
@@ -85,20 +89,26 @@ class _Layout:
 
 class ForwardInputs:
     """The device inputs of every forward of one token bucket (rows: the
-    bucket's sequence table rows, ``TableShape.rows``)."""
+    bucket's sequence table rows, ``TableShape.rows``), a layout for each
+    attention group (``windows``: each group's window, 0: none)."""
 
     def __init__(self, bucket: int, rows: int, width: int, position_axes: int,
-                 device: torch.device, window: int = 0,
+                 device: torch.device, windows: list[int] = (0,),
                  split_kv: SplitKvScratch | None = None):
         self.bucket, self.rows = bucket, rows
-        self._layout = _Layout(bucket, rows, width, position_axes)
+        self._layout = _Layout(bucket, rows, width, position_axes, len(windows))
         self._buffer = torch.zeros(self._layout.words, dtype=torch.int64, device=device)
         views = self._layout.views(self._buffer)
         self.input_ids, self.positions = views["input_ids"], views["positions"]
-        self.metadata = PagedAttentionMetadata(
-            slot_mapping=views["slots"], num_decodes=0,
-            sequences=SequenceTable(views["query_start"], views["seq_lens"],
-                                    views["block_table"]), window=window, split_kv=split_kv)
+        # The groups' sequences are the same (queries, context lengths); their
+        # blocks, slots and windows their own.
+        self.metadata = tuple(
+            PagedAttentionMetadata(
+                slot_mapping=views[f"slots{g}"], num_decodes=0,
+                sequences=SequenceTable(views["query_start"], views["seq_lens"],
+                                        views[f"block_table{g}"]),
+                window=window, split_kv=split_kv)
+            for g, window in enumerate(windows))
         self.logit_rows = views["logit_rows"]
         self._in_flight = views["in_flight_targets"], views["in_flight_sources"]
         # Pinned host buffers and the event of each one's last copy: the host
@@ -122,13 +132,14 @@ class ForwardInputs:
         n = forward.end - forward.begin
         _put(views["input_ids"][0], forward.token_ids, n)
         _put(views["positions"].reshape(-1, self.bucket), forward.rotary, n)
-        _put(views["slots"], forward.slots, n)  # padding writes into block 0
-        first, seq_lens, blocks = forward.table_rows()
+        first, seq_lens, _ = forward.table_rows()
         rows = len(first)
         _put(views["query_start"], first, rows, fill=n)  # padding rows: no queries
         _put(views["seq_lens"], seq_lens, rows)
-        views["block_table"][:rows] = blocks
-        views["block_table"][rows:] = 0
+        for g in range(len(self.metadata)):
+            _put(views[f"slots{g}"], forward.group_slots(g), n)  # padding writes into block 0
+            views[f"block_table{g}"][:rows] = forward.table_rows(g)[2]
+            views[f"block_table{g}"][rows:] = 0
         num_logits = len(forward.logit_index)
         _put(views["logit_rows"], forward.logit_index, num_logits)
         targets, sources = in_flight

@@ -1,9 +1,10 @@
 """The paged KV cache's memory: one (keys, values) pair of tensors per layer,
 each ``[num_blocks, block_size, num_kv_heads, head_dim]``, the layout the
 attention op reads (vLLM's KV cache manager hands out the block ids). A
-model whose layers keep recurrent state (Mamba2) takes vLLM's hybrid layout
-instead: tensors of block pages shared by a layer of each KV cache group
-(``allocate_shared_caches``)."""
+model with several KV cache groups (layers that keep recurrent state, Mamba2,
+or attention layers of several kinds, windowed and full) takes vLLM's hybrid
+layout instead: tensors of block pages shared by a layer of each KV cache
+group (``allocate_shared_caches``)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def zero_filled(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.from_numpy(array).view(dtype).view(shape)
 
 
-# ---- hybrid models: attention and recurrent state (Mamba2) -----------------
+# ---- hybrid models: several KV cache groups ---------------------------------
 
 def recurrent_state_specs(mixers: dict, page_bytes: int, max_model_len: int) -> dict:
     """vLLM's ``MambaSpec`` of each recurrent layer (``layers.{i}`` ->
@@ -96,13 +97,14 @@ def recurrent_state_specs(mixers: dict, page_bytes: int, max_model_len: int) -> 
 @dataclass
 class SharedCaches:
     """A hybrid model's KV cache: per layer its keys and values (attention)
-    or its state's pages and group (recurrent); every shared tensor as its
-    two halves of block pages; which KV cache group is the attention's and
-    which hold recurrent state, and each group's block size."""
+    or its state's pages and group (recurrent);
+    every shared tensor as its two halves of block pages; which KV cache
+    groups hold attention layers and which recurrent state, and each group's
+    block size."""
 
     caches: list[tuple[torch.Tensor, ...]]
     pages: list[tuple[torch.Tensor, torch.Tensor]]
-    attention_group: int
+    attention_groups: list[int]
     state_groups: list[int]
     block_sizes: list[int]
 
@@ -114,12 +116,14 @@ class SharedCaches:
 
 def allocate_shared_caches(config, num_layers: int, num_kv_heads: int, head_dim: int,
                            dtype: torch.dtype, device: torch.device) -> SharedCaches:
-    """The memory of vLLM's ``KVCacheConfig`` for a model whose layers keep
-    recurrent state beside attention's keys and values. vLLM's hybrid
-    manager overlays its KV cache groups layer by layer (a block id belongs
-    to one group at a time): the i-th layer of every group shares a region of
-    ``num_blocks`` pages. Each region is two zero-filled tensors of half a
-    page per block: an attention layer's keys ``[blocks, block_size,
+    """The memory of vLLM's ``KVCacheConfig`` for a model of several KV cache
+    groups: layers that keep recurrent state beside attention's keys and
+    values, or attention layers of several kinds (full attention beside
+    sliding windows: a group per kind, each with its own block table). vLLM's
+    hybrid manager overlays its KV cache groups layer by layer (a block id
+    belongs to one group at a time): the i-th layer of every group shares a
+    region of ``num_blocks`` pages. Each region is two zero-filled tensors of
+    half a page per block: an attention layer's keys ``[blocks, block_size,
     kv_heads, head_dim]`` and its values, the layout the attention op reads;
     a recurrent layer's state for block b is row b of both (model/mamba2.py).
     Two tensors, not one: no graph takes two inputs that share memory (with
@@ -130,10 +134,6 @@ def allocate_shared_caches(config, num_layers: int, num_kv_heads: int, head_dim:
     groups = config.kv_cache_groups
     is_state = [isinstance(g.kv_cache_spec, MambaSpec) for g in groups]
     attention = [g for g, state in enumerate(is_state) if not state]
-    if len(attention) != 1:
-        raise ValueError(
-            f"vllm-accel keeps one KV cache group of attention layers; vLLM's hybrid KV "
-            f"cache manager made {len(attention)} (more attention layers than recurrent ones)")
     state_groups = [g for g, state in enumerate(is_state) if state]
     group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
     num_blocks = config.num_blocks
@@ -161,5 +161,5 @@ def allocate_shared_caches(config, num_layers: int, num_kv_heads: int, head_dim:
     for cache in caches:
         for tensor in cache[:2]:
             any_size_along(tensor, 0)  # as allocate_kv_caches: any block count, one graph
-    return SharedCaches(caches, list(regions.values()), attention[0], state_groups,
+    return SharedCaches(caches, list(regions.values()), attention, state_groups,
                         [g.kv_cache_spec.block_size for g in groups])

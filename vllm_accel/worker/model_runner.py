@@ -28,6 +28,7 @@ from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
+from vllm_accel.architectures import find_architecture, layer_windows
 from vllm_accel.buckets import (
     context_buckets,
     fit_bucket,
@@ -43,7 +44,7 @@ from vllm_accel.kernels import NO_KERNELS, CpuKernels
 from vllm_accel.log import get_logger
 from vllm_accel.model.fms_causal_lm import FmsCausalLM
 from vllm_accel.model.mamba2 import RecurrentLayout
-from vllm_accel.model.paged_attention import PagedAttentionMetadata, TableShape
+from vllm_accel.model.paged_attention import AttentionLayouts, TableShape
 from vllm_accel.multimodal.encoder import VisionEncoder
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.settings import AccelSettings, env_var_name
@@ -63,7 +64,7 @@ from vllm_accel.worker.model_loader import load_model
 from vllm_accel.worker.prompt_logprobs import compute_prompt_logprobs
 from vllm_accel.worker.request_state import RequestStates
 from vllm_accel.worker.sampling import PendingSample, sample
-from vllm_accel.worker.step_layout import BucketedForward, pack_step
+from vllm_accel.worker.step_layout import AttentionGroup, BucketedForward, pack_step
 
 logger = get_logger(__name__)
 
@@ -89,11 +90,11 @@ class AccelModelRunner:
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.block_size = vllm_config.cache_config.block_size
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
-        # Sliding-window attention (every layer's, vLLM's reading of the
-        # config): a query sees its last ``attention_window`` keys; 0 where no
-        # sequence can outrun the window.
-        window = self.model_config.get_sliding_window() or 0
-        self.attention_window = window if window < self.max_model_len else 0
+        # Sliding-window attention: each layer's window (a query sees its last
+        # ``window`` keys; 0: all, also where no sequence can outrun it), after
+        # load_model. Layers of different windows sit in different KV cache
+        # groups (vLLM's hybrid KV cache manager).
+        self.layer_windows: list[int] = []
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
         self.token_buckets = token_buckets(settings.token_buckets, max_step)
@@ -124,15 +125,23 @@ class AccelModelRunner:
         self.vision: VisionAdapter | None = None
         self.vision_encoder: VisionEncoder | None = None
         self.images: StepImages | None = None
-        # Per layer: its keys and values, or (a recurrent layer) its state's
-        # pages and the index of its group among ``state_groups``.
+        # Per layer: its keys and values (and the index of its attention
+        # layout, where a forward has several: ``layouts``), or (a recurrent
+        # layer) its state's pages and the index of its group among
+        # ``state_groups``.
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
-        # KV cache groups (vLLM's): the attention layers' (whose block table
-        # places keys and values) and those of layers keeping recurrent state
-        # (Mamba2: one block per request each); the cache's tensors as block
-        # pages where the two kinds share them.
-        self.attention_group = 0
+        # KV cache groups (vLLM's): the attention layers' (each group's block
+        # table places its layers' keys and values; vLLM's hybrid KV cache
+        # manager keeps windowed and full-attention layers in groups of their
+        # own) and those of layers keeping recurrent state (Mamba2: one block
+        # per request each); the cache's tensors as block pages where groups
+        # share them.
+        self.attention_groups = [0]
         self.state_groups: list[int] = []
+        # The attention layouts each forward has: one per (attention group,
+        # window) its layers have; where there are several, a layer's KV
+        # cache entry names its layout's index (the op reads that layout).
+        self.layouts: list[tuple[int, int]] = [(0, 0)]
         self.kv_pages: list[tuple[torch.Tensor, torch.Tensor]] = []
         compile_sampler_logprob_ranks(self.model_config.get_vocab_size())  # before counting ours
         self.compile_stats = CompileStats()
@@ -170,6 +179,13 @@ class AccelModelRunner:
         loaded = load_model(self.model_config, self.backend, self.settings, self.token_buckets,
                             self.compile_stats, tp_group)
         self.model, self.kernels = loaded.model, loaded.kernels
+        arch = find_architecture(self.model_config.architectures)
+        self.layer_windows = [
+            window if window < self.max_model_len else 0 for window in
+            layer_windows(arch, self.model_config.hf_text_config, self.model.num_layers)]
+        # Until the KV cache's config: one layout (a memory profile's forward).
+        self.layouts = [(0, next(w for i, w in enumerate(self.layer_windows)
+                                 if i not in self.model.recurrent))]
         if self.model.recurrent:
             # Recurrent state in the dtypes vLLM's cache config names (before
             # any forward: the layer graphs take them as constants).
@@ -187,29 +203,32 @@ class AccelModelRunner:
             self.images = StepImages(self.vision, self.vision_encoder, self.tp_size,
                                      self.device, self.dtype, self.model.hidden_size)
         if self.table_shape is not None:
-            axes = 3 if self.vision is not None and self.vision.uses_3d_positions else 1
             model = self.model
-            split_kv = SplitKvScratch.allocate(model.num_heads, model.num_kv_heads,
-                                               model.head_dim, self.device)
-            self.forward_inputs = {
-                bucket: ForwardInputs(bucket, self.table_shape.rows(bucket),
+            self._split_kv = SplitKvScratch.allocate(model.num_heads, model.num_kv_heads,
+                                                     model.head_dim, self.device)
+            self.forward_inputs = self._new_forward_inputs()
+
+    def _new_forward_inputs(self) -> dict[int, ForwardInputs]:
+        """Each token bucket's device inputs, a layout per attention group."""
+        axes = 3 if self.vision is not None and self.vision.uses_3d_positions else 1
+        return {bucket: ForwardInputs(bucket, self.table_shape.rows(bucket),
                                       self.table_shape.width, axes, self.device,
-                                      self.attention_window, split_kv)
+                                      [window for _, window in self.layouts], self._split_kv)
                 for bucket in self.token_buckets}
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         assert self.model is not None
         shape = dict(block_size=self.block_size, num_kv_heads=self.model.num_kv_heads,
                      head_size=self.model.head_dim, dtype=self.dtype)
-        # vLLM's KV manager frees the blocks a window has left behind.
-        spec = (SlidingWindowSpec(sliding_window=self.attention_window, **shape)
-                if self.attention_window else FullAttentionSpec(**shape))
-        specs = {f"layers.{i}": spec for i in range(self.model.num_layers)
-                 if i not in self.model.recurrent}
+        # vLLM's KV manager frees the blocks a window has left behind; layers
+        # of different specs go to KV cache groups of their own.
+        specs = {f"layers.{i}": SlidingWindowSpec(sliding_window=window, **shape) if window
+                 else FullAttentionSpec(**shape)
+                 for i, window in enumerate(self.layer_windows) if i not in self.model.recurrent}
         # Recurrent state (Mamba2) in vLLM's hybrid KV cache: a block per
         # request, its page as large as an attention layer's.
-        specs.update(recurrent_state_specs(self.model.recurrent, spec.page_size_bytes,
-                                           self.max_model_len))
+        page = FullAttentionSpec(**shape).page_size_bytes
+        specs.update(recurrent_state_specs(self.model.recurrent, page, self.max_model_len))
         return specs
 
     def kv_cache_bytes_per_token(self) -> int:
@@ -223,12 +242,12 @@ class AccelModelRunner:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         assert self.model is not None
         self.num_blocks = kv_cache_config.num_blocks
-        if self.model.recurrent:
+        if len(kv_cache_config.kv_cache_groups) > 1:
             shared = allocate_shared_caches(
                 kv_cache_config, self.model.num_layers, self.model.num_kv_heads,
                 self.model.head_dim, self.dtype, self.device)
             self.kv_caches, self.kv_pages = shared.caches, shared.pages
-            self.attention_group, self.state_groups = shared.attention_group, shared.state_groups
+            self.attention_groups, self.state_groups = shared.attention_groups, shared.state_groups
             # A block table per group: the recurrent groups' hold one block.
             self._new_input_batch(*shared.block_tables(self.max_blocks_per_req))
             total = kv_cache_bytes(self.kv_pages)
@@ -237,10 +256,41 @@ class AccelModelRunner:
                 self.model.num_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
                 self.model.head_dim, self.dtype, self.device)
             total = kv_cache_bytes(self.kv_caches)
+        self._assign_layouts(kv_cache_config)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)%s",
             self.num_blocks, self.block_size, self.num_blocks * self.block_size, total / 2**30,
+            f"; attention layouts (KV cache group, window): {self.layouts}"
+            if len(self.layouts) > 1 else "",
         )
+
+    def _assign_layouts(self, kv_cache_config: KVCacheConfig) -> None:
+        """Each forward's attention layouts: one per (KV cache group, window)
+        of the attention layers. vLLM's hybrid KV cache manager puts layers
+        of different windows in groups of their own (a window's group frees
+        the blocks behind it); with it turned off
+        (--disable-hybrid-kv-cache-manager) they share one group, whose
+        blocks stay, and still attend by their own windows. Where there are
+        several layouts, each attention layer's KV cache entry also names its
+        layout's index (an int64 tensor on the host: a graph input, so every
+        layer runs one graph)."""
+        group_of = {int(name.split(".")[1]): g
+                    for g, group in enumerate(kv_cache_config.kv_cache_groups)
+                    for name in group.layer_names}
+        layers = [i for i in range(self.model.num_layers) if i not in self.model.recurrent]
+        layout_of = {i: (group_of[i], self.layer_windows[i]) for i in layers}
+        for i, (group, window) in layout_of.items():
+            spec = kv_cache_config.kv_cache_groups[group].kv_cache_spec
+            if isinstance(spec, SlidingWindowSpec) and spec.sliding_window != window:
+                raise ValueError(f"vllm-accel: layer {i} attends with a window of {window} "
+                                 f"tokens, its KV cache group with {spec.sliding_window}")
+        self.layouts = sorted(set(layout_of.values()))
+        if len(self.layouts) > 1:
+            for i in layers:
+                index = torch.tensor([self.layouts.index(layout_of[i])])
+                self.kv_caches[i] = (*self.kv_caches[i][:2], index)
+        if self.forward_inputs is not None and len(self.layouts) > 1:
+            self.forward_inputs = self._new_forward_inputs()
 
     # ---- per step -----------------------------------------------------------
 
@@ -257,14 +307,14 @@ class AccelModelRunner:
             [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64
         )
         start = batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64)
+        attention = [AttentionGroup(batch.block_table[g].get_numpy_array(), window)
+                     for g, window in self.layouts]
         step = pack_step(
-            batch.token_ids_cpu, batch.block_table[self.attention_group].get_numpy_array(),
-            num_scheduled, start,
+            batch.token_ids_cpu, attention, num_scheduled, start,
             self.block_size, self._plan_forwards, self._context_bucket,
             [s.rope_positions for s in self.requests.in_batch_order()]
             if self.vision and self.vision.uses_3d_positions else None,
             self.table_shape,
-            self.attention_window,
         )
         in_flight = (tokens_in_flight(batch, step.rows, step.first_tokens, step.input_ids)
                      if self.async_scheduling else NO_TOKENS_IN_FLIGHT)
@@ -363,10 +413,11 @@ class AccelModelRunner:
         return outputs
 
     def model_call(self, inputs: torch.Tensor, positions: torch.Tensor,
-                   metadata: PagedAttentionMetadata, logit_rows: torch.Tensor,
+                   metadata: AttentionLayouts, logit_rows: torch.Tensor,
                    tokens: int | None = None, recurrent: RecurrentLayout | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward under a layout: hidden states [1, tokens, hidden] and
+        """One forward under a layout (one per attention group): hidden
+        states [1, tokens, hidden] and
         the logits of the tokens ``logit_rows`` (driver only). What the CUDA
         graphs capture: on a GPU the LM head runs inside the graph too.
         ``tokens``: the bucket's rows that hold the forward's tokens (linears
@@ -459,3 +510,4 @@ class AccelModelRunner:
     def _context_bucket(self, blocks: int) -> int:
         return fit_bucket(self.context_buckets, blocks, "context blocks",
                           env_var_name("context_buckets"))
+

@@ -10,6 +10,12 @@ finds, within the sequence,
 the positions that take multimodal embeddings and which encoder-output rows
 go there. Both are plain numpy/torch on the host, tested in
 tests/test_step_layout.py.
+
+A model whose attention layers are of several kinds (full attention beside
+sliding windows) has a KV cache group per kind in vLLM's hybrid KV cache
+manager, each with its own block table: a token has a slot in each group,
+and each forward a layout per group (``attention_layouts``), with its
+group's window.
 """
 
 from __future__ import annotations
@@ -24,12 +30,22 @@ from vllm.utils.math_utils import cdiv
 
 from vllm_accel.model.mamba2 import RecurrentLayout
 from vllm_accel.model.paged_attention import (
+    AttentionLayouts,
     PagedAttentionMetadata,
     PrefillChunk,
     SequenceTable,
     TableShape,
     causal_context_mask,
 )
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """A KV cache group of attention layers: its block table (the batch's,
+    ``InputBatch``'s [rows, max_blocks]) and its layers' window (0: none)."""
+
+    block_table: np.ndarray
+    window: int = 0
 
 
 class BucketedForward:
@@ -40,17 +56,17 @@ class BucketedForward:
     Two views of it: its unpadded rows as numpy (``token_ids``, ``rotary``,
     ``slots``, ``logit_index``, ``table_rows``: what a device buffer takes,
     forward_inputs.py, without building tensors first) and its padded tensors
-    (``input_ids``, ``positions``, ``attn_metadata``, ``logit_rows``), built
-    on first use.
+    (``input_ids``, ``positions``, ``attention_layouts``, ``logit_rows``),
+    built on first use. Slots, table rows and layouts are each attention
+    group's (``group``: its index among ``groups``; the first by default).
     """
 
     def __init__(self, packed: _Packed, begin: int, end: int, bucket: int,
-                 block_table: np.ndarray, block_size: int,
-                 context_bucket: Callable[[int], int], table_shape: TableShape | None,
-                 window: int = 0):
+                 groups: Sequence[AttentionGroup], block_size: int,
+                 context_bucket: Callable[[int], int], table_shape: TableShape | None):
         self.begin, self.end, self.bucket = begin, end, bucket
-        self.window = window
-        self._packed, self._block_table, self._block_size = packed, block_table, block_size
+        self.groups = groups
+        self._packed, self._block_size = packed, block_size
         self._context_bucket, self._table_shape = context_bucket, table_shape
         last = packed.last_tokens
         whole = begin == 0 and end == len(packed.ids)  # the common case: one forward
@@ -60,12 +76,19 @@ class BucketedForward:
         self.logit_index = last if whole else last[(last >= begin) & (last < end)] - begin
         self.token_ids = packed.ids[begin:end]
         self.rotary = packed.rotary[:, begin:end]  # [1 or 3, tokens]
-        self.slots = packed.slots[begin:end]
 
-    def table_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    @property
+    def slots(self) -> np.ndarray:
+        """The first attention group's KV cache slot of each token."""
+        return self.group_slots(0)
+
+    def group_slots(self, group: int) -> np.ndarray:
+        return self._packed.slots[group][self.begin:self.end]
+
+    def table_rows(self, group: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The forward's sequences, unpadded: each one's first query (its
-        packed index in the forward), context length and block table row
-        (``table_shape``'s width)."""
+        packed index in the forward), context length and block table row in
+        attention group ``group`` (``table_shape``'s width)."""
         packed, begin, end = self._packed, self.begin, self.end
         lo, hi, order = packed.first_tokens, packed.first_tokens + packed.counts, packed.order
         if begin > 0 or end < len(packed.ids):
@@ -73,7 +96,7 @@ class BucketedForward:
             inside = lo < hi
             lo, hi, order = lo[inside], hi[inside], order[inside]
         return (lo - begin, packed.pos[hi - 1] + 1,
-                self._block_table[order, : self._table_shape.width])
+                self.groups[group].block_table[order, : self._table_shape.width])
 
     @functools.cached_property
     def input_ids(self) -> torch.Tensor:
@@ -91,16 +114,27 @@ class BucketedForward:
     def logit_rows(self) -> torch.Tensor:
         return torch.from_numpy(self.logit_index)
 
-    @functools.cached_property
+    @property
     def attn_metadata(self) -> PagedAttentionMetadata:
+        """The first attention group's layout."""
+        return self.attention_layouts[0]
+
+    @functools.cached_property
+    def attention_layouts(self) -> AttentionLayouts:
+        """The forward's layout in each attention group."""
+        return tuple(self._layout(g) for g in range(len(self.groups)))
+
+    def _layout(self, group: int) -> PagedAttentionMetadata:
         packed, begin, end = self._packed, self.begin, self.end
-        slots = torch.from_numpy(_padded(self.slots, self.bucket))  # padding: block 0
+        window = self.groups[group].window
+        slots = torch.from_numpy(_padded(self.group_slots(group), self.bucket))  # padding: block 0
         num_decodes = max(0, min(end, packed.num_decodes) - begin)
         if self._table_shape is not None:
-            return PagedAttentionMetadata(slots, num_decodes, sequences=self._sequence_table(),
-                                          window=self.window)
-        return _split_metadata(packed, begin, end, slots, num_decodes, self._block_table,
-                               self._block_size, self._context_bucket, self.window)
+            return PagedAttentionMetadata(slots, num_decodes,
+                                          sequences=self._sequence_table(group), window=window)
+        return _split_metadata(packed, begin, end, slots, num_decodes,
+                               self.groups[group].block_table, self._block_size,
+                               self._context_bucket, window)
 
     def recurrent_layout(self, state_tables: Sequence[np.ndarray]) -> RecurrentLayout:
         """The forward's requests as segments (decodes first), each with the
@@ -120,11 +154,11 @@ class BucketedForward:
             has_state=torch.from_numpy(packed.pos[lo] > 0),
             state_blocks=torch.from_numpy(blocks))
 
-    def _sequence_table(self) -> SequenceTable:
+    def _sequence_table(self, group: int) -> SequenceTable:
         """``table_rows`` as a ``SequenceTable`` of the bucket's fixed shape
         (padding rows: no queries, no context)."""
         rows = self._table_shape.rows(self.bucket)
-        first, seq_lens, blocks = self.table_rows()
+        first, seq_lens, blocks = self.table_rows(group)
         query_start = np.full(rows + 1, self.end - self.begin, dtype=np.int32)
         query_start[: len(first)] = first
         return SequenceTable(torch.from_numpy(query_start),
@@ -160,7 +194,7 @@ class StepLayout:
 
 def pack_step(
     token_ids: np.ndarray,
-    block_table: np.ndarray,
+    block_table: np.ndarray | Sequence[AttentionGroup],
     num_scheduled: np.ndarray,
     start: np.ndarray,
     block_size: int,
@@ -174,14 +208,18 @@ def pack_step(
     forwards.
 
     token_ids [rows, max_len] and block_table [rows, max_blocks] are the batch's
-    (``InputBatch``); row i runs num_scheduled[i] tokens from position start[i].
+    (``InputBatch``): one table for a model whose attention layers share one
+    KV cache group (their window: ``window``), or an ``AttentionGroup`` per
+    group; row i runs num_scheduled[i] tokens from position start[i].
     ``plan_forwards(tokens)`` gives the token bucket of each forward (every one
     but the last full), ``context_bucket(blocks)`` the padded decode context.
     ``rope_positions[row]``, for models with 3-D positions, gives each row's.
     With ``table_shape`` each forward's attention layout is a ``SequenceTable``
     of that shape (fixed per bucket: cuda), else decodes and prefill chunks
-    apart. ``window``: the model's attention window (0: none).
+    apart. ``window``: the one group's attention window (0: none).
     """
+    groups = ([AttentionGroup(block_table, window)] if isinstance(block_table, np.ndarray)
+              else list(block_table))
     bs = block_size
     is_decode = num_scheduled == 1
     order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
@@ -192,7 +230,7 @@ def pack_step(
 
     row_of_token = np.repeat(order, counts)
     pos = start[row_of_token] + np.arange(total) - np.repeat(first_tokens, counts)
-    slots = block_table[row_of_token, pos // bs] * bs + pos % bs
+    slots = [g.block_table[row_of_token, pos // bs] * bs + pos % bs for g in groups]
     rotary = pos[None]
     if rope_positions is not None:
         rotary = _rope_positions(rope_positions, order, first_tokens, counts, start, total)
@@ -203,8 +241,8 @@ def pack_step(
     forwards, begin = [], 0
     for bucket in plan_forwards(total):
         end = min(total, begin + bucket)
-        forwards.append(BucketedForward(packed, begin, end, bucket, block_table, bs,
-                                        context_bucket, table_shape, window))
+        forwards.append(BucketedForward(packed, begin, end, bucket, groups, bs,
+                                        context_bucket, table_shape))
         begin = end
     assert begin == total, f"the forwards cover {begin} of {total} tokens"
     return StepLayout(
@@ -227,7 +265,7 @@ class _Packed:
     num_decodes: int  # packed requests [0, num_decodes) decode one token each
     ids: np.ndarray  # [tokens] token ids
     pos: np.ndarray  # [tokens] position of each token in its sequence
-    slots: np.ndarray  # [tokens] its KV cache slot
+    slots: list[np.ndarray]  # per attention group: [tokens] each token's KV cache slot
     rotary: np.ndarray  # [1 or 3, tokens] its rotary positions
     last_tokens: np.ndarray  # packed index of each packed request's last token
 
@@ -236,13 +274,20 @@ def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
                     num_decodes: int, block_table: np.ndarray, bs: int,
                     context_bucket: Callable[[int], int], window: int) -> PagedAttentionMetadata:
     """The layout of packed tokens [begin, end) as decodes and prefill chunks
-    apart (cpu, hpu)."""
+    apart (cpu, hpu). With a window, each one's context starts at the first
+    block its window reaches: the blocks wholly behind it (vLLM's null block
+    once freed) are neither gathered nor masked."""
     pos = packed.pos
     # Decodes are the first packed tokens, one per request.
     decodes = np.arange(begin, min(end, packed.num_decodes))
     decode_rows = packed.order[decodes]
     context_lens = pos[decodes] + 1
+    skipped = np.maximum(context_lens - window, 0) // bs if window else 0 * context_lens
+    context_lens = context_lens - skipped * bs
     width = context_bucket(cdiv(int(context_lens.max(initial=1)), bs))
+    columns = skipped[:, None] + np.arange(width)[None, :]
+    decode_table = np.take_along_axis(
+        np.pad(block_table[decode_rows], ((0, 0), (0, width))), columns, axis=1)
     prefills = []
     for i in range(packed.num_decodes, len(packed.order)):
         # The part of request i's chunk inside this forward (if any).
@@ -258,21 +303,24 @@ def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
             prefills.append(chunk)
             continue
         row = packed.order[i]
-        context_len = int(pos[hi - 1]) + 1
+        # From the first block the chunk's first query's window reaches.
+        skip = max(0, int(pos[lo]) - window + 1) // bs if window else 0
+        context_len = int(pos[hi - 1]) + 1 - skip * bs
         blocks = cdiv(context_len, bs)
         prefills.append(PrefillChunk(
             start=lo - begin,
             end=hi - begin,
-            block_table=torch.from_numpy(block_table[row : row + 1, :blocks].astype(np.int64)),
+            block_table=torch.from_numpy(
+                block_table[row : row + 1, skip : skip + blocks].astype(np.int64)),
             mask=causal_context_mask(
-                torch.from_numpy(pos[lo:hi][None]), torch.tensor([context_len]), blocks * bs,
-                window),
+                torch.from_numpy(pos[lo:hi][None] - skip * bs), torch.tensor([context_len]),
+                blocks * bs, window),
             context_len=context_len,
         ))
     return PagedAttentionMetadata(
         slot_mapping=slots,
         num_decodes=num_decodes,
-        decode_block_table=torch.from_numpy(block_table[decode_rows, :width].astype(np.int64)),
+        decode_block_table=torch.from_numpy(decode_table.astype(np.int64)),
         decode_context_lens=torch.from_numpy(context_lens.astype(np.int64)),
         prefills=prefills,
         window=window,

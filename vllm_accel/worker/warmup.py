@@ -64,11 +64,14 @@ def _new_requests(runner: AccelModelRunner, name: str, lengths: list[int],
 
     new_reqs = []
     for i, length in enumerate(lengths):
-        # Room for the prefill, one decode token and the token it samples;
-        # a block for each recurrent group's state (models that keep one).
-        attention = take(-(-(computed + length + 1) // runner.block_size))
-        block_ids = tuple(take(1) if g in runner.state_groups else attention
-                          for g in range(1 + len(runner.state_groups)))
+        # Room for the prefill, one decode token and the token it samples, in
+        # each attention group (blocks of its own: a block id belongs to one
+        # group at a time); a block for each recurrent group's state (models
+        # that keep one).
+        blocks = -(-(computed + length + 1) // runner.block_size)
+        groups = len(runner.attention_groups) + len(runner.state_groups)
+        block_ids = tuple(take(1) if g in runner.state_groups else take(blocks)
+                          for g in range(groups))
         new_reqs.append(NewRequestData(
             req_id=f"{name}-{i}", prompt_token_ids=[i % 7 + 10] * (computed + length),
             mm_features=[], sampling_params=params, pooling_params=None,

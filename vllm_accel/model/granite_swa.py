@@ -1,0 +1,57 @@
+"""Granite SWA: FMS's own model (``fms.models.granite_swa``) with its blocks
+swapped for ones the runner can drive.
+
+FMS's ``GraniteSWABlock`` chooses its attention op by name: it replaces the
+``attn_name`` it is called with by ``spyre_paged_attn_with_sinks`` where the
+name holds "paged" (ours, ``vllm_accel_paged``, does: FMS has registered no
+such op) and by ``sdpa_with_sinks`` where it holds "sdpa". It also hands its
+attention the layer's window as an int of its own, which would make each
+window a graph of its own. ``page_attention_layers`` swaps every block for
+``AttentionBlock``: the same submodules and weights (pre-norm, attention
+with its sinks, residual scaled, pre-norm, gated MLP, residual scaled) and
+FMS's arithmetic, our op kept, and the index of the layer's attention
+layout (from its KV cache entry) passed to the op: the layout of its KV
+cache group and window (vLLM's hybrid KV cache manager keeps windowed and
+full-attention layers in groups of their own). FMS's attention passes the sinks itself
+(``MultiHeadAttention(has_sinks=True)``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class AttentionBlock(nn.Module):
+    """One of Granite SWA's decoder blocks, called as FMS's headless model
+    calls its blocks; ``past_key_value_state`` is the layer's KV cache entry:
+    its keys and values, and its layout's index where a forward has several."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.ln, self.attn = block.ln, block.attn
+        self.ff_ln, self.ff_sub_layer = block.ff_ln, block.ff_sub_layer
+        self.residual_multiplier = block.config.residual_multiplier
+
+    def forward(self, x, *, position_ids=None, past_key_value_state=None, use_cache=False,
+                **attn_kwargs):
+        keys, values, *layout = past_key_value_state
+        if layout:
+            attn_kwargs["attention_layout"] = layout[0]
+        attended = self.attn(q=self.ln(x), position_ids=position_ids,
+                             past_key_value_state=(keys, values), use_cache=use_cache,
+                             **attn_kwargs)
+        cache = None
+        if use_cache:
+            attended, cache = attended
+        x = attended * self.residual_multiplier + x
+        x = self.ff_sub_layer(self.ff_ln(x)) * self.residual_multiplier + x
+        return (x, cache) if use_cache else x
+
+
+def page_attention_layers(model: nn.Module) -> int:
+    """Swap the blocks of a loaded FMS Granite SWA for ``AttentionBlock``s;
+    returns how many."""
+    layers = model.base_model.layers
+    for index, block in enumerate(layers):
+        layers[index] = AttentionBlock(block)
+    return len(layers)
