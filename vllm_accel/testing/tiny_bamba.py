@@ -19,9 +19,8 @@ import pathlib
 import torch
 
 from vllm_accel.testing.tiny_models import (
-    CHAT_TEMPLATE, HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MAX_POS, NORM_NOISE,
-    ROUTER_STD, SEED_OFFSETS, SUPPRESS_SCALE, WEIGHT_STD, _save_generation_config,
-    _save_tokenizer, _unprintable_ids, build_tokenizer,
+    HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MAX_POS, NORM_NOISE, ROUTER_STD,
+    SEED_OFFSETS, WEIGHT_STD, write_model_checkpoint,
 )
 
 ATTENTION_LAYERS = [1]
@@ -82,22 +81,9 @@ def random_mamba_weights(model, g: torch.Generator) -> None:
 
 def make_tiny_bamba(out_dir: str | os.PathLike, *, seed: int = 0,
                     printable_only: bool = True) -> pathlib.Path:
-    """The checkpoint in ``out_dir``. ``printable_only``: the head rows of
-    special and unprintable tokens are shrunk, so greedy output is printable
-    text that runs to max_tokens."""
+    """The checkpoint in ``out_dir`` (``write_model_checkpoint``)."""
     from transformers import BambaForCausalLM
 
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
-    config = bamba_config(tokenizer)
-    g = torch.Generator().manual_seed(seed + SEED_OFFSETS["bamba"])
-    model = BambaForCausalLM(config).eval()
-    with torch.no_grad():
-        random_mamba_weights(model, g)
-        if printable_only:
-            model.lm_head.weight[_unprintable_ids(tokenizer)] *= SUPPRESS_SCALE
-    model.save_pretrained(out)
-    _save_generation_config(tokenizer, out)
-    return out
+    return write_model_checkpoint(out_dir, BambaForCausalLM, bamba_config,
+                                  seed + SEED_OFFSETS["bamba"], random_mamba_weights,
+                                  printable_only)

@@ -15,16 +15,13 @@ from __future__ import annotations
 import os
 import pathlib
 
-import torch
-
 from vllm_accel.testing.tiny_bamba import (
     MAMBA_CHUNK, MAMBA_CONV, MAMBA_GROUPS, MAMBA_HEAD_DIM, MAMBA_HEADS, MAMBA_STATE,
     random_mamba_weights,
 )
 from vllm_accel.testing.tiny_models import (
-    CHAT_TEMPLATE, GRANITE_EMBED_STD, GRANITE_MULTIPLIERS, HEADS, HIDDEN, INTERMEDIATE,
-    KV_HEADS, LAYERS, MAX_POS, SEED_OFFSETS, SUPPRESS_SCALE, WEIGHT_STD, _save_generation_config,
-    _save_tokenizer, _unprintable_ids, build_tokenizer,
+    GRANITE_EMBED_STD, GRANITE_MULTIPLIERS, HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS,
+    MAX_POS, SEED_OFFSETS, WEIGHT_STD, write_model_checkpoint,
 )
 
 LAYER_TYPES = ["mamba", "attention", "mamba", "mamba"]
@@ -52,27 +49,17 @@ def granite_hybrid_config(tokenizer, experts: int = EXPERTS):
 
 def make_tiny_granite_hybrid(out_dir: str | os.PathLike, *, seed: int = 0,
                              printable_only: bool = True) -> pathlib.Path:
-    """The checkpoint in ``out_dir``. ``printable_only``: the head rows of
-    special and unprintable tokens are shrunk, so greedy output is printable
-    text that runs to max_tokens."""
+    """The checkpoint in ``out_dir`` (``write_model_checkpoint``)."""
     from transformers import GraniteMoeHybridForCausalLM
 
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
-    config = granite_hybrid_config(tokenizer)
-    g = torch.Generator().manual_seed(seed + SEED_OFFSETS["granitemoehybrid"])
-    model = GraniteMoeHybridForCausalLM(config).eval()
-    with torch.no_grad():
+    def fill_weights(model, g):
         random_mamba_weights(model, g)
         # As the tiny Granite: embeddings small (x12 by the multiplier), the
         # head scaled by logits_scaling (which divides the logits).
         model.model.embed_tokens.weight.normal_(0, GRANITE_EMBED_STD, generator=g)
         model.lm_head.weight.normal_(0, WEIGHT_STD * GRANITE_MULTIPLIERS["logits_scaling"],
                                     generator=g)
-        if printable_only:
-            model.lm_head.weight[_unprintable_ids(tokenizer)] *= SUPPRESS_SCALE
-    model.save_pretrained(out)
-    _save_generation_config(tokenizer, out)
-    return out
+
+    return write_model_checkpoint(out_dir, GraniteMoeHybridForCausalLM, granite_hybrid_config,
+                                  seed + SEED_OFFSETS["granitemoehybrid"], fill_weights,
+                                  printable_only)

@@ -20,9 +20,8 @@ import pathlib
 import torch
 
 from vllm_accel.testing.tiny_models import (
-    CHAT_TEMPLATE, GRANITE_EMBED_STD, GRANITE_MULTIPLIERS, HEADS, HIDDEN, INTERMEDIATE,
-    KV_HEADS, LAYERS, MAX_POS, NORM_NOISE, SUPPRESS_SCALE, WEIGHT_STD,
-    _save_generation_config, _save_tokenizer, _unprintable_ids, build_tokenizer,
+    GRANITE_EMBED_STD, GRANITE_MULTIPLIERS, HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS,
+    MAX_POS, NORM_NOISE, WEIGHT_STD, write_model_checkpoint,
 )
 
 GRANITE_SWA_WINDOW = 24
@@ -47,22 +46,14 @@ def granite_swa_config(tokenizer):
 
 def make_tiny_granite_swa(out_dir: str | os.PathLike, *, seed: int = 0,
                           printable_only: bool = True) -> pathlib.Path:
-    """The checkpoint in ``out_dir``. ``printable_only``: the head rows of
-    special and unprintable tokens are shrunk, so greedy output is printable
-    text that runs to max_tokens."""
+    """The checkpoint in ``out_dir`` (``write_model_checkpoint``)."""
     from transformers import GraniteSWAForCausalLM
 
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
-    config = granite_swa_config(tokenizer)
-    g = torch.Generator().manual_seed(seed + SEED_OFFSET)
-    model = GraniteSWAForCausalLM(config).eval()
     # As the tiny Granite's: a small embedding (it is scaled x12) and a head
     # drawn logits_scaling times wider (its logits are divided by it).
     head_std = WEIGHT_STD * GRANITE_MULTIPLIERS["logits_scaling"]
-    with torch.no_grad():
+
+    def fill_weights(model, g):
         for name, parameter in sorted(model.named_parameters()):
             if "norm" in name:
                 value = 1.0 + NORM_NOISE * torch.randn(parameter.shape, generator=g)
@@ -75,8 +66,6 @@ def make_tiny_granite_swa(out_dir: str | os.PathLike, *, seed: int = 0,
             else:
                 value = torch.randn(parameter.shape, generator=g) * WEIGHT_STD
             parameter.copy_(value)
-        if printable_only:
-            model.lm_head.weight[_unprintable_ids(tokenizer)] *= SUPPRESS_SCALE
-    model.save_pretrained(out)
-    _save_generation_config(tokenizer, out)
-    return out
+
+    return write_model_checkpoint(out_dir, GraniteSWAForCausalLM, granite_swa_config,
+                                  seed + SEED_OFFSET, fill_weights, printable_only)

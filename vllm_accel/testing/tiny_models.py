@@ -292,6 +292,28 @@ def _random_state_dict(
     return sd
 
 
+def write_model_checkpoint(out_dir: str | os.PathLike, model_class, make_config, seed: int,
+                           fill_weights, printable_only: bool) -> pathlib.Path:
+    """A tiny checkpoint built by HF's own ``model_class`` in ``out_dir``: the
+    tiny tokenizer, ``make_config(tokenizer)``, weights drawn by
+    ``fill_weights(model, generator)`` from ``seed``. ``printable_only``: the
+    head rows of special and unprintable tokens are shrunk, so greedy output
+    is printable text that runs to max_tokens."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
+    g = torch.Generator().manual_seed(seed)
+    model = model_class(make_config(tokenizer)).eval()
+    with torch.no_grad():
+        fill_weights(model, g)
+        if printable_only:
+            model.lm_head.weight[_unprintable_ids(tokenizer)] *= SUPPRESS_SCALE
+    model.save_pretrained(out)
+    _save_generation_config(tokenizer, out)
+    return out
+
+
 def _save_tokenizer(tokenizer, out: pathlib.Path, chat_template: str) -> None:
     tokenizer.save_pretrained(out)
     # Some loaders only look at tokenizer_config.json for the template.
