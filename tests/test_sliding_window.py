@@ -14,30 +14,31 @@ from test_generation import random_prompts
 from vllm_accel.testing.tiny_models import MISTRAL_WINDOW
 
 
-def _blocks_held(scheduler) -> int:
-    """The blocks the one running request holds that are real (not vLLM's
-    null block, which stands for the ones freed)."""
-    (manager,) = scheduler.kv_cache_manager.coordinator.single_type_managers
-    (blocks,) = manager.req_to_blocks.values()
-    return sum(not block.is_null for block in blocks)
+def _decode_recording_blocks(llm, prompt: list[int], max_tokens: int):
+    """Run one request to its end, one engine step at a time: its tokens, and
+    after each step the real (not null) blocks it holds in each KV cache group."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    engine.add_request("long", TokensPrompt(prompt_token_ids=prompt),
+                       SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    held, tokens = [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens = list(output.outputs[0].token_ids)
+        if scheduler.requests:
+            held.append([_held(manager) for manager in managers])
+    return tokens, held
 
 
 def test_window_frees_blocks_while_decoding_and_matches_hf(tiny_models):
     model_dir = tiny_models["mistral"]
     prompt = random_prompts([150], seed=11)[0]
     with running_llm(model_dir, max_num_batched_tokens=64) as llm:
-        engine = llm.llm_engine
-        scheduler = engine.engine_core.engine_core.scheduler
-        block_size = scheduler.cache_config.block_size
-        engine.add_request("long", TokensPrompt(prompt_token_ids=prompt),
-                           SamplingParams(temperature=0.0, max_tokens=24))
-        held, tokens = [], None
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    tokens = list(output.outputs[0].token_ids)
-            if scheduler.requests:
-                held.append(_blocks_held(scheduler))
+        block_size = llm.llm_engine.engine_core.engine_core.scheduler.cache_config.block_size
+        tokens, held = _decode_recording_blocks(llm, prompt, 24)
+    held = [group for (group,) in held]  # one KV cache group
     # Full attention would hold all cdiv(174, bs) blocks by the end; a window
     # of 40 keeps the ones its last window reaches (and one being filled).
     assert max(held[-5:]) <= cdiv(MISTRAL_WINDOW, block_size) + 1 < cdiv(174, block_size)
@@ -56,21 +57,12 @@ def test_windowed_layers_free_their_blocks_while_full_layers_keep_theirs(tiny_mo
     model_dir = tiny_models["granite_swa"]
     prompt = random_prompts([150], seed=12)[0]
     with running_llm(model_dir, max_num_batched_tokens=64) as llm:
-        engine = llm.llm_engine
-        scheduler = engine.engine_core.engine_core.scheduler
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         block_size = scheduler.cache_config.block_size
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers
         windows = [getattr(m.kv_cache_spec, "sliding_window", None) for m in managers]
         assert windows == [None] + [GRANITE_SWA_WINDOW] * 3
-        engine.add_request("long", TokensPrompt(prompt_token_ids=prompt),
-                           SamplingParams(temperature=0.0, max_tokens=24))
-        held, tokens = [], None
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    tokens = list(output.outputs[0].token_ids)
-            if scheduler.requests:
-                held.append([_held(manager) for manager in managers])
+        tokens, held = _decode_recording_blocks(llm, prompt, 24)
     full, *windowed = zip(*held[-5:])
     assert max(full) == min(full) == cdiv(174, block_size)  # every block of the sequence
     for group in windowed:
