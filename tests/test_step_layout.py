@@ -1,7 +1,7 @@
 """The step layout on its own: no engine, no model. pack_step places decodes
 first, then prefill chunks, and cuts the sequence into forwards padded to
 token buckets; slots follow the block tables;
-placeholder_rows finds the image positions a step covers, also when a chunk
+placeholder_rows (multimodal_rows) finds the image positions a step covers, also when a chunk
 cuts through an image or only some positions take embeddings."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from vllm_accel.model.paged_attention import TableShape
-from vllm_accel.worker.step_layout import Placeholder, pack_step, placeholder_rows
+from vllm_accel.worker.multimodal_rows import Placeholder, placeholder_rows
+from vllm_accel.worker.step_layout import pack_step
 
 BLOCK = 4
 

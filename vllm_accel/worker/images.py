@@ -21,7 +21,8 @@ from vllm_accel.multimodal.encoder import VisionEncoder, merge_embeddings
 from vllm_accel.multimodal.inputs import item_tensors
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.worker.request_state import RequestStates
-from vllm_accel.worker.step_layout import BucketedForward, StepLayout, placeholder_rows
+from vllm_accel.worker.multimodal_rows import placeholder_rows
+from vllm_accel.worker.step_layout import BucketedForward, StepLayout
 
 
 @dataclass
@@ -79,7 +80,7 @@ class StepImages:
 
     def rows(self, step: StepLayout, requests: RequestStates) -> MultimodalRows:
         """Which of the step's packed tokens take image rows, and those rows
-        (see step_layout.placeholder_rows)."""
+        (see multimodal_rows.placeholder_rows)."""
         placeholders = [s.placeholders for s in requests.in_batch_order()]
         is_mm, slices = placeholder_rows(step, placeholders)
         rows = (torch.cat([self.cache[key][lo:hi] for key, lo, hi in slices])

@@ -21,7 +21,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from vllm_accel.multimodal.inputs import item_tensors
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
-from vllm_accel.worker.step_layout import Placeholder, RopePositions
+from vllm_accel.worker.multimodal_rows import Placeholder, RopePositions
 
 
 @dataclass

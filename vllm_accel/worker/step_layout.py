@@ -5,11 +5,9 @@ first, then the prefill chunks. The sequence runs as one forward padded up to
 a token bucket, or as a few forwards over consecutive slices of it when that
 pads less (``buckets.plan_forwards``: 370 tokens run as 256 + 64 + 64, not
 padded to 1024). ``pack_step`` computes that layout from vLLM's per-request
-state (token ids, computed-token counts, block tables); ``placeholder_rows``
-finds, within the sequence,
-the positions that take multimodal embeddings and which encoder-output rows
-go there. Both are plain numpy/torch on the host, tested in
-tests/test_step_layout.py.
+state (token ids, computed-token counts, block tables), plain numpy/torch on
+the host, tested in tests/test_step_layout.py (as is ``multimodal_rows``:
+where the step's multimodal embeddings go).
 
 A model whose attention layers are of several kinds (full attention beside
 sliding windows) has a KV cache group per kind in vLLM's hybrid KV cache
@@ -37,6 +35,7 @@ from vllm_accel.model.paged_attention import (
     TableShape,
     causal_context_mask,
 )
+from vllm_accel.worker.multimodal_rows import RopePositions
 
 
 @dataclass(frozen=True)
@@ -328,75 +327,8 @@ def _split_metadata(packed: _Packed, begin: int, end: int, slots: torch.Tensor,
     )
 
 
-@dataclass(frozen=True)
-class RopePositions:
-    """A request's 3-D rotary positions (M-RoPE: temporal, height, width).
-
-    The prompt's are computed from its images; every later token t sits at
-    t + delta on all three axes (text continues after the largest position).
-    """
-
-    prompt: np.ndarray  # [3, prompt_len] int64
-    delta: int
-
-    def at(self, first: int, count: int) -> np.ndarray:
-        """[3, count] positions of tokens first .. first + count - 1."""
-        pos = np.arange(first, first + count)
-        out = np.broadcast_to(pos + self.delta, (3, count)).copy()
-        in_prompt = pos < self.prompt.shape[1]
-        out[:, in_prompt] = self.prompt[:, pos[in_prompt]]
-        return out
-
-
 def _rope_positions(rope_positions, order, first_tokens, counts, start, total) -> np.ndarray:
     out = np.zeros((3, total), dtype=np.int64)
     for row, first, count in zip(order, first_tokens, counts):
         out[:, first : first + count] = rope_positions[row].at(int(start[row]), int(count))
     return out
-
-
-@dataclass(frozen=True)
-class Placeholder:
-    """One multimodal item's span of the prompt (vLLM's ``PlaceholderRange``)."""
-
-    key: str  # the item's identifier (its encoder output is cached under it)
-    offset: int  # first prompt position of the span
-    length: int
-    # Which positions of the span take embeddings (None: all of them). The
-    # others (e.g. column or start/end tokens) stay text.
-    is_embed: np.ndarray | None = None
-
-
-def placeholder_rows(
-    layout: StepLayout, placeholders: Sequence[Sequence[Placeholder]]
-) -> tuple[np.ndarray, list[tuple[str, int, int]]]:
-    """The packed positions this step fills with multimodal embeddings, and the
-    encoder-output rows that go there, in packed order.
-
-    ``placeholders[row]`` lists batch row ``row``'s items. Returns a bool mask
-    over the padded sequence and ``(key, first_row, end_row)`` slices of each
-    item's encoder output (which has one row per embed position), also when a
-    prefill chunk cuts through a span.
-    """
-    is_mm = np.zeros(layout.input_ids.shape[1], dtype=bool)
-    slices = []
-    for row, first, count, start in zip(layout.rows, layout.first_tokens, layout.counts,
-                                        layout.starts):
-        end = start + count
-        for item in placeholders[row]:
-            lo, hi = max(start, item.offset), min(end, item.offset + item.length)
-            if lo >= hi:
-                continue
-            span = slice(lo - item.offset, hi - item.offset)
-            packed = first + lo - start + np.arange(hi - lo)
-            if item.is_embed is None:
-                is_mm[packed] = True
-                slices.append((item.key, span.start, span.stop))
-                continue
-            embed = item.is_embed[span]
-            if not embed.any():
-                continue
-            is_mm[packed[embed]] = True
-            before = int(item.is_embed[: span.start].sum())
-            slices.append((item.key, before, before + int(embed.sum())))
-    return is_mm, slices
