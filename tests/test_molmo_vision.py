@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from port_helpers import image_embeddings, load_hf_vision_weights, pad_crops
 from vllm_accel.model.molmo import MolmoVisionBackbone, MolmoVisionConfig, image_embed_order
-from vllm_accel.testing.tiny_molmo import MAX_CROPS, make_tiny_molmo
+from vllm_accel.testing.tiny_molmo import MAX_CROPS
 
 # float32. Observed: bit-identical to vLLM on CPU (same ops in the same order);
 # the tolerance leaves room for other kernels (fused qkv, other SDPA backends).
