@@ -264,7 +264,7 @@ def test_windowed_and_full_attention_layers_share_one_graph_per_bucket_and_match
     prompts = random_prompts([1, 3, 16, 30, 63, 200], seed=24)
     with running_llm(tiny_models["granite_swa"], additional_config=config, **ENGINE) as llm:
         runner = model_runner(llm)
-        assert len(runner.layouts) == 4
+        assert len(runner.kv_cache.layouts) == 4
         assert runner.compile_stats.warmup_graphs == 4  # one kind of layer x 4 buckets
         assert greedy(llm, prompts) == hf_greedy(tiny_models["granite_swa"], prompts, 8)
         assert runner.compile_stats.runtime_compiles == 0

@@ -110,7 +110,7 @@ def test_text_parity_batch_chunked_and_prefix_hit(text_model, tmp_path):
     with running_llm(text_model, additional_config=config, max_num_seqs=8,
                      max_num_batched_tokens=16, enable_prefix_caching=True, **GPU_SHARE) as llm:
         runner = model_runner(llm)
-        assert runner.device.type == "cuda" and runner.kv_caches[0][0].is_cuda
+        assert runner.device.type == "cuda" and runner.kv_cache.layers[0][0].is_cuda
         assert greedy(llm, PROMPTS) == expected  # a batch, prompts cut into 16-token chunks
         assert greedy(llm, PROMPTS[:1]) == expected[:1]  # a prefix-cache hit
         replays = runner.graphs.replays

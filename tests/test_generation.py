@@ -135,7 +135,7 @@ def test_preempted_recurrent_requests_restart_from_zero_state(tiny_models, monke
     prompts = random_prompts([100, 97, 110, 90, 105, 99], seed=8)
     with running_llm(model_dir, disable_log_stats=False, **ENGINE_OPTIONS) as llm:
         runner = model_runner(llm)
-        assert runner.num_blocks <= 16 and runner.state_groups
+        assert runner.num_blocks <= 16 and runner.kv_cache.state_groups
         got = generate(llm, prompts, max_tokens=48)
         assert _metric(llm, "vllm:num_preemptions") > 0
     assert got == hf_greedy(model_dir, prompts, 48)

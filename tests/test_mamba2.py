@@ -222,7 +222,7 @@ def test_granite_4_variants_match_hf(tmp_path, monkeypatch, variant):
     prompts = random_prompts([7, 150], seed=25)
     with running_llm(model_dir, **ENGINE_OPTIONS) as llm:
         runner = model_runner(llm)
-        assert bool(runner.state_groups) == (variant != "attention_only")
+        assert bool(runner.kv_cache.state_groups) == (variant != "attention_only")
         assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching == (
             variant == "attention_only")
         assert generate(llm, prompts) == hf_greedy(model_dir, prompts, MAX_TOKENS)

@@ -87,8 +87,8 @@ def test_windows_hold_with_the_hybrid_kv_cache_manager_off(tiny_models):
     with running_llm(model_dir, max_num_batched_tokens=64,
                      disable_hybrid_kv_cache_manager=True) as llm:
         runner = model_runner(llm)
-        assert runner.attention_groups == [0]
-        assert runner.layouts == [(0, 0), (0, GRANITE_SWA_WINDOW)]
+        assert runner.kv_cache.attention_groups == [0]
+        assert runner.kv_cache.layouts == [(0, 0), (0, GRANITE_SWA_WINDOW)]
         got = [list(o.outputs[0].token_ids) for o in llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts],
             SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)]

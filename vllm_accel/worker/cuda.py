@@ -62,12 +62,12 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    serving_caches, runner.kv_caches = runner.kv_caches, kv_caches
+    serving_caches, runner.kv_cache.layers = runner.kv_cache.layers, kv_caches
     try:
         with torch.inference_mode():
             runner.model_call(inputs, sent.positions, sent.metadata, sent.logit_rows)
     finally:
-        runner.kv_caches = serving_caches
+        runner.kv_cache.layers = serving_caches
     peak = torch.cuda.max_memory_allocated(device) - before
     del kv_caches
     torch.cuda.empty_cache()

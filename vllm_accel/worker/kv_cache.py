@@ -34,7 +34,7 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
 
 
 def kv_cache_bytes(kv_caches: KVCaches) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
+    return sum(t.numel() * t.element_size() for cache in kv_caches for t in cache[:2])
 
 
 def zero_blocks(kv_caches: KVCaches, block_ids: list[int]) -> None:
@@ -45,9 +45,9 @@ def zero_blocks(kv_caches: KVCaches, block_ids: list[int]) -> None:
     # On the cache's device once, without waiting for its work (cpu ids
     # would be copied, and waited for, per layer).
     ids = torch.tensor(block_ids).to(kv_caches[0][0].device, non_blocking=True)
-    for key_cache, value_cache in kv_caches:  # or a shared tensor's halves
-        key_cache[ids] = 0
-        value_cache[ids] = 0
+    for cache in kv_caches:  # (keys, values[, layout index]) or a shared tensor's halves
+        for tensor in cache[:2]:
+            tensor[ids] = 0
 
 
 def zero_filled(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

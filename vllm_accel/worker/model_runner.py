@@ -21,8 +21,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                        MambaSpec, SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
@@ -52,18 +51,13 @@ from vllm_accel.worker.compile_stats import CompileStats
 from vllm_accel.worker.cuda_graphs import ForwardGraphs
 from vllm_accel.worker.forward_inputs import ForwardInputs, device_forward
 from vllm_accel.worker.images import MultimodalRows, StepImages
-from vllm_accel.worker.in_flight import (
-    NO_TOKENS_IN_FLIGHT,
-    PLACEHOLDER,
-    InFlightOutput,
-    tokens_in_flight,
-)
-from vllm_accel.worker.kv_cache import (allocate_kv_caches, allocate_shared_caches,
-                                        kv_cache_bytes, recurrent_state_specs, zero_blocks)
+from vllm_accel.worker.in_flight import (NO_TOKENS_IN_FLIGHT, InFlightOutput, copy_in_flight,
+                                        in_forward, tokens_in_flight)
+from vllm_accel.worker.kv_cache_groups import KvCacheGroups
 from vllm_accel.worker.model_loader import load_model
 from vllm_accel.worker.prompt_logprobs import compute_prompt_logprobs
 from vllm_accel.worker.request_state import RequestStates
-from vllm_accel.worker.sampling import PendingSample, sample
+from vllm_accel.worker.sampling import PendingSample, sample, step_output
 from vllm_accel.worker.step_layout import AttentionGroup, BucketedForward, pack_step
 
 logger = get_logger(__name__)
@@ -90,11 +84,6 @@ class AccelModelRunner:
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.block_size = vllm_config.cache_config.block_size
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
-        # Sliding-window attention: each layer's window (a query sees its last
-        # ``window`` keys; 0: all, also where no sequence can outrun it), after
-        # load_model. Layers of different windows sit in different KV cache
-        # groups (vLLM's hybrid KV cache manager).
-        self.layer_windows: list[int] = []
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
         self.token_buckets = token_buckets(settings.token_buckets, max_step)
@@ -125,24 +114,9 @@ class AccelModelRunner:
         self.vision: VisionAdapter | None = None
         self.vision_encoder: VisionEncoder | None = None
         self.images: StepImages | None = None
-        # Per layer: its keys and values (and the index of its attention
-        # layout, where a forward has several: ``layouts``), or (a recurrent
-        # layer) its state's pages and the index of its group among
-        # ``state_groups``.
-        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
-        # KV cache groups (vLLM's): the attention layers' (each group's block
-        # table places its layers' keys and values; vLLM's hybrid KV cache
-        # manager keeps windowed and full-attention layers in groups of their
-        # own) and those of layers keeping recurrent state (Mamba2: one block
-        # per request each); the cache's tensors as block pages where groups
-        # share them.
-        self.attention_groups = [0]
-        self.state_groups: list[int] = []
-        # The attention layouts each forward has: one per (attention group,
-        # window) its layers have; where there are several, a layer's KV
-        # cache entry names its layout's index (the op reads that layout).
-        self.layouts: list[tuple[int, int]] = [(0, 0)]
-        self.kv_pages: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The KV cache: its groups, tensors and layouts (after load_model:
+        # each layer's window and kind).
+        self.kv_cache = KvCacheGroups([0], {})
         compile_sampler_logprob_ranks(self.model_config.get_vocab_size())  # before counting ours
         self.compile_stats = CompileStats()
         self._new_input_batch([self.block_size], [self.max_blocks_per_req])
@@ -180,12 +154,10 @@ class AccelModelRunner:
                             self.compile_stats, tp_group)
         self.model, self.kernels = loaded.model, loaded.kernels
         arch = find_architecture(self.model_config.architectures)
-        self.layer_windows = [
-            window if window < self.max_model_len else 0 for window in
-            layer_windows(arch, self.model_config.hf_text_config, self.model.num_layers)]
-        # Until the KV cache's config: one layout (a memory profile's forward).
-        self.layouts = [(0, next(w for i, w in enumerate(self.layer_windows)
-                                 if i not in self.model.recurrent))]
+        # A window no sequence can outrun is none (0).
+        windows = [window if window < self.max_model_len else 0 for window in
+                   layer_windows(arch, self.model_config.hf_text_config, self.model.num_layers)]
+        self.kv_cache = KvCacheGroups(windows, self.model.recurrent)
         if self.model.recurrent:
             # Recurrent state in the dtypes vLLM's cache config names (before
             # any forward: the layer graphs take them as constants).
@@ -213,84 +185,37 @@ class AccelModelRunner:
         axes = 3 if self.vision is not None and self.vision.uses_3d_positions else 1
         return {bucket: ForwardInputs(bucket, self.table_shape.rows(bucket),
                                       self.table_shape.width, axes, self.device,
-                                      [window for _, window in self.layouts], self._split_kv)
+                                      [window for _, window in self.kv_cache.layouts],
+                                      self._split_kv)
                 for bucket in self.token_buckets}
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         assert self.model is not None
-        shape = dict(block_size=self.block_size, num_kv_heads=self.model.num_kv_heads,
-                     head_size=self.model.head_dim, dtype=self.dtype)
-        # vLLM's KV manager frees the blocks a window has left behind; layers
-        # of different specs go to KV cache groups of their own.
-        specs = {f"layers.{i}": SlidingWindowSpec(sliding_window=window, **shape) if window
-                 else FullAttentionSpec(**shape)
-                 for i, window in enumerate(self.layer_windows) if i not in self.model.recurrent}
-        # Recurrent state (Mamba2) in vLLM's hybrid KV cache: a block per
-        # request, its page as large as an attention layer's.
-        page = FullAttentionSpec(**shape).page_size_bytes
-        specs.update(recurrent_state_specs(self.model.recurrent, page, self.max_model_len))
-        return specs
+        return self.kv_cache.specs(self.block_size, self.model.num_kv_heads, self.model.head_dim,
+                                   self.dtype, self.max_model_len)
 
     def kv_cache_bytes_per_token(self) -> int:
-        """What a token of a full-length sequence costs: its keys and values,
-        and its share of the recurrent states (one per sequence)."""
-        specs = self.get_kv_cache_spec().values()
-        states = sum(s.page_size_bytes for s in specs if isinstance(s, MambaSpec))
-        return (sum(s.page_size_bytes for s in specs if not isinstance(s, MambaSpec))
-                // self.block_size + cdiv(states, self.max_model_len))
+        return KvCacheGroups.bytes_per_token(self.get_kv_cache_spec(), self.block_size,
+                                             self.max_model_len)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         assert self.model is not None
         self.num_blocks = kv_cache_config.num_blocks
-        if len(kv_cache_config.kv_cache_groups) > 1:
-            shared = allocate_shared_caches(
-                kv_cache_config, self.model.num_layers, self.model.num_kv_heads,
-                self.model.head_dim, self.dtype, self.device)
-            self.kv_caches, self.kv_pages = shared.caches, shared.pages
-            self.attention_groups, self.state_groups = shared.attention_groups, shared.state_groups
-            # A block table per group: the recurrent groups' hold one block.
-            self._new_input_batch(*shared.block_tables(self.max_blocks_per_req))
-            total = kv_cache_bytes(self.kv_pages)
-        else:
-            self.kv_caches = allocate_kv_caches(
-                self.model.num_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
-                self.model.head_dim, self.dtype, self.device)
-            total = kv_cache_bytes(self.kv_caches)
-        self._assign_layouts(kv_cache_config)
+        block_tables = self.kv_cache.allocate(
+            kv_cache_config, self.block_size, self.model.num_kv_heads, self.model.head_dim,
+            self.dtype, self.device, self.max_blocks_per_req)
+        if block_tables is not None:  # a block table per KV cache group
+            self._new_input_batch(*block_tables)
+        layouts = self.kv_cache.layouts
+        if self.forward_inputs is not None and len(layouts) > 1:
+            self.forward_inputs = self._new_forward_inputs()
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)%s",
-            self.num_blocks, self.block_size, self.num_blocks * self.block_size, total / 2**30,
-            f"; attention layouts (KV cache group, window): {self.layouts}"
-            if len(self.layouts) > 1 else "",
+            self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+            self.kv_cache.nbytes() / 2**30,
+            f"; attention layouts (KV cache group, window): {layouts}" if len(layouts) > 1
+            else "",
         )
-
-    def _assign_layouts(self, kv_cache_config: KVCacheConfig) -> None:
-        """Each forward's attention layouts: one per (KV cache group, window)
-        of the attention layers. vLLM's hybrid KV cache manager puts layers
-        of different windows in groups of their own (a window's group frees
-        the blocks behind it); with it turned off
-        (--disable-hybrid-kv-cache-manager) they share one group, whose
-        blocks stay, and still attend by their own windows. Where there are
-        several layouts, each attention layer's KV cache entry also names its
-        layout's index (an int64 tensor on the host: a graph input, so every
-        layer runs one graph)."""
-        group_of = {int(name.split(".")[1]): g
-                    for g, group in enumerate(kv_cache_config.kv_cache_groups)
-                    for name in group.layer_names}
-        layers = [i for i in range(self.model.num_layers) if i not in self.model.recurrent]
-        layout_of = {i: (group_of[i], self.layer_windows[i]) for i in layers}
-        for i, (group, window) in layout_of.items():
-            spec = kv_cache_config.kv_cache_groups[group].kv_cache_spec
-            if isinstance(spec, SlidingWindowSpec) and spec.sliding_window != window:
-                raise ValueError(f"vllm-accel: layer {i} attends with a window of {window} "
-                                 f"tokens, its KV cache group with {spec.sliding_window}")
-        self.layouts = sorted(set(layout_of.values()))
-        if len(self.layouts) > 1:
-            for i in layers:
-                index = torch.tensor([self.layouts.index(layout_of[i])])
-                self.kv_caches[i] = (*self.kv_caches[i][:2], index)
-        if self.forward_inputs is not None and len(self.layouts) > 1:
-            self.forward_inputs = self._new_forward_inputs()
 
     # ---- per step -----------------------------------------------------------
 
@@ -298,7 +223,7 @@ class AccelModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.requests.update(scheduler_output)
         if scheduler_output.new_block_ids_to_zero:
-            zero_blocks(self.kv_pages or self.kv_caches, scheduler_output.new_block_ids_to_zero)
+            self.kv_cache.zero(scheduler_output.new_block_ids_to_zero)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
 
@@ -308,7 +233,7 @@ class AccelModelRunner:
         )
         start = batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64)
         attention = [AttentionGroup(batch.block_table[g].get_numpy_array(), window)
-                     for g, window in self.layouts]
+                     for g, window in self.kv_cache.layouts]
         step = pack_step(
             batch.token_ids_cpu, attention, num_scheduled, start,
             self.block_size, self._plan_forwards, self._context_bucket,
@@ -329,7 +254,7 @@ class AccelModelRunner:
                 self.images.encode_scheduled(scheduler_output, self.requests)
             multimodal = self.images.rows(step, self.requests)
         run = self._run_forward if self.forward_times is None else self._timed_forward
-        state_tables = [batch.block_table[g].get_numpy_array() for g in self.state_groups]
+        state_tables = [batch.block_table[g].get_numpy_array() for g in self.kv_cache.state_groups]
         outputs = [run(fwd, in_flight, multimodal, keep_hidden,
                        copy_outputs=len(step.forwards) > 1, state_tables=state_tables)
                    for fwd in step.forwards]
@@ -368,21 +293,14 @@ class AccelModelRunner:
         overwritten by its next replay; copy them when the step replays again
         before reading them. ``state_tables``: the block tables of the
         recurrent KV cache groups (none: no layer keeps recurrent state)."""
-        targets, sources = in_flight
-        if len(targets) and (forward.begin > 0 or targets.max() >= forward.end):
-            inside = (targets >= forward.begin) & (targets < forward.end)
-            in_flight = targets[inside] - forward.begin, sources[inside]
+        in_flight = in_forward(in_flight, forward.begin, forward.end)
         if self.forward_inputs is not None:
             inputs = self.forward_inputs[forward.bucket].send(forward, in_flight)
         else:
             inputs = device_forward(forward, in_flight, self.device)
-        if inputs.num_in_flight:
-            # index_select/index_copy_ rather than advanced indexing, whose
-            # CUDA dispatch took ~90 us of host time a step (torch profiler).
-            n = inputs.num_in_flight
-            sampled = self.input_batch.prev_sampled_token_ids[:, 0].index_select(
-                0, inputs.in_flight_sources[:n])
-            inputs.input_ids[0].index_copy_(0, inputs.in_flight_targets[:n], sampled)
+        if n := inputs.num_in_flight:
+            copy_in_flight(inputs.input_ids, self.input_batch.prev_sampled_token_ids,
+                           inputs.in_flight_targets[:n], inputs.in_flight_sources[:n])
         model_inputs = inputs.input_ids
         if self.images is not None:
             model_inputs = self.images.embeddings(forward, model_inputs, multimodal)
@@ -426,7 +344,7 @@ class AccelModelRunner:
         bucket = inputs.shape[1]
         context = self.forward_context(attention=metadata, recurrent=recurrent)
         with set_forward_context(context.padded(bucket, bucket if tokens is None else tokens)):
-            hidden = self.model(inputs, positions, self.kv_caches)
+            hidden = self.model(inputs, positions, self.kv_cache.layers)
         with set_forward_context(context):  # the head's rows: those sampled, none padding
             logits = self.model.compute_logits(hidden[0, logit_rows]) if self.is_driver else None
         return hidden, logits
@@ -462,32 +380,8 @@ class AccelModelRunner:
                                                    src=0)
         self.compile_stats.after_step("sampling")  # vLLM's sampler compiles helpers too
         logprobs = output.logprobs_tensors if output is not None else None
-        result = ModelRunnerOutput(
-            req_ids=list(batch.req_ids),
-            req_id_to_index=dict(batch.req_id_to_index),
-            sampled_token_ids=[],
-            prompt_logprobs_dict=pending.prompt_logprobs,
-        )
-        kept = np.flatnonzero(~pending.discard).tolist()  # rows whose token is kept
-        if self.async_scheduling:
-            # The tokens stay on the device for the next step's inputs; the host
-            # gets placeholders now and the tokens when vLLM asks for them.
-            batch.prev_sampled_token_ids = sampled_ids.to(self.device)
-            # Its own dict: removing a request pops it from this one.
-            batch.prev_req_id_to_index = (
-                dict(result.req_id_to_index) if len(kept) == batch.num_reqs
-                else {batch.req_ids[i]: i for i in kept})
-            self.requests.append_tokens(kept, [PLACEHOLDER] * len(kept))
-            in_flight = InFlightOutput(result, sampled_ids, logprobs, pending.discard)
-            batch.set_async_sampled_token_ids(in_flight.sampled_cpu, in_flight.ready)
-            return in_flight
-        sampled = [token_ids[0] for token_ids in sampled_ids.tolist()]
-        self.requests.append_tokens(kept, [sampled[i] for i in kept])
-        result.sampled_token_ids = [[token] for token in sampled]
-        for i in np.flatnonzero(pending.discard):
-            result.sampled_token_ids[i] = []
-        result.logprobs = logprobs.tolists() if logprobs is not None else None
-        return result
+        return step_output(batch, self.requests, pending, sampled_ids, logprobs,
+                           self.device if self.async_scheduling else None)
 
     def reset_encoder_cache(self) -> None:
         if self.images is not None:

@@ -1,5 +1,6 @@
 """Sampling a step's tokens with vLLM's own sampler, over the logits
-``execute_model`` left (``PendingSample``), grammar bitmasks applied."""
+``execute_model`` left (``PendingSample``), grammar bitmasks applied, and
+the step's output for vLLM's engine (``step_output``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+from vllm.v1.outputs import LogprobsTensors, ModelRunnerOutput, SamplerOutput
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import InputBatch
+
+from vllm_accel.worker.in_flight import PLACEHOLDER, InFlightOutput
+from vllm_accel.worker.request_state import RequestStates
 
 
 @dataclass
@@ -37,3 +41,36 @@ def sample(sampler: Sampler, batch: InputBatch, pending: PendingSample,
     for i, state in saved_rng.items():
         batch.generators[i].set_state(state)
     return output
+
+
+def step_output(batch: InputBatch, requests: RequestStates, pending: PendingSample,
+                sampled_ids: torch.Tensor, logprobs: LogprobsTensors | None,
+                in_flight_device: torch.device | None) -> ModelRunnerOutput | InFlightOutput:
+    """The step's output for vLLM's engine, the kept tokens appended to their
+    requests. ``in_flight_device``: with async scheduling, the device where
+    the sampled tokens stay for the next step's inputs; the host gets
+    placeholders now and the tokens when vLLM asks for them."""
+    result = ModelRunnerOutput(
+        req_ids=list(batch.req_ids),
+        req_id_to_index=dict(batch.req_id_to_index),
+        sampled_token_ids=[],
+        prompt_logprobs_dict=pending.prompt_logprobs,
+    )
+    kept = np.flatnonzero(~pending.discard).tolist()  # rows whose token is kept
+    if in_flight_device is not None:
+        batch.prev_sampled_token_ids = sampled_ids.to(in_flight_device)
+        # Its own dict: removing a request pops it from this one.
+        batch.prev_req_id_to_index = (
+            dict(result.req_id_to_index) if len(kept) == batch.num_reqs
+            else {batch.req_ids[i]: i for i in kept})
+        requests.append_tokens(kept, [PLACEHOLDER] * len(kept))
+        in_flight = InFlightOutput(result, sampled_ids, logprobs, pending.discard)
+        batch.set_async_sampled_token_ids(in_flight.sampled_cpu, in_flight.ready)
+        return in_flight
+    sampled = [token_ids[0] for token_ids in sampled_ids.tolist()]
+    requests.append_tokens(kept, [sampled[i] for i in kept])
+    result.sampled_token_ids = [[token] for token in sampled]
+    for i in np.flatnonzero(pending.discard):
+        result.sampled_token_ids[i] = []
+    result.logprobs = logprobs.tolists() if logprobs is not None else None
+    return result

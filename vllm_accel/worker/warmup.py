@@ -69,8 +69,9 @@ def _new_requests(runner: AccelModelRunner, name: str, lengths: list[int],
         # group at a time); a block for each recurrent group's state (models
         # that keep one).
         blocks = -(-(computed + length + 1) // runner.block_size)
-        groups = len(runner.attention_groups) + len(runner.state_groups)
-        block_ids = tuple(take(1) if g in runner.state_groups else take(blocks)
+        kv = runner.kv_cache
+        groups = len(kv.attention_groups) + len(kv.state_groups)
+        block_ids = tuple(take(1) if g in kv.state_groups else take(blocks)
                           for g in range(groups))
         new_reqs.append(NewRequestData(
             req_id=f"{name}-{i}", prompt_token_ids=[i % 7 + 10] * (computed + length),
