@@ -1,8 +1,9 @@
 """Mixture-of-experts layers (model/experts.py): ``Experts`` in place of FMS's
 MOEFeedForward equals a naive reference (each token through its top-k
 experts, one by one) in float32 and bfloat16 at several token counts, in
-every form (our kernel, oneDNN, torch, dense); skips a bucket's padding rows;
-compiles whole; and replaces only the MoE layers it computes exactly
+every form (our kernel, oneDNN, torch, dense); with biases and the clamped
+SwiGLU, equals transformers' own GPT-OSS MoE block; skips a bucket's padding
+rows; compiles whole; and replaces only the MoE layers it computes exactly
 (served end to end: test_generation.py, test_tensor_parallel.py)."""
 
 from __future__ import annotations
@@ -132,15 +133,67 @@ def test_compiles_whole_with_static_shapes(form):
             torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-5)
 
 
-def test_install_replaces_the_layers_it_computes_and_keeps_the_rest():
+def gpt_oss_moe_pair(dtype: torch.dtype):
+    """transformers' GPT-OSS MoE block (router and experts, with biases) with
+    random weights, and FMS's layer holding the same weights as the port
+    loads them (model/gpt_oss.py: [experts, in, out] -> [experts, out, in],
+    gate/up rows interleaved). Expert outputs reach the clamp (limit 1.5)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                          num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, swiglu_limit=1.5)
+    hf = GptOssMLP(config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            std = 0.5 if name.startswith("router") else 0.1
+            param.copy_(torch.randn(param.shape, generator=g) * std)
+    moe = MOEFeedForward(EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, use_bias=True, topk_first=True,
+                         swiglu_limit=1.5)
+    with torch.no_grad():
+        moe.gate.weight.copy_(hf.router.weight)
+        moe.gate.bias.copy_(hf.router.bias)
+        moe.cond_ffn.w13.copy_(hf.experts.gate_up_proj.transpose(1, 2))
+        moe.cond_ffn.w13_bias.copy_(hf.experts.gate_up_proj_bias)
+        moe.cond_ffn.w2.copy_(hf.experts.down_proj.transpose(1, 2))
+        moe.cond_ffn.w2_bias.copy_(hf.experts.down_proj_bias)
+    return hf.to(dtype).eval(), moe.to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", [KERNEL, ONEDNN, TORCH, DENSE])
+def test_biased_experts_equal_transformers_gpt_oss_block(forms, form, dtype):
+    if not runnable(form, dtype, forms):
+        pytest.skip(f"{form} runs no {dtype} here")
+    hf, moe = gpt_oss_moe_pair(dtype)
+    layer = Experts(moe, form, forms)
+    assert layer.biased and layer.swiglu_limit == 1.5
+    g = torch.Generator().manual_seed(4)
+    for tokens in TOKENS:
+        x = torch.randn(1, tokens, HIDDEN, generator=g).to(dtype)
+        with torch.inference_mode():
+            out = layer(x)
+            expected, _ = hf(x.float() if dtype == torch.float32 else x)
+            # the clamp binds: an expert without it would differ
+            gate_up = x[0].float() @ hf.experts.gate_up_proj[0].float()
+            assert (gate_up[:, 0::2] > 1.5).any() or tokens < 16
+        assert out.shape == x.shape and out.dtype == dtype
+        assert close(out[0], expected[0].float(), dtype), \
+            (tokens, (out[0].float() - expected[0].float()).abs().max())
+
+
+def test_install_replaces_every_fms_moe_layer():
     class Block(nn.Module):
         def __init__(self, **kwargs):
             super().__init__()
             self.ff_sub_layer = fms_moe(torch.float32, **kwargs)
+            self.norm = nn.LayerNorm(HIDDEN)
 
-    model = nn.Sequential(Block(), Block(use_bias=True))
-    assert experts.install(model) == 1
-    assert isinstance(model[0].ff_sub_layer, Experts)
+    model = nn.Sequential(Block(), Block(use_bias=True, swiglu_limit=7.0))
+    assert experts.install(model) == 2
     want = ONEDNN if compat.onednn_packs_dtype(torch.float32) else TORCH
     assert model[0].ff_sub_layer.form == want  # no kernel given
-    assert type(model[1].ff_sub_layer) is MOEFeedForward  # biases: FMS's own forward
+    assert not model[0].ff_sub_layer.biased and model[1].ff_sub_layer.biased
+    assert model[1].ff_sub_layer.swiglu_limit == 7.0
+    assert type(model[1].norm) is nn.LayerNorm
