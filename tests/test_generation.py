@@ -35,7 +35,7 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> lis
 
 @pytest.fixture(scope="module", params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3",
                                         "mixtral", "bamba", "granitemoehybrid",
-                                        "granite_swa"])
+                                        "granite_swa", "gpt_oss"])
 def arch_llm(request, tiny_models):
     model_dir = tiny_models[request.param]
     with running_llm(model_dir, disable_log_stats=False, **ENGINE_OPTIONS) as llm:

@@ -75,6 +75,14 @@ def test_files_and_keys(ckpt):
         # layer; 8 in a mixer, 4 in attention
         assert len(sd) == 3 + 4 * 7 + 3 * 8 + 4
         return
+    if arch == "gpt_oss":  # sinks; biases in attention, router and the stacked experts
+        assert sd["model.layers.3.self_attn.sinks"].shape == (4,)
+        assert sd["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 256, 2 * 256)
+        assert {"model.layers.1.mlp.router.bias", "model.layers.2.self_attn.q_proj.bias",
+                "model.layers.3.mlp.experts.down_proj_bias"} <= set(sd)
+        # embed, head, final norm; 2 norms, 9 attention, 2 router, 4 experts' a layer
+        assert len(sd) == 3 + 4 * 17
+        return
     if arch == "granite_swa":  # a sink per head in every layer
         assert sd["model.layers.3.self_attn.sinks"].shape == (4,)
         assert len(sd) == 2 + 1 + 4 * 10  # embed, head, final norm, 10 tensors per layer
@@ -164,7 +172,7 @@ def test_fms_matches_hf(ckpt, hf_model, tokenizer, caplog):
 
 
 def test_router_choices_are_clear(ckpt, hf_model):
-    """Mixtral's and Granite 4's fixtures route each token to 2 of 4 experts:
+    """Mixtral's, Granite 4's and GPT-OSS's fixtures route each token to 2 of 4 experts:
     the 2nd and 3rd router logits stay far apart compared with float32
     rounding, so that implementations that differ in the last bits pick the
     same experts (tiny_models.ROUTER_STD)."""
@@ -172,7 +180,8 @@ def test_router_choices_are_clear(ckpt, hf_model):
 
     # Each family's router, and where its output holds the logits.
     routers = {"mixtral": lambda layer: (layer.mlp.gate, 0),
-               "granitemoehybrid": lambda layer: (layer.block_sparse_moe.router, 2)}
+               "granitemoehybrid": lambda layer: (layer.block_sparse_moe.router, 2),
+               "gpt_oss": lambda layer: (layer.mlp.router, 0)}
     if ckpt[0] not in routers:
         pytest.skip("no experts")
     gaps = []

@@ -161,10 +161,18 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  recurrent_state=_mamba2_dims),
     # Granite with sliding-window attention in the layers its layer_types
     # name and a learned attention sink per head in every layer. FMS's block
-    # names its own attention op (it would replace ours): model/granite_swa.py
+    # names its own attention op (it would replace ours): model/windowed_blocks.py
     # swaps the blocks for ones that keep ours and pass their layout.
     Architecture(("GraniteSWAForCausalLM",), "granite_swa", tensor_parallel=True,
-                 paged_layers="vllm_accel.model.granite_swa:page_attention_layers",
+                 paged_layers="vllm_accel.model.windowed_blocks:page_attention_layers",
+                 windows_by_layer_types=True),
+    # GPT-OSS: FMS's own model through our port of its loading
+    # (model/gpt_oss.py): windowed layers as layer_types name them beside
+    # full-attention ones, a sink per head, YaRN rotary, experts with biases
+    # and a clamped SwiGLU (model/experts.py). Its blocks are swapped as
+    # Granite SWA's. FMS's tensor-parallel experts load no biases.
+    Architecture(("GptOssForCausalLM",), "gpt_oss", fms_port="vllm_accel.model.gpt_oss:FMS_PORT",
+                 paged_layers="vllm_accel.model.windowed_blocks:page_attention_layers",
                  windows_by_layer_types=True),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
@@ -187,7 +195,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 # Architectures FMS maps (its HF registry) that the runner cannot execute
 # yet, with the layer kinds it lacks for them: what FMS's registry cannot say.
 MISSING_LAYER_KINDS: dict[str, str] = {
-    "GptOssForCausalLM": "experts with biases and a clamped SwiGLU",
     "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",
     "BertForMaskedLM": "pooling (encoder-only models)",

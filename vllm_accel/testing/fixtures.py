@@ -14,7 +14,7 @@ import argparse
 import os
 import pathlib
 
-from vllm_accel.architectures import ARCHITECTURES
+from vllm_accel.architectures import ARCHITECTURES, load_object
 
 # SUPPORTED_ARCHS: the text-only causal LMs (tests are parametrised over it).
 # VISION_ARCHS: vision-language models. ALL_ARCHS: everything make_tiny_model
@@ -22,6 +22,18 @@ from vllm_accel.architectures import ARCHITECTURES
 SUPPORTED_ARCHS = tuple(a.model_type for a in ARCHITECTURES if a.vision_adapter is None)
 VISION_ARCHS = tuple(a.model_type for a in ARCHITECTURES if a.vision_adapter is not None)
 ALL_ARCHS = SUPPORTED_ARCHS + VISION_ARCHS
+
+# The fixtures written by a module of their own ("module:function" under
+# vllm_accel.testing); tiny_models.make_tiny_checkpoint writes the others.
+_OWN_MAKERS = {
+    "qwen2_5_vl": "tiny_qwen2_5_vl:make_tiny_qwen2_5_vl",
+    "gpt_bigcode": "tiny_gpt_bigcode:make_tiny_gpt_bigcode",
+    "bamba": "tiny_bamba:make_tiny_bamba",
+    "granitemoehybrid": "tiny_granite_hybrid:make_tiny_granite_hybrid",
+    "granite_swa": "tiny_granite_swa:make_tiny_granite_swa",
+    "gpt_oss": "tiny_gpt_oss:make_tiny_gpt_oss",
+    "molmo": "tiny_molmo:make_tiny_molmo",
+}
 
 
 def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0,
@@ -32,30 +44,9 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0,
     (``tiny_molmo.make_tiny_molmo`` makes the OLMo one)."""
     if arch not in ALL_ARCHS:
         raise ValueError(f"unsupported arch {arch!r}; choose from {ALL_ARCHS}")
-    if arch == "qwen2_5_vl":
-        from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
-
-        return make_tiny_qwen2_5_vl(out_dir, seed=seed, printable_only=printable_only)
-    if arch == "gpt_bigcode":
-        from vllm_accel.testing.tiny_gpt_bigcode import make_tiny_gpt_bigcode
-
-        return make_tiny_gpt_bigcode(out_dir, seed=seed, printable_only=printable_only)
-    if arch == "bamba":
-        from vllm_accel.testing.tiny_bamba import make_tiny_bamba
-
-        return make_tiny_bamba(out_dir, seed=seed, printable_only=printable_only)
-    if arch == "granitemoehybrid":
-        from vllm_accel.testing.tiny_granite_hybrid import make_tiny_granite_hybrid
-
-        return make_tiny_granite_hybrid(out_dir, seed=seed, printable_only=printable_only)
-    if arch == "granite_swa":
-        from vllm_accel.testing.tiny_granite_swa import make_tiny_granite_swa
-
-        return make_tiny_granite_swa(out_dir, seed=seed, printable_only=printable_only)
-    if arch == "molmo":
-        from vllm_accel.testing.tiny_molmo import make_tiny_molmo
-
-        return make_tiny_molmo(out_dir, seed=seed, printable_only=printable_only)
+    if arch in _OWN_MAKERS:
+        maker = load_object(f"vllm_accel.testing.{_OWN_MAKERS[arch]}")
+        return maker(out_dir, seed=seed, printable_only=printable_only)
     from vllm_accel.testing.tiny_models import make_tiny_checkpoint
 
     return make_tiny_checkpoint(arch, out_dir, seed=seed, printable_only=printable_only)
