@@ -43,6 +43,19 @@ CONFIGS = {
         tie_word_embeddings=True, bos_token_id=100257, eos_token_id=100257,
         pad_token_id=100256),
         dict(num_hidden_layers=7, layer_types=["mamba"] * 5 + ["attention", "mamba"])),
+    # gpt-oss-20b (its published config.json, unquantized): windowed and full
+    # attention alternating, sinks, YaRN, 32 experts (top 4) with biases.
+    "gpt_oss": ("GptOssConfig", dict(
+        architectures=["GptOssForCausalLM"], hidden_size=2880, intermediate_size=2880,
+        head_dim=64, num_attention_heads=64, num_key_value_heads=8, num_hidden_layers=24,
+        num_local_experts=32, num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        max_position_embeddings=131072, swiglu_limit=7.0, tie_word_embeddings=False,
+        attention_bias=True, bos_token_id=199998, eos_token_id=200002, pad_token_id=199999),
+        dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])),
     # Bamba-9B: Mamba2 layers, attention in layers 9, 18 and 27.
     "bamba": ("BambaConfig", dict(
         architectures=["BambaForCausalLM"], hidden_size=4096, intermediate_size=14336,

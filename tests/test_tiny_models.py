@@ -256,3 +256,28 @@ def test_tokenizer_and_chat_template(ckpt, tokenizer):
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
     assert tokenizer.convert_tokens_to_ids("<|eot_id|>") in ids
+
+
+def test_gpt_oss_swiglu_clamp_binds(ckpt, hf_model):
+    """GPT-OSS's fixture: some experts' gate or up values pass the SwiGLU
+    clamp (7.0) on ordinary prompts, so a forward without the clamp differs."""
+    if ckpt[0] != "gpt_oss":
+        pytest.skip("GPT-OSS only")
+    limit = hf_model.config.swiglu_limit
+    beyond = []
+    for layer in hf_model.model.layers:
+        experts = layer.mlp.experts
+
+        def apply_gate(gate_up, original=experts._apply_gate):
+            beyond.append(int((gate_up[..., ::2] > limit).sum()
+                              + (gate_up[..., 1::2].abs() > limit).sum()))
+            return original(gate_up)
+
+        experts._apply_gate = apply_gate
+    try:
+        with torch.no_grad():
+            hf_model(torch.arange(6, 70)[None])
+    finally:
+        for layer in hf_model.model.layers:
+            del layer.mlp.experts._apply_gate
+    assert sum(beyond) > 0

@@ -8,11 +8,12 @@ block); a learned sink per head; biases in attention, router and experts;
 each token routed to its top 2 of 4 experts. GPT-OSS's experts are as wide
 as the hidden state (FMS's class assumes it; the published configs have it).
 
-Two settings differ from the published ones so that the tests see them:
-the SwiGLU clamp (``SWIGLU_LIMIT`` 2.0, not 7.0), which these weights reach;
-and YaRN's pre-training length (256 positions, factor 8 to the 2,048 the
-fixture serves), so that the rotary's interpolated and blended dimensions
-are ones short prompts turn.
+The experts' gate/up weights are drawn wider (``GATE_UP_STD``) so that the
+published SwiGLU clamp (7.0) binds for some tokens; the clamp itself keeps
+the published value (transformers before 5.20 ignores the config's and
+computes 7.0). YaRN's pre-training length differs from the published one
+(256 positions, factor 8 to the 2,048 the fixture serves), so that the
+rotary's interpolated and blended dimensions are ones short prompts turn.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from vllm_accel.testing.tiny_models import (
 )
 
 GPT_OSS_WINDOW = 24
-SWIGLU_LIMIT = 2.0
+SWIGLU_LIMIT = 7.0
+GATE_UP_STD = 0.3
 YARN_ORIGINAL_POSITIONS = 256
 SINK_MEAN, SINK_STD = 1.0, 1.0
 SEED_OFFSET = 67_867_967  # its own weights, apart from the other fixtures'
@@ -66,6 +68,8 @@ def make_tiny_gpt_oss(out_dir: str | os.PathLike, *, seed: int = 0,
                 value = SINK_MEAN + SINK_STD * torch.randn(parameter.shape, generator=g)
             elif ".router." in name:
                 value = torch.randn(parameter.shape, generator=g) * ROUTER_STD
+            elif name.endswith("experts.gate_up_proj"):
+                value = torch.randn(parameter.shape, generator=g) * GATE_UP_STD
             else:
                 value = torch.randn(parameter.shape, generator=g) * WEIGHT_STD
             parameter.copy_(value)
