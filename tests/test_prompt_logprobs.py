@@ -15,6 +15,7 @@ from test_generation import random_prompts
 pytestmark = pytest.mark.slow  # engines and servers: the full suite only
 
 TOP = 3
+TOLERANCE = 1e-4
 
 
 def hf_prompt_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
@@ -35,11 +36,17 @@ def check(prompt_logprobs, ids, reference):
         top = reference[i].topk(TOP).indices.tolist()
         assert set(top) <= set(entry), (i, top, list(entry))
         for token_id, logprob in entry.items():
-            assert logprob.logprob == pytest.approx(reference[i, token_id].item(), abs=1e-4)
-        assert entry[ids[i + 1]].rank == int((reference[i] > reference[i, ids[i + 1]]).sum()) + 1
+            assert logprob.logprob == pytest.approx(reference[i, token_id].item(), abs=TOLERANCE)
+        # Its rank, up to tokens within the tolerance of it (near ties may order either way).
+        own = reference[i, ids[i + 1]]
+        lowest = int((reference[i] > own + TOLERANCE).sum()) + 1
+        assert lowest <= entry[ids[i + 1]].rank <= int((reference[i] > own - TOLERANCE).sum()) + 1
 
 
-@pytest.mark.parametrize("arch", ["llama", "granite"])
+# Each layer kind once: attention (Llama), Granite's multipliers, windows
+# with sinks (Granite SWA), experts (Mixtral), recurrent state (Bamba: no
+# prefix cache, every prompt computed whole).
+@pytest.mark.parametrize("arch", ["llama", "granite", "granite_swa", "mixtral", "bamba"])
 def test_prompt_logprobs_match_hf_chunked_and_after_a_prefix_hit(tiny_models, arch):
     model_dir = tiny_models[arch]
     shared = random_prompts([150], seed=21)[0]
