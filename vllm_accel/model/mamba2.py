@@ -113,6 +113,16 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
 
 
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """Byte rows viewed as 8-byte words where their width, row stride and
+    offset allow (else as they are): torch's index_select and index_copy_
+    move bytes element by element, ~7x slower than words
+    (benchmarks/README.md, the hybrid shape)."""
+    if rows.shape[-1] % 8 or rows.stride(0) % 8 or rows.storage_offset() % 8:
+        return rows
+    return rows.view(torch.int64)
+
+
 class _States:
     """Some blocks' states, their bytes read into one buffer: ``ssm``
     [n, heads, head_dim, state] and ``conv`` [n, conv_dim, kernel - 1] are
@@ -123,9 +133,11 @@ class _States:
                  shapes: StateShapes):
         self.first, self.second, self.blocks = first, second, blocks
         half, total = first.shape[1], shapes.nbytes
-        raw = first[:, :min(total, half)].index_select(0, blocks)
+        parts = [_words(first[:, :min(total, half)]).index_select(0, blocks).view(torch.uint8)]
         if total > half:
-            raw = torch.cat([raw, second[:, :total - half].index_select(0, blocks)], dim=1)
+            parts.append(_words(second[:, :total - half]).index_select(0, blocks).view(
+                torch.uint8))
+        raw = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         self.raw = raw
         n, start = blocks.shape[0], shapes.conv_offset
         self.ssm = raw[:, :shapes.ssm_bytes].view(shapes.ssm_dtype).view(n, *shapes.ssm_shape)
@@ -140,9 +152,15 @@ class _States:
 
     def write(self) -> None:
         half, total = self.first.shape[1], self.raw.shape[1]
-        self.first[:, :min(total, half)].index_copy_(0, self.blocks, self.raw[:, :half])
+        self._copy(self.first[:, :min(total, half)], self.raw[:, :half])
         if total > half:
-            self.second[:, :total - half].index_copy_(0, self.blocks, self.raw[:, half:])
+            self._copy(self.second[:, :total - half], self.raw[:, half:])
+
+    def _copy(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
+        pages, rows = _words(pages), _words(rows)
+        if pages.dtype != rows.dtype:  # one side not word-aligned: both as bytes
+            pages, rows = pages.view(torch.uint8), rows.view(torch.uint8)
+        pages.index_copy_(0, self.blocks, rows)
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -166,6 +184,10 @@ def chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Te
     head_dim, state]: the state before the first token. Returns y [L, heads,
     head_dim] (without the D skip) and the state after the last token."""
     length, heads, head_dim = x.shape
+    # A chunk is only a blocking of the same sums: a sequence shorter than
+    # one is one chunk of its own length (padded to the model's chunk, the
+    # within-chunk products grow with its square).
+    chunk = min(chunk, length)
     pad = (chunk - length % chunk) % chunk
     x = x * dt[..., None]
     A = A * dt  # [L, heads]
