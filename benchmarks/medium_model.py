@@ -9,7 +9,7 @@ weights (seeded), the tiny models' offline tokenizer. Offline, deterministic, a 
               hidden 768, 8 layers, Mamba2 in 6 (24 heads of 64, one group,
               state 128, chunks of 256), attention in layers 3 and 7 (12 / 4
               heads, no rotary), in each a shared MLP of 1024 beside 8 experts
-              of 384, top 2 (~60M parameters active a token)
+              of 384, top 2 (~59M decoder parameters a token runs through)
 
     .venv/bin/python benchmarks/medium_model.py OUT_DIR [--shape medium|128m|moe100m|hybrid100m]
 """

@@ -212,7 +212,8 @@ def main():
     concurrency = min(args.num_prompts, max_seqs) if max_seqs else args.num_prompts
     print(f"\nmodel {args.model} ({shape_name}: hidden {shape['hidden']}, {shape['layers']} "
           f"layers, {shape['heads']}/{shape['kv_heads']} heads, intermediate "
-          f"{shape['intermediate']}, {shape['params'] / 1e6:.1f}M non-embedding parameters): "
+          f"{shape['intermediate']}, {shape['params'] / 1e6:.1f}M decoder parameters a token "
+          f"runs through): "
           f"{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
           f"concurrency {concurrency} (max_num_seqs {max_seqs}), {args.dtype}, greedy, "
           f"{args.rounds} round(s), timed runs >= {args.min_seconds:g} s")
@@ -352,27 +353,43 @@ def matmul_peak_gflops(dtype, shape) -> tuple[float, str]:
 
 
 def model_shape(model_dir) -> dict:
-    """The Llama shape of a checkpoint, with its non-embedding parameter count."""
+    """A checkpoint's shape, with the decoder's parameters a token runs
+    through (``params``: attention, or a Mamba2 layer's projections; its MLP,
+    or its top-k experts, router and shared MLP)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     hidden, inter, layers = config["hidden_size"], config["intermediate_size"], \
         config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    per_layer = (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-                 + 3 * hidden * inter)
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    experts = config.get("num_local_experts") or 0
+    mlp = 3 * hidden * inter * (config.get("num_experts_per_tok") or 1) if experts \
+        else 3 * hidden * inter
+    mlp += hidden * experts + 3 * hidden * (config.get("shared_intermediate_size") or 0)
+    # Mamba2 layers: "mamba" in older configs, "linear_attention" in transformers 5's
+    kinds = ["mamba" if kind in ("mamba", "linear_attention") else "attention"
+             for kind in config.get("layer_types") or ["attention"] * layers]
+    mamba = 0
+    if "mamba" in kinds:  # in_proj (x, z, B, C, dt) and out_proj
+        inner = int(config["mamba_expand"] * hidden)
+        state = 2 * config["mamba_n_groups"] * config["mamba_d_state"]
+        mamba = hidden * (2 * inner + state + config["mamba_n_heads"]) + inner * hidden
+    params = sum(mlp + (mamba if kind == "mamba" else attention) for kind in kinds)
     return dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                intermediate=inter, vocab=config["vocab_size"], params=layers * per_layer)
+                intermediate=inter, vocab=config["vocab_size"], params=params,
+                attention_layers=sum(kind != "mamba" for kind in kinds))
 
 
 def model_flops_per_token(model_dir, input_len, output_len) -> float:
     """Model FLOPs per generated token of this workload: 2 x non-embedding
-    parameters per processed token (prompt and output), plus attention scores
-    and weighted sums (4 x layers x hidden x context per token)."""
+    parameters a token runs through per processed token (prompt and output),
+    plus attention scores and weighted sums (4 x attention layers x hidden x
+    context per token; a Mamba2 scan's own arithmetic is not counted)."""
     shape = model_shape(model_dir)
     params = shape["params"] + shape["hidden"] * shape["vocab"]  # + the LM head
     contexts = sum(range(1, input_len + output_len + 1))
     flops = (2 * params * (input_len + output_len)
-             + 4 * shape["layers"] * shape["heads"] * shape["head_dim"] * contexts)
+             + 4 * shape["attention_layers"] * shape["heads"] * shape["head_dim"] * contexts)
     return flops / output_len
 
 
