@@ -44,8 +44,12 @@ def _prefix_cache_hits(llm) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
 
 
-@pytest.fixture(scope="module", params=["llama", "granite", "mistral", "gpt_bigcode", "qwen3",
-                                              "mixtral", "granite_swa"])
+# One architecture per kind of layer FMS shards: attention and MLP (Llama;
+# Granite's and Mistral's blocks shard alike), multi-query attention with
+# learned positions, q/k norm with a head of its own width, experts, and
+# windows with sinks and Granite's multipliers.
+@pytest.fixture(scope="module", params=["llama", "gpt_bigcode", "qwen3", "mixtral",
+                                        "granite_swa"])
 def tp_llm(request, tiny_models):
     """A TP=2 engine. The engine core stays in this process (conftest), its two
     workers are processes of vLLM's multiprocessing executor."""
