@@ -23,7 +23,7 @@ start between them), and each round's ratio is reported too ("round by round"). 
 (~90M Llama: hidden 1024, 8 layers, 16/4 heads) or 128m (~128M: hidden 1152, 9 layers, 18/6 heads),
 generated offline (medium_model.py), or --model DIR.
 
-    python benchmarks/throughput.py [--model-size tiny|medium|128m] [--rounds 3] [--backends ...]
+    python benchmarks/throughput.py [--model-size tiny|medium|128m|moe100m|hybrid100m] [--rounds 3] [--backends ...]
                                     [--dtype float32|bfloat16] [--plot FILE.png] [--json FILE]
 
 Last lines: "throughput: accel=<tok/s> tok/s ... | ratios vs native: accel=<x> ... (binding) |
