@@ -37,7 +37,7 @@ from fms.distributed.strategy import DistributedStrategy, NoOpStrategy
 from fms.models import gpt_oss as fms_gpt_oss
 from fms.models.gpt_oss import GptOssConfig
 
-from vllm_accel.model.ports import FmsPort
+from vllm_accel.model.ports import LLAMA_LAYOUT_RENAMES, FmsPort, renamed
 
 ARCHITECTURE = "gpt_oss_hf_transformers"
 HF_ARCHITECTURE = "GptOssForCausalLM"
@@ -108,22 +108,12 @@ def gpt_oss_config_from_hf(hf_config) -> GptOssHfConfig:
     return config
 
 
-_RENAMES = [
-    (r"^lm_head\.", "head."),
-    (r"^model\.embed_tokens\.", "base_model.embedding."),
-    (r"^model\.norm\.", "base_model.dec_norm."),
-    (r"^model\.layers\.", "base_model.layers."),
-    (r"\.self_attn\.q_proj\.", ".attn.in_proj.query."),
-    (r"\.self_attn\.k_proj\.", ".attn.in_proj.key."),
-    (r"\.self_attn\.v_proj\.", ".attn.in_proj.value."),
-    (r"\.self_attn\.o_proj\.", ".attn.dense."),
+_RENAMES = LLAMA_LAYOUT_RENAMES + (
     (r"\.self_attn\.sinks$", ".attn.sinks"),
-    (r"\.input_layernorm\.", ".ln."),
-    (r"\.post_attention_layernorm\.", ".ff_ln."),
     (r"\.mlp\.router\.", ".ff_sub_layer.gate."),
     (r"\.mlp\.experts\.gate_up_proj_bias$", ".ff_sub_layer.cond_ffn.w13_bias"),
     (r"\.mlp\.experts\.down_proj_bias$", ".ff_sub_layer.cond_ffn.w2_bias"),
-]
+)
 # transformers' [experts, in, out] -> FMS's [experts, out, in]
 _EXPERTS = [
     (re.compile(r"\.mlp\.experts\.gate_up_proj$"), ".ff_sub_layer.cond_ffn.w13"),
@@ -141,8 +131,7 @@ def _hf_to_fms_names(sd: Mapping[str, Any], **_) -> dict:
         if name.endswith(("_blocks", "_scales")):
             raise ValueError(f"GPT-OSS checkpoint: {name} holds MXFP4-packed experts; "
                              "serve a bfloat16 or float32 checkpoint")
-        for pattern, repl in _RENAMES:
-            name = re.sub(pattern, repl, name)
+        name = renamed(name, _RENAMES)
         for pattern, repl in _EXPERTS:
             if pattern.search(name):
                 name = pattern.sub(repl, name)

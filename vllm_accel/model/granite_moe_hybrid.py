@@ -38,7 +38,7 @@ from fms.modules.ssm import SSM
 from torch import nn
 
 from vllm_accel.model.mamba2 import Mamba2Block, PagedMamba2
-from vllm_accel.model.ports import FmsPort
+from vllm_accel.model.ports import LLAMA_LAYOUT_RENAMES, FmsPort, renamed
 
 ARCHITECTURE = "vllm_accel_granite_moe_hybrid"
 HF_ARCHITECTURE = "GraniteMoeHybridForCausalLM"
@@ -125,23 +125,13 @@ class GraniteMoeHybrid(Granite):
                     topk_first=True))
 
 
-_RENAMES = [
-    (r"^lm_head\.weight", "head.weight"),
-    (r"^model\.embed_tokens\.", "base_model.embedding."),
-    (r"^model\.norm\.", "base_model.dec_norm."),
-    (r"^model\.layers\.", "base_model.layers."),
-    (r"\.input_layernorm\.", ".ln."),
-    (r"\.post_attention_layernorm\.", ".ff_ln."),
-    (r"\.self_attn\.q_proj\.", ".attn.in_proj.query."),
-    (r"\.self_attn\.k_proj\.", ".attn.in_proj.key."),
-    (r"\.self_attn\.v_proj\.", ".attn.in_proj.value."),
-    (r"\.self_attn\.o_proj\.", ".attn.dense."),
+_RENAMES = LLAMA_LAYOUT_RENAMES + (
     (r"\.mamba\.", ".mixer."),
     # The experts: the router, then each expert's [gate; up] and down stacked.
     (r"\.block_sparse_moe\.router\.layer\.", ".ff_sub_layer.moe.gate."),
     (r"\.block_sparse_moe\.input_linear\.weight", ".ff_sub_layer.moe.cond_ffn.w13"),
     (r"\.block_sparse_moe\.output_linear\.weight", ".ff_sub_layer.moe.cond_ffn.w2"),
-]
+)
 _ROTATED = re.compile(r"base_model\.layers\.\d+\.attn\.in_proj\.(query|key)\.(weight|bias)$")
 
 
@@ -155,8 +145,7 @@ def _hf_to_fms_names(sd: Mapping[str, Any], model_config=None, **_) -> dict:
         else "ff_sub_layer"
     out = {}
     for name, tensor in sd.items():
-        for pattern, repl in _RENAMES:
-            name = re.sub(pattern, repl, name)
+        name = renamed(name, _RENAMES)
         name = name.replace("shared_mlp.input_linear", f"{shared}.wg1_fused")
         name = name.replace("shared_mlp.output_linear", f"{shared}.w2")
         if model_config is not None and model_config.rope and _ROTATED.search(name):

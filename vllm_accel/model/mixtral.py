@@ -35,7 +35,7 @@ from fms.models import mixtral as fms_mixtral
 from fms.models.mixtral import MixtralConfig
 from fms.modules.head import LinearClassificationHead
 
-from vllm_accel.model.ports import FmsPort
+from vllm_accel.model.ports import LLAMA_LAYOUT_RENAMES, FmsPort, renamed
 
 ARCHITECTURE = "mixtral_hf_hub"
 HF_ARCHITECTURE = "MixtralForCausalLM"
@@ -81,19 +81,7 @@ def mixtral_config_from_hf(hf_config) -> MixtralConfig:
     )
 
 
-_RENAMES = [
-    (r"^lm_head\.", "head."),
-    (r"^model\.embed_tokens\.", "base_model.embedding."),
-    (r"^model\.norm\.", "base_model.dec_norm."),
-    (r"^model\.layers\.", "base_model.layers."),
-    (r"\.self_attn\.q_proj\.", ".attn.in_proj.query."),
-    (r"\.self_attn\.k_proj\.", ".attn.in_proj.key."),
-    (r"\.self_attn\.v_proj\.", ".attn.in_proj.value."),
-    (r"\.self_attn\.o_proj\.", ".attn.dense."),
-    (r"\.input_layernorm\.", ".ln."),
-    (r"\.post_attention_layernorm\.", ".ff_ln."),
-    (r"\.block_sparse_moe\.gate\.", ".ff_sub_layer.gate."),
-]
+_RENAMES = LLAMA_LAYOUT_RENAMES + ((r"\.block_sparse_moe\.gate\.", ".ff_sub_layer.gate."),)
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 
 
@@ -121,8 +109,7 @@ def _hf_to_fms_names(sd: Mapping[str, Any], model_config: MixtralConfig | None =
             layer, expert, which = int(match[1]), int(match[2]), match[3]
             experts.setdefault(layer, {})[expert, which] = tensor
             continue
-        for pattern, repl in _RENAMES:
-            name = re.sub(pattern, repl, name)
+        name = renamed(name, _RENAMES)
         if ".attn.in_proj.query." in name or ".attn.in_proj.key." in name:
             tensor = _rotary_pairs_adjacent(tensor, head_dim)
         out[name] = tensor

@@ -9,7 +9,8 @@ port; the loader registers it before loading.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,30 @@ class FmsPort:
     fused_prefix: str | None = None
     # The FMS config's attribute holding that decoder's config (None: itself).
     text_config_attr: str | None = None
+
+
+# HF's Llama-layout decoder keys -> FMS's names (the LM head, embedding,
+# final norm, layers, attention projections and a block's two norms): what
+# the ports of Llama-shaped checkpoints share; each adds its own after these.
+LLAMA_LAYOUT_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^lm_head\.", "head."),
+    (r"^model\.embed_tokens\.", "base_model.embedding."),
+    (r"^model\.norm\.", "base_model.dec_norm."),
+    (r"^model\.layers\.", "base_model.layers."),
+    (r"\.self_attn\.q_proj\.", ".attn.in_proj.query."),
+    (r"\.self_attn\.k_proj\.", ".attn.in_proj.key."),
+    (r"\.self_attn\.v_proj\.", ".attn.in_proj.value."),
+    (r"\.self_attn\.o_proj\.", ".attn.dense."),
+    (r"\.input_layernorm\.", ".ln."),
+    (r"\.post_attention_layernorm\.", ".ff_ln."),
+)
+
+
+def renamed(name: str, renames: Iterable[tuple[str, str]]) -> str:
+    """``name`` with each (pattern, replacement) of ``renames`` applied in turn."""
+    for pattern, replacement in renames:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 _registered: set[str] = set()
