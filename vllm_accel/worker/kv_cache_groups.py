@@ -21,6 +21,13 @@ from vllm_accel.worker.kv_cache import (allocate_kv_caches, allocate_shared_cach
 
 
 class KvCacheGroups:
+    @classmethod
+    def for_context(cls, layer_windows: list[int], recurrent: dict,
+                    max_model_len: int) -> KvCacheGroups:
+        """The groups of a model served up to ``max_model_len`` tokens: a
+        window no sequence can outrun is none (0)."""
+        return cls([w if w < max_model_len else 0 for w in layer_windows], recurrent)
+
     def __init__(self, layer_windows: list[int], recurrent: dict):
         # Each layer's window (a query sees its last ``window`` keys; 0: all)
         # and the layers that keep recurrent state (index -> mixer).

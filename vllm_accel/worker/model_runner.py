@@ -28,13 +28,8 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
 from vllm_accel.architectures import find_architecture, layer_windows
-from vllm_accel.buckets import (
-    context_buckets,
-    fit_bucket,
-    plan_forwards,
-    token_buckets,
-    token_count_costs,
-)
+from vllm_accel.buckets import (context_buckets, fit_bucket, plan_forwards, token_buckets,
+                                token_count_costs)
 from vllm_accel.compat import (SplitKvScratch, compile_sampler_logprob_ranks,
                                mamba2_state_dtypes)
 from vllm_accel.devices import DeviceBackend
@@ -128,8 +123,7 @@ class AccelModelRunner:
         self.tokens_from_device = 0  # decode inputs that never went through the host
 
     def _new_input_batch(self, block_sizes: list[int], max_blocks: list[int]) -> None:
-        """vLLM's ``InputBatch`` (a block table per KV cache group) and our
-        requests over it; empty."""
+        """vLLM's ``InputBatch`` (a block table per KV group), our requests over it; empty."""
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -154,10 +148,8 @@ class AccelModelRunner:
                             self.compile_stats, tp_group)
         self.model, self.kernels = loaded.model, loaded.kernels
         arch = find_architecture(self.model_config.architectures)
-        # A window no sequence can outrun is none (0).
-        windows = [window if window < self.max_model_len else 0 for window in
-                   layer_windows(arch, self.model_config.hf_text_config, self.model.num_layers)]
-        self.kv_cache = KvCacheGroups(windows, self.model.recurrent)
+        windows = layer_windows(arch, self.model_config.hf_text_config, self.model.num_layers)
+        self.kv_cache = KvCacheGroups.for_context(windows, self.model.recurrent, self.max_model_len)
         if self.model.recurrent:
             # Recurrent state in the dtypes vLLM's cache config names (before
             # any forward: the layer graphs take them as constants).
