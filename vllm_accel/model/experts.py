@@ -39,7 +39,7 @@ and up rows interleaved: gate clamped above at ``swiglu_limit``, up clamped
 to +-limit, ``gate * sigmoid(1.702 * gate) * (up + 1)``. ``Experts`` takes
 their rows apart at load (gate rows first, as for the others), adds each
 expert's biases and computes that activation. FMS's tensor-parallel experts
-load no biases: such layers run whole.
+load no biases: GPT-OSS refuses tensor parallelism (architectures.py).
 """
 
 from __future__ import annotations
