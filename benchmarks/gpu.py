@@ -17,6 +17,8 @@ side by side in one process on one GPU (run on the accelerator host).
   difference of two output lengths) against the weight-read floor: weight
   bytes / the GPU's measured read bandwidth (a large bfloat16 sum).
 - Engine start, cold (empty compile cache) and warm.
+- Time to first token of a 512-token prompt against its compute floor (its
+  FLOPs at the measured bfloat16 matmul rate).
 - Vision TTFT: one 336x336 image on the tiny LlavaNext fixture.
 - Profiles (``--parts profile,gpu_profile,host_split``): the host's functions
   over a decode-heavy batch (cProfile); one throughput batch under torch's
@@ -229,6 +231,71 @@ def weight_read_floor(model: Path) -> dict:
     del x
     return {"weight_bytes": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
             "floor_s": weight_bytes / bandwidth}
+
+
+def matmul_rate(size: int = 8192, reps: int = 50) -> float:
+    """The GPU's measured bfloat16 matmul rate (FLOP/s) on square products."""
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * size ** 3 * reps / (time.perf_counter() - started)
+
+
+def prefill_flops(tokens: int) -> float:
+    """A prompt's forward: every layer's linears on each token, causal
+    attention (QK^T and PV over the earlier tokens), the LM head on the last."""
+    s = SHAPE
+    hidden, layers = s["hidden_size"], s["num_hidden_layers"]
+    head_dim = hidden // s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * head_dim
+    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * s["intermediate_size"]
+    attention = 2 * 2 * layers * hidden * tokens * (tokens + 1) / 2
+    return 2 * layers * per_layer * tokens + attention + 2 * hidden * s["vocab_size"]
+
+
+def ttft(model: Path, cache: Path, prompt_len: int = 512) -> dict:
+    """Time to first token of one ``prompt_len``-token prompt (the engine's
+    whole path: schedule, forward, sample, output), against its compute
+    floor: its FLOPs at the measured bfloat16 matmul rate."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engine(model, cache, True, max_model_len=2 * prompt_len, max_num_seqs=8,
+                 max_num_batched_tokens=2 * prompt_len, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(2, SHAPE["vocab_size"], (prompt_len,), generator=gen).tolist()
+    params = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
+
+    def run():
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+
+    run()
+    times = []
+    started = time.perf_counter()
+    while time.perf_counter() - started < MIN_TIMED_S:
+        begin = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - begin)
+    shutdown(llm)
+    rate = matmul_rate()
+    floor = prefill_flops(prompt_len) / rate
+    out = {"prompt_tokens": prompt_len, "ttft_s": summary(times), "runs": len(times),
+           "matmul_tflops": rate / 1e12, "compute_floor_s": floor,
+           "ratio_to_floor": statistics.median(times) / floor}
+    return out
+
+
+def decode_only(model: Path, prompts: list[list[int]], cache: Path) -> dict:
+    """The decode step at batch 1 and 32 (CUDA graphs, async scheduling)."""
+    llm = engine(model, cache, True, enable_prefix_caching=False)
+    out = decode_steps(llm, prompts)
+    shutdown(llm)
+    return out
 
 
 def start_times(model: Path, root: Path) -> dict:
@@ -497,7 +564,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="gpu_results.json")
     parser.add_argument("--parts", default="throughput,floor,start,vision",
-                        help="any of throughput, floor, start, vision, peers (vLLM's GPU "
+                        help="any of throughput, decode, ttft, floor, start, vision, peers "
+                             "(vLLM's GPU "
                              "runner, HF's compiled static-cache generate), profile, "
                              "gpu_profile, host_split")
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
@@ -526,6 +594,12 @@ def main() -> None:
         if "start" in parts:
             results["engine_start"] = start_times(model, root)
             print("start", results["engine_start"], flush=True)
+        if "decode" in parts:
+            results["decode_step"] = decode_only(model, prompts, root / "cache")
+            print("decode", results["decode_step"], flush=True)
+        if "ttft" in parts:
+            results["ttft"] = ttft(model, root / "cache")
+            print("ttft", results["ttft"], flush=True)
         if "throughput" in parts:
             results.update(throughput(model, prompts, args.rounds, root / "cache",
                                        args.variants.split(",")))

@@ -95,13 +95,31 @@ def test_one_launch_attention_equals_the_pytorch_path(dtype, sinks, window):
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
 
 
-# The cuda backend does not run recurrent (Mamba2) layers yet (refused at start-up).
 @pytest.fixture(scope="module", params=[a for a in SUPPORTED_ARCHS
                                         if by_model_type(a).recurrent_state is None])
 def text_model(request, tmp_path_factory):
     if request.param == "granite_swa":  # transformers has it since after some hosts' versions
         pytest.importorskip("transformers.models.granite_swa")
     return make_tiny_model(request.param, tmp_path_factory.mktemp("cuda") / request.param)
+
+
+@pytest.mark.parametrize("arch", [a for a in SUPPORTED_ARCHS
+                                  if by_model_type(a).recurrent_state is not None])
+def test_recurrent_layers_on_cuda_equal_hf(arch, tmp_path):
+    """Mamba2 layers (Bamba, Granite 4 hybrid) on the GPU: a batch with
+    prompts cut into 16-token chunks (states continued across chunks, then
+    decodes) equal to HF's class; forwards run uncaptured (no CUDA graphs),
+    nothing compiles while serving."""
+    model = make_tiny_model(arch, tmp_path / arch)
+    expected = hf_cuda_greedy(model, PROMPTS)
+    config = {"accel": {**CUDA["accel"], "compile_cache_dir": str(tmp_path / "cache")}}
+    with running_llm(model, additional_config=config, max_num_seqs=8,
+                     max_num_batched_tokens=16, **GPU_SHARE) as llm:
+        runner = model_runner(llm)
+        assert runner.device.type == "cuda" and runner.graphs is None
+        assert greedy(llm, PROMPTS) == expected
+        assert greedy(llm, PROMPTS[2:3]) == expected[2:3]
+        assert runner.compile_stats.runtime_compiles == 0
 
 
 def test_text_parity_batch_chunked_and_prefix_hit(text_model, tmp_path):
@@ -209,6 +227,11 @@ def test_graphs_off_or_async_scheduling_off_give_the_same_tokens(tmp_path):
             outputs.append((greedy(llm, PROMPTS), [list(o.outputs[0].token_ids) for o in sampled]))
             runner = model_runner(llm)
             assert (runner.graphs is not None) == graphs
+            # One compile cache: the first start compiles the layer graphs,
+            # the later ones take every graph from it (saved whole where
+            # torch can, else inductor's cache).
+            misses = runner.compile_stats.cache_hits[1]
+            assert (misses > 0) == (len(outputs) == 1)
             assert runner.async_scheduling == (async_scheduling == "auto")
             # With it, decode inputs stay on the GPU.
             assert (runner.tokens_from_device > 0) == (async_scheduling == "auto")

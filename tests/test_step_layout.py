@@ -284,7 +284,7 @@ def test_the_memory_profile_fills_a_bucket_with_prompts_within_the_context():
     positions past a 4096-position table: a device-side assert at start-up)."""
     from vllm_accel.worker.cuda import prefill_filling
 
-    step, num_blocks = prefill_filling(600, 256, 32, TableShape(max_sequences=64, width=8))
+    step, _, num_blocks = prefill_filling(600, 256, 32, TableShape(max_sequences=64, width=8))
     (forward,) = step.forwards
     assert (forward.begin, forward.end, forward.bucket) == (0, 600, 600)
     assert step.counts.tolist() == [256, 256, 88]

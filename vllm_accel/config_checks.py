@@ -27,13 +27,14 @@ def configure_recurrent_state(vllm_config, arch, dims, backend: DeviceBackend) -
     Prefix caching is turned off: a cached prefix would need the recurrent
     state at its end, which vLLM keeps only in its "align" mode (states
     saved at block boundaries while prefilling), which the runner does not
-    do. The cuda backend does not run recurrent layers yet."""
+    do. On cuda the forwards run without CUDA graphs: the layers' scan
+    follows each forward's segments on the host (worker.py)."""
     from vllm_accel.compat import mamba2_state_dtypes
     from vllm_accel.model.mamba2 import StateShapes
 
-    if backend.device != "cpu":
+    if backend.device not in ("cpu", "cuda"):
         raise ValueError(f"vllm-accel runs {arch.name}'s recurrent (Mamba2) layers on the cpu "
-                         f"device only, not '{backend.device}'.")
+                         f"and cuda devices, not '{backend.device}'.")
     cache, model_config = vllm_config.cache_config, vllm_config.model_config
     if cache.enable_prefix_caching:
         logger.warning_once(

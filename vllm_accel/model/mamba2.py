@@ -246,7 +246,9 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
     heads = A_log.shape[0]
     conv_dim, kernel = conv_weight.shape
     shapes = StateShapes(heads, head_dim, state_size, conv_dim, kernel, ssm_dtype, conv_dtype)
-    blocks = layout.state_blocks[int(group)]
+    # The layout is built on the host; a GPU's pages need it on the GPU.
+    blocks = layout.state_blocks[int(group)].to(first.device)
+    has_state = layout.has_state.to(first.device)
     A = -torch.exp(A_log.float())
     out = torch.zeros(xbc.shape[1], heads * head_dim, dtype=torch.float32, device=xbc.device)
     width = conv_dim - 2 * groups * state_size  # x's part of xbc (heads * head_dim)
@@ -265,7 +267,7 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
     n = layout.num_decodes
     if n:  # one recurrence step each, in one batch
         states = _States(first, second, blocks[:n], shapes)
-        states.clear(layout.has_state[:n])
+        states.clear(has_state[:n])
         window = torch.cat([states.conv.to(xbc.dtype), xbc[0, :n, :, None]],
                            dim=-1)  # [n, conv_dim, kernel]
         conv_out = (window * conv_weight).sum(-1)
@@ -293,7 +295,7 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
     for i in range(n, len(layout.starts)):  # each prefill chunk: a chunked scan
         rows = slice(layout.starts[i], layout.ends[i])
         states = _States(first, second, blocks[i:i + 1], shapes)
-        states.clear(layout.has_state[i:i + 1])
+        states.clear(has_state[i:i + 1])
         inputs = torch.cat([states.conv[0].to(xbc.dtype), xbc[0, rows].transpose(0, 1)],
                            dim=-1)
         conv_out = F.conv1d(inputs[None], conv_weight[:, None, :], conv_bias,

@@ -56,6 +56,13 @@ def _savable_guards(entries):
             for g in entries]
 
 
+@functools.cache
+def available() -> bool:
+    """Whether this torch saves compiled functions whole (``aot_compile`` on
+    a ``torch.compile``'d function: torch 2.12 on; nothing compiles here)."""
+    return hasattr(torch.compile(lambda x: x), "aot_compile")
+
+
 def compile_ahead_of_time(function: Callable, backend: str) -> Callable:
     """``torch.compile(function)`` whose ``aot_compile`` result can be saved."""
     return torch.compile(function, backend=backend, dynamic=False, fullgraph=True,

@@ -43,7 +43,22 @@ def prefill_filling(bucket: int, max_model_len: int, block_size: int,
     token_ids = np.zeros((len(lengths), max_model_len), dtype=np.int64)
     step = pack_step(token_ids, block_table, lengths, np.zeros_like(lengths), block_size,
                      lambda tokens: [bucket], lambda width: width, None, table_shape)
-    return step, int(blocks.sum()) + 1
+    return step, block_table, int(blocks.sum()) + 1
+
+
+def _profile_caches(runner: AccelModelRunner, num_blocks: int) -> list[tuple]:
+    """A KV cache of ``num_blocks`` blocks a layer for the profile; a layer
+    that keeps recurrent state gets its pages as bytes (a state fits in an
+    attention block's page: config_checks.configure_recurrent_state), all
+    such layers in one recurrent group."""
+    model = runner.model
+    caches = allocate_kv_caches(model.num_layers, num_blocks, runner.block_size,
+                                model.num_kv_heads, model.head_dim, runner.dtype, runner.device)
+    group = torch.zeros(1, dtype=torch.int64, device=runner.device)
+    for layer in model.recurrent:
+        caches[layer] = (*(t.view(torch.uint8).view(num_blocks, -1) for t in caches[layer]),
+                         group)
+    return caches
 
 
 def profile_peak_memory(runner: AccelModelRunner) -> int:
@@ -52,11 +67,14 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
     blocks it needs; the memory is freed again."""
     bucket, bs, model, device = runner.token_buckets[-1], runner.block_size, runner.model, \
         runner.device
-    step, num_blocks = prefill_filling(bucket, runner.max_model_len, bs, runner.table_shape)
-    kv_caches = allocate_kv_caches(model.num_layers, num_blocks, bs, model.num_kv_heads,
-                                   model.head_dim, runner.dtype, device)
+    step, block_table, num_blocks = prefill_filling(bucket, runner.max_model_len, bs,
+                                                    runner.table_shape)
+    kv_caches = _profile_caches(runner, num_blocks)
+    forward = step.forwards[0]
+    # Each prompt's state in its first block (models that keep one).
+    recurrent = forward.recurrent_layout([block_table]) if model.recurrent else None
     staged = runner.forward_inputs[bucket]
-    sent = staged.send(step.forwards[0], NO_TOKENS_IN_FLIGHT)
+    sent = staged.send(forward, NO_TOKENS_IN_FLIGHT)
     # A vision model runs on embeddings (computed before the forward).
     inputs = sent.input_ids if runner.vision is None else dummy_embeddings(runner, bucket)
     torch.cuda.synchronize(device)
@@ -65,7 +83,8 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
     serving_caches, runner.kv_cache.layers = runner.kv_cache.layers, kv_caches
     try:
         with torch.inference_mode():
-            runner.model_call(inputs, sent.positions, sent.metadata, sent.logit_rows)
+            runner.model_call(inputs, sent.positions, sent.metadata, sent.logit_rows,
+                              recurrent=recurrent)
     finally:
         runner.kv_cache.layers = serving_caches
     peak = torch.cuda.max_memory_allocated(device) - before

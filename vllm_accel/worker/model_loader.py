@@ -12,10 +12,9 @@ from vllm_accel import kernels
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.kernels import CpuKernels
 from vllm_accel.log import get_logger
-from vllm_accel.model import experts, half_split_rope
+from vllm_accel.model import experts, half_split_rope, saved_graphs
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
 from vllm_accel.model.packed_linear import pack_linear_layers
-from vllm_accel.model.saved_graphs import SavedGraphs
 from vllm_accel.multimodal.encoder import VisionEncoder
 from vllm_accel.multimodal.mm_mappings import vision_adapter_class
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
@@ -65,9 +64,12 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
     if compile_backend is not None:
         compile_stats.configure(settings.cache_dir)
         # Graphs saved whole (a warm start without dynamo): inductor on the
-        # cpu, one rank (untried with the collectives of tensor parallelism).
-        if compile_backend == "inductor" and on_cpu and tp_group is None:
-            saved = SavedGraphs(compile_stats.saved_graphs_dir)
+        # cpu, one rank (untried with the collectives of tensor parallelism
+        # and on GPUs: the GPU host's torch 2.11 cannot save them), a torch
+        # that can (else dynamo traces and inductor's cache gives the kernels).
+        if (compile_backend == "inductor" and on_cpu and tp_group is None
+                and saved_graphs.available()):
+            saved = saved_graphs.SavedGraphs(compile_stats.saved_graphs_dir)
         loaded.model.compile_layers(compile_backend, token_buckets, saved,
                                     backend.shared_bucket_graphs)
     if vision is not None:

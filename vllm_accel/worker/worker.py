@@ -194,7 +194,15 @@ class AccelWorker(WorkerBase):
             )
         else:
             warm_up(self.model_runner)
-            if self.backend.device == "cuda" and self.settings.cuda_graphs:
+            graphs = self.backend.device == "cuda" and self.settings.cuda_graphs
+            if graphs and self.model_runner.model.recurrent:
+                # The Mamba2 scan follows each forward's segments (lengths,
+                # which continue a state) on the host: no fixed graph.
+                logger.info("vllm_accel captures no CUDA graphs for %s: its recurrent "
+                            "(Mamba2) layers run each forward's segments from the host",
+                            self.model_config.architecture)
+                graphs = False
+            if graphs:
                 captured = time.perf_counter()
                 self.model_runner.graphs = capture_graphs(self.model_runner)
                 logger.info("vllm_accel captured %d CUDA graphs (one per token bucket) in %.1f s",
