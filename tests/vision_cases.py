@@ -100,7 +100,29 @@ QWEN2_5_VL = VisionArch(
     patch_before_processor=True,  # the stand-in video processor (no torchvision)
 )
 
-ARCHS = [LLAVA_NEXT, QWEN2_5_VL]
+MISTRAL3 = VisionArch(
+    name="mistral3",
+    make=functools.partial(make_tiny_model, "mistral3"),
+    hf_class="Mistral3ForConditionalGeneration",
+    # Resized to fit 128 pixels, then up to whole 16-pixel merged patches:
+    # 140, 64, 160 and 48 patches (8-pixel), rows of [IMG] closed by [IMG_BREAK].
+    sizes=((100, 70), (64, 64), (200, 120), (30, 90)),
+    two_images=((100, 70), (64, 128)),
+    # 140 + 64 + 48 patches in one 256-row call, 160 in another.
+    packed_batch=(4, 2),
+    # 200x120 -> 8x5 [IMG] tokens + 5 breaks = 45 placeholder tokens from
+    # offset 8: 16-token chunks end inside the image twice.
+    chunk_tokens=16,
+    chunk_image=(200, 120),
+    repeat_image=(96, 96, 9),
+    compile_settings={"token_buckets": "16,256,1024", "multimodal_buckets": "64,256"},
+    compile_batched_tokens=1024,
+    warmup_graphs=1 + 1,  # one decoder graph, one tower graph: each shared by its buckets
+    vision_buckets=[64, 256],
+    patch_before_processor=True,  # PixtralProcessor without torchvision (patch 17)
+)
+
+ARCHS = [LLAVA_NEXT, QWEN2_5_VL, MISTRAL3]
 
 
 # ---- fixtures (each needs an `arch` fixture in the module) -------------------

@@ -183,6 +183,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         fms_port="vllm_accel.model.qwen2_5_vl:FMS_PORT",
         vision_adapter=f"{_ADAPTERS}.qwen2_5_vl:Qwen2_5_VLVisionAdapter", tensor_parallel=True,
     ),
+    # FMS's own mistral3 (Mistral text, Pixtral tower); the tower runs over
+    # flat patch rows, images kept apart (model/pixtral_vision.py).
+    Architecture(
+        ("Mistral3ForConditionalGeneration",), "mistral3",
+        vision_adapter=f"{_ADAPTERS}.mistral3:Mistral3VisionAdapter",
+    ),
     Architecture(
         ("MolmoForCausalLM",), "molmo",
         fms_port="vllm_accel.model.molmo:FMS_PORT",
@@ -195,7 +201,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 # Architectures FMS maps (its HF registry) that the runner cannot execute
 # yet, with the layer kinds it lacks for them: what FMS's registry cannot say.
 MISSING_LAYER_KINDS: dict[str, str] = {
-    "Mistral3ForConditionalGeneration": "the Pixtral vision tower",
     "RobertaForMaskedLM": "pooling (encoder-only models)",
     "BertForMaskedLM": "pooling (encoder-only models)",
     "MPNetForMaskedLM": "pooling (encoder-only models)",

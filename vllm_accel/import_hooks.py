@@ -1,5 +1,5 @@
 """The import hook behind the patches that wait for a module to be imported
-(``vllm_accel/patches.py``: 1, 2 and 9-11, which says what and why).
+(``vllm_accel/patches.py``: 1, 2, 9-11 and 17, which says what and why).
 
 ``ShimFinder`` goes first on ``sys.meta_path`` and answers only for the module
 names its ``route`` knows; every other import passes it by. For a name it

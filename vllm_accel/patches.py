@@ -1,7 +1,7 @@
 """Every change vllm-accel makes to process-wide state - torch, vLLM and
 transformers behaviour, environment variables, global settings - in one
-place, each with why. Patches 1-3 and 9-11 are applied by ``apply_patches`` (our
-``vllm.general_plugins`` entry point, once in every vLLM process); 4-8 and
+place, each with why. Patches 1-3, 9-11 and 17 are applied by ``apply_patches``
+(our ``vllm.general_plugins`` entry point, once in every vLLM process); 4-8 and
 12-15 are functions called where the change is needed, and 16 is state the
 platform keeps (in ``platform.py``), named here so that one file lists them
 all. None edits a file on disk; each is idempotent.
@@ -138,13 +138,28 @@ all. None edits a file on disk; each is idempotent.
    against it (a literal image token typed in the text would reach the model
    as one), a prompt with images against its own placeholders' token.
 
+17. transformers 5.20 / vLLM 0.33, without torchvision: ``PixtralProcessor``
+   is declared to need torchvision, so ``transformers`` and
+   ``transformers.models.pixtral`` (lazy modules) hand out a placeholder that
+   raises ImportError, and vLLM's Mistral3 processing (``models/mistral3.py``
+   imports it from the latter) and ``AutoProcessor`` for Mistral3/Pixtral
+   checkpoints fail. Its module, ``processing_pixtral``, needs only one
+   helper from ``image_processing_pixtral``, which patch 1 aliases to the PIL
+   variant: it imports. When either lazy module is imported (or now, if it
+   is), the name is struck from its list of objects with a missing backend
+   (and a placeholder it cached is dropped), so it resolves, on first use, to
+   the real class from that module; the image processor it loads is the PIL
+   one (transformers' own fallback). With torchvision nothing changes: the
+   hook checks (the route cannot: asking transformers while ``transformers``
+   itself is being imported would recurse).
+
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
 what steers them is set around each forward by ``set_forward_context``, which
 is also the only caller of patch 7.
 
-Patches 1 and 2 act only when torchvision is unavailable (by transformers' own
-test, so they agree with the image-processor backend transformers picks), 9
+Patches 1, 2 and 17 act only when torchvision is unavailable (by transformers'
+own test, so they agree with the image-processor backend transformers picks), 9
 only when Triton is, 11 only without vLLM's compiled ops; these and 10 stay dormant until the module they concern is
 imported: applying them only appends one finder to ``sys.meta_path``
 (importing the modules eagerly would cost every vLLM process seconds).
@@ -173,6 +188,8 @@ VIDEO_AUTO_MODULE = "transformers.models.auto.video_processing_auto"
 TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"  # patch 9
 ARCH_CONVERTOR_MODULE = "vllm.transformers_utils.model_arch_config_convertor"  # patch 10
 CUSTOM_OPS_MODULE = "vllm._custom_ops"  # patch 11
+# The lazy modules that export PixtralProcessor (patch 17).
+PIXTRAL_PROCESSOR_MODULES = ("transformers", "transformers.models.pixtral")
 
 _lock = threading.Lock()
 _finder: ShimFinder | None = None
@@ -216,7 +233,7 @@ def _no_accelerator_cache(*args, **kwargs) -> None:
 def _import_route(fullname: str):
     """What the import hook does for a module name: None (nothing: most
     names), an alias (patch 1) or a patch to apply once the module is
-    imported (2, 9-11)."""
+    imported (2, 9-11, 17)."""
     if fullname in TORCHVISION_TO_PIL_MODULES:
         return None if torchvision_available() else Alias(TORCHVISION_TO_PIL_MODULES[fullname])
     if fullname == VIDEO_AUTO_MODULE and torchvision_available():
@@ -264,6 +281,22 @@ def _molmo_kv_heads_fallback() -> None:
     module.MODEL_ARCH_CONFIG_CONVERTORS["molmo"] = MolmoModelArchConfigConvertor
 
 
+def _real_pixtral_processor() -> None:
+    """Patch 17 (idempotent)."""
+    if torchvision_available():
+        return
+    name = "PixtralProcessor"
+    for module_name in PIXTRAL_PROCESSOR_MODULES:
+        module = sys.modules.get(module_name)
+        missing = getattr(module, "_object_missing_backend", None)
+        if not missing or missing.get(name) != ["torchvision"]:
+            continue  # not loaded, done already, or torch is missing too
+        del missing[name]
+        # A placeholder class (metaclass DummyObject) the module cached.
+        if getattr(type(vars(module).get(name)), "is_dummy", False):
+            delattr(module, name)
+
+
 def _register_video_stubs() -> None:
     """Patch 2 (once)."""
     global _video_registered
@@ -285,6 +318,7 @@ def _register_video_stubs() -> None:
 _POST_IMPORT_HOOKS = {
     VIDEO_AUTO_MODULE: _register_video_stubs, TOPK_TOPP_MODULE: _host_top_k_top_p,
     ARCH_CONVERTOR_MODULE: _molmo_kv_heads_fallback, CUSTOM_OPS_MODULE: _torch_repetition_penalties,
+    **dict.fromkeys(PIXTRAL_PROCESSOR_MODULES, _real_pixtral_processor),
 }
 
 

@@ -207,8 +207,13 @@ def _fms_store(keys, values, key_cache, value_cache, **_):
 
 
 def _fms_compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **attn_kwargs):
-    """FMS's layout: [batch, tokens, heads, dim] in and out."""
+    """FMS's layout: [batch, tokens, heads, dim] in and out. With ``ranges``
+    (a tower's images packed in one call: Pixtral's) each row attends to
+    its span of keys, on any device."""
     scale = scale_factor if scale_factor is not None else query.shape[-1] ** -0.5
+    ranges = attn_kwargs.get("ranges")
+    if ranges is not None:
+        return attend(query, keys, values, scale, ranges)
     if supported(query) and not p_dropout and "mask" not in attn_kwargs:
         return attend(query, keys, values, scale)
     return fms_attention._sdpa_compute_op(query, keys, values, nheads, kvheads, p_dropout,

@@ -66,9 +66,13 @@ class BucketAxis:
     largest: int
 
     def mark(self, arguments: dict) -> None:
-        """Mark the axis in a call's ``arguments`` (parameter name -> value)."""
+        """Mark the axis in a call's ``arguments`` (parameter name -> value;
+        a keyword argument gathered by ``**kwargs`` is found by its own name)."""
+        gathered = [v for v in arguments.values() if isinstance(v, dict)]
         for name, dim in self.dims:
             tensor = arguments.get(name)
+            if tensor is None:
+                tensor = next((d[name] for d in gathered if name in d), None)
             if isinstance(tensor, torch.Tensor) and 1 < tensor.shape[dim] <= self.largest:
                 any_size_along(tensor, dim % tensor.dim(), (2, self.largest))
 
