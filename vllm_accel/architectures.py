@@ -187,7 +187,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # flat patch rows, images kept apart (model/pixtral_vision.py).
     Architecture(
         ("Mistral3ForConditionalGeneration",), "mistral3",
-        vision_adapter=f"{_ADAPTERS}.mistral3:Mistral3VisionAdapter",
+        vision_adapter=f"{_ADAPTERS}.mistral3:Mistral3VisionAdapter", tensor_parallel=True,
     ),
     Architecture(
         ("MolmoForCausalLM",), "molmo",
