@@ -13,6 +13,9 @@ side by side in one process on one GPU (run on the accelerator host).
   s; medians with min-max, and the ratio also against HF's best round.
   vllm-accel with CUDA graphs and without, with vLLM's async scheduling (the
   default on cuda) and without, each against HF in its own alternation.
+- ``--shape moe100m|hybrid100m``: medium_model.py's ~100M Mixtral and Granite
+  4 hybrid shapes (float32 checkpoints served in bfloat16, HF's too): the
+  mixture-of-experts and Mamba2 layers beside HF's generate.
 - Decode step time at batch 1 and 32 (one engine step of decodes, from the
   difference of two output lengths) against the weight-read floor: weight
   bytes / the GPU's measured read bandwidth (a large bfloat16 sum).
@@ -51,9 +54,21 @@ SHAPES = {
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
 }
+# benchmarks/medium_model.py's mixture-of-experts and Granite 4 hybrid shapes
+# (its tiny vocabulary): the new layer kinds on the accelerator beside HF.
+MEDIUM_SHAPES = ("moe100m", "hybrid100m")
 SHAPE = SHAPES["1b"]  # main() sets the chosen one
 NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 64, 128, 64
 MIN_TIMED_S = 10.0
+
+
+def make_medium_model(out: Path, shape: str) -> Path:
+    """A medium_model.py shape, its vocabulary size put in ``SHAPE``."""
+    from medium_model import make_llama
+
+    make_llama(str(out), shape)
+    SHAPE["vocab_size"] = json.loads((out / "config.json").read_text())["vocab_size"]
+    return out
 
 
 def make_model(out: Path) -> Path:
@@ -568,7 +583,7 @@ def main() -> None:
                              "(vLLM's GPU "
                              "runner, HF's compiled static-cache generate), profile, "
                              "gpu_profile, host_split")
-    parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="1b", choices=sorted(SHAPES) + list(MEDIUM_SHAPES))
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     parser.add_argument("--variants", default=",".join(v[0] for v in VARIANTS),
                         help="throughput variants: CUDA graphs or not, async scheduling "
@@ -577,7 +592,7 @@ def main() -> None:
                         help="engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
                              "no overlap of vLLM's output processing with the engine's steps")
     args = parser.parse_args()
-    SHAPE, OUTPUT_LEN = SHAPES[args.shape], args.output_len
+    SHAPE, OUTPUT_LEN = dict(SHAPES.get(args.shape, {})), args.output_len
     parts = args.parts.split(",")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -586,7 +601,8 @@ def main() -> None:
                "engine_core": "in process" if args.in_process else "own process (vLLM's default)"}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = make_model(root / "llama-1b")
+        model = (make_medium_model(root / args.shape, args.shape) if args.shape in MEDIUM_SHAPES
+                 else make_model(root / "llama-1b"))
         prompts = workload_prompts()
         if "floor" in parts:
             results["weight_read_floor"] = weight_read_floor(model)

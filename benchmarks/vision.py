@@ -205,7 +205,8 @@ def same(a, b):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--arch", default="llava_next", choices=["llava_next", "qwen2_5_vl", "molmo"],
+    p.add_argument("--arch", default="llava_next",
+                   choices=["llava_next", "qwen2_5_vl", "molmo", "mistral3"],
                    help="which tiny model to generate when --model is not given")
     p.add_argument("--model", help="vision model directory (default: generate the tiny --arch)")
     p.add_argument("--backends", default="accel,native",
