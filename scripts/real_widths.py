@@ -18,8 +18,26 @@ import tempfile
 import time
 from pathlib import Path
 
+# Mistral-Small-3.1-24B: Mistral text (no window), the Pixtral tower.
+_MISTRAL3_TEXT = dict(
+    model_type="mistral", hidden_size=5120, intermediate_size=32768, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, num_hidden_layers=40, vocab_size=131072,
+    rms_norm_eps=1e-5, max_position_embeddings=131072, sliding_window=None,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e9}, tie_word_embeddings=False)
+_MISTRAL3_VISION = dict(
+    model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
+    num_hidden_layers=24, patch_size=14, image_size=1540, num_channels=3, hidden_act="silu",
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
 # model -> (HF config class name, the published fields, the depth cut)
 CONFIGS = {
+    "mistral3": ("Mistral3Config", dict(
+        architectures=["Mistral3ForConditionalGeneration"], text_config=_MISTRAL3_TEXT,
+        vision_config=_MISTRAL3_VISION, spatial_merge_size=2, image_token_index=10,
+        projector_hidden_act="gelu", vision_feature_layer=-1, multimodal_projector_bias=False,
+        tie_word_embeddings=False),
+        dict(text_config={**_MISTRAL3_TEXT, "num_hidden_layers": 2},
+             vision_config={**_MISTRAL3_VISION, "num_hidden_layers": 2})),
     # Mixtral-8x7B-v0.1
     "mixtral": ("MixtralConfig", dict(
         architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
@@ -82,10 +100,31 @@ def write_checkpoint(name: str, out: Path, dtype, layers: int | None = None) -> 
             cut["layer_types"] = cut["layer_types"][:layers]
     config = getattr(transformers, config_class)(**{**fields, **cut})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = _auto_class(config).from_config(config, dtype=dtype)
     model.save_pretrained(out)
     _save_tokenizer(build_tokenizer(), out, CHAT_TEMPLATE)  # ids are sent directly
+    if hasattr(config, "vision_config"):  # the image processor warmup encodes with
+        _write_pixtral_processor(out, config.vision_config)
     return out
+
+
+def _auto_class(config):
+    import transformers
+
+    return (transformers.AutoModelForImageTextToText if hasattr(config, "vision_config")
+            else transformers.AutoModelForCausalLM)
+
+
+def _write_pixtral_processor(out: Path, vision) -> None:
+    """Mistral-Small-3.1's image processor settings (its longest edge: the
+    tower's image_size)."""
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "PixtralImageProcessor", "do_resize": True,
+        "do_rescale": True, "do_normalize": True, "do_convert_rgb": True, "resample": 3,
+        "rescale_factor": 1 / 255, "size": {"longest_edge": vision.image_size},
+        "patch_size": {"height": vision.patch_size, "width": vision.patch_size},
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711]}))
 
 
 def engine_tokens(path: Path, prompts, tokens: int, dtype: str, device: str) -> tuple:
@@ -105,9 +144,10 @@ def engine_tokens(path: Path, prompts, tokens: int, dtype: str, device: str) -> 
 
 def hf_tokens(path: Path, prompts, tokens: int, dtype, device: str) -> list[list[int]]:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model_class = _auto_class(AutoConfig.from_pretrained(path))
+    model = model_class.from_pretrained(path, dtype=dtype).to(device).eval()
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=device)
@@ -134,7 +174,8 @@ def main() -> None:
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             path = write_checkpoint(name, Path(tmp) / name, dtype, args.layers)
-            vocab = CONFIGS[name][1]["vocab_size"]
+            fields = CONFIGS[name][1]
+            vocab = fields.get("text_config", fields)["vocab_size"]
             gen = torch.Generator().manual_seed(1)
             prompts = torch.randint(1000, vocab - 1, (2, 40), generator=gen).tolist()
             try:
