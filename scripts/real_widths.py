@@ -99,12 +99,20 @@ def write_checkpoint(name: str, out: Path, dtype, layers: int | None = None) -> 
         if "layer_types" in cut:
             cut["layer_types"] = cut["layer_types"][:layers]
     config = getattr(transformers, config_class)(**{**fields, **cut})
+    vision = hasattr(config, "vision_config")
+    if vision:  # the tiny tokenizer with Pixtral's image tokens: vLLM's processor needs them
+        from vllm_accel.testing import tiny_mistral3
+
+        tokenizer, template = tiny_mistral3._tokenizer(), tiny_mistral3.CHAT_TEMPLATE
+        config.image_token_index = tokenizer.convert_tokens_to_ids(tiny_mistral3.IMG)
+    else:
+        tokenizer, template = build_tokenizer(), CHAT_TEMPLATE
     torch.manual_seed(0)
     model = _auto_class(config).from_config(config, dtype=dtype)
     model.save_pretrained(out)
-    _save_tokenizer(build_tokenizer(), out, CHAT_TEMPLATE)  # ids are sent directly
-    if hasattr(config, "vision_config"):  # the image processor warmup encodes with
-        _write_pixtral_processor(out, config.vision_config)
+    _save_tokenizer(tokenizer, out, template)  # ids are sent directly
+    if vision:
+        _write_pixtral_processor(out, config)
     return out
 
 
@@ -115,10 +123,18 @@ def _auto_class(config):
             else transformers.AutoModelForCausalLM)
 
 
-def _write_pixtral_processor(out: Path, vision) -> None:
+def _write_pixtral_processor(out: Path, config) -> None:
     """Mistral-Small-3.1's image processor settings (its longest edge: the
-    tower's image_size)."""
+    tower's image_size) and its processor's."""
+    from vllm_accel.testing import tiny_mistral3
+
+    vision = config.vision_config
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": vision.patch_size,
+        "spatial_merge_size": config.spatial_merge_size, "image_token": tiny_mistral3.IMG,
+        "image_break_token": tiny_mistral3.IMG_BREAK, "image_end_token": tiny_mistral3.IMG_END}))
     (out / "preprocessor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor",
         "image_processor_type": "PixtralImageProcessor", "do_resize": True,
         "do_rescale": True, "do_normalize": True, "do_convert_rgb": True, "resample": 3,
         "rescale_factor": 1 / 255, "size": {"longest_edge": vision.image_size},
