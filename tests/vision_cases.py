@@ -115,6 +115,7 @@ MISTRAL3 = VisionArch(
     chunk_tokens=16,
     chunk_image=(200, 120),
     repeat_image=(96, 96, 9),
+    cached_followup="What colour dominates? Answer briefly.",
     compile_settings={"token_buckets": "16,256,1024", "multimodal_buckets": "64,256"},
     compile_batched_tokens=1024,
     warmup_graphs=1 + 1,  # one decoder graph, one tower graph: each shared by its buckets
