@@ -8,19 +8,15 @@ checkpoint."""
 from __future__ import annotations
 
 import base64
-import io
 import json
-import subprocess
-import sys
 
 import openai
 import pytest
-import torch
 
 from test_serve import server_env
 from test_serve_qwen2_5_vl import assert_still_serving
-from test_serve_vision import EXAMPLES, FAST, GOOD_URL, QUESTION, ask, image_part, text, user, \
-    vllm_server
+from test_serve_vision import (FAST, QUESTION, ask, assert_batch_example_runs,
+                               assert_image_chat_matches_hf, image_part, text, user, vllm_server)
 from vllm_accel.testing.tiny_mistral3 import make_tiny_mistral3
 
 pytestmark = pytest.mark.slow  # engines and servers: the full suite only
@@ -45,31 +41,9 @@ def client(server):
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
-def test_image_chat_matches_hf(server, client, mistral3):
-    from PIL import Image
-    from transformers import AutoProcessor, Mistral3ForConditionalGeneration
-
-    from vllm_accel.patches import apply_patches
-
+def test_image_chat_matches_hf(server, client):
     _, model, _ = server
-    reply = ask(client, model, user(image_part(GOOD_URL), text(QUESTION)),
-                extra_body={"return_token_ids": True})
-    assert reply.choices[0].message.content and reply.choices[0].finish_reason == "length"
-
-    apply_patches()  # PixtralProcessor without torchvision
-    processor = AutoProcessor.from_pretrained(mistral3)
-    hf = Mistral3ForConditionalGeneration.from_pretrained(mistral3, dtype=torch.float32).eval()
-    prompt = processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, text(QUESTION)]}],
-        add_generation_prompt=True)
-    image = Image.open(io.BytesIO(base64.b64decode(GOOD_URL.split(",", 1)[1])))
-    # The chat template writes the BOS token; vLLM's chat endpoint adds none.
-    inputs = processor(images=image.convert("RGB"), text=prompt, return_tensors="pt",
-                       add_special_tokens=False)
-    with torch.no_grad():
-        out = hf.generate(**inputs, max_new_tokens=8, do_sample=False)
-    assert reply.prompt_token_ids == inputs.input_ids[0].tolist()
-    assert reply.choices[0].token_ids == out[0, inputs.input_ids.shape[1]:].tolist()
+    assert_image_chat_matches_hf(client, model, "Mistral3ForConditionalGeneration")
 
 
 def test_corrupt_image_is_a_400_and_server_keeps_serving(server, client):
@@ -82,12 +56,4 @@ def test_corrupt_image_is_a_400_and_server_keeps_serving(server, client):
 
 
 def test_batch_example_runs_a_mistral3_checkpoint(mistral3, tmp_path):
-    out = tmp_path / "results.jsonl"
-    run = subprocess.run([sys.executable, str(EXAMPLES / "batch_eval_vision.py"), "--model",
-                          str(mistral3), "--output", str(out)],
-                         env=server_env(**FAST, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["index"] for r in results] == list(range(len(results))) and results
-    assert all(r["answer"] for r in results)
+    assert_batch_example_runs(mistral3, tmp_path)

@@ -6,14 +6,12 @@ and both vision examples pointed at a Qwen2.5-VL checkpoint."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import subprocess
 import sys
 
 import openai
 import pytest
-import torch
 
 from test_serve import server_env
 from test_serve_vision import (
@@ -23,6 +21,8 @@ from test_serve_vision import (
     QUESTION,
     answer_line,
     ask,
+    assert_batch_example_runs,
+    assert_image_chat_matches_hf,
     image_part,
     text,
     user,
@@ -52,29 +52,11 @@ def client(server):
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
-def test_image_chat_matches_hf(server, client, qwen):
-    from PIL import Image
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
-
-    from vllm_accel.patches import apply_patches
-
+def test_image_chat_matches_hf(server, client):
     _, model, _ = server
-    reply = ask(client, model, user(image_part(GOOD_URL), text(QUESTION)),
-                extra_body={"return_token_ids": True})
-    assert reply.choices[0].message.content and reply.choices[0].finish_reason == "length"
-
-    apply_patches()
-    processor = AutoProcessor.from_pretrained(qwen)
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen, dtype=torch.float32).eval()
-    prompt = processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, text(QUESTION)]}],
-        add_generation_prompt=True)
-    image = Image.open(io.BytesIO(base64.b64decode(GOOD_URL.split(",", 1)[1])))
-    inputs = processor(images=image.convert("RGB"), text=prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = hf.generate(**inputs, max_new_tokens=8, do_sample=False)
-    assert reply.prompt_token_ids == inputs.input_ids[0].tolist()
-    assert reply.choices[0].token_ids == out[0, inputs.input_ids.shape[1]:].tolist()
+    # Qwen2.5-VL's template writes no bos and its tokenizer adds none.
+    assert_image_chat_matches_hf(client, model, "Qwen2_5_VLForConditionalGeneration",
+                                 special_tokens=True)
 
 
 def assert_still_serving(client, model):
@@ -112,12 +94,4 @@ def test_serve_example_asks_a_qwen_server(server):
 
 
 def test_batch_example_runs_a_qwen_checkpoint(qwen, tmp_path):
-    out = tmp_path / "results.jsonl"
-    run = subprocess.run([sys.executable, str(EXAMPLES / "batch_eval_vision.py"), "--model",
-                          str(qwen), "--output", str(out)],
-                         env=server_env(**FAST, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["index"] for r in results] == list(range(len(results))) and results
-    assert all(r["answer"] for r in results)
+    assert_batch_example_runs(qwen, tmp_path)

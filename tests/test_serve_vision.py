@@ -172,27 +172,33 @@ def test_log_names_our_platform(server):
     assert "vllm-accel platform active: device backend 'cpu'" in log.read_text()
 
 
-def test_image_chat_matches_hf(server, client, llava):
-    """Same prompt ids and the same greedy tokens as HF's LlavaNext for a data-URL image."""
+def assert_image_chat_matches_hf(client, model: str, hf_class: str,
+                                 special_tokens: bool = False) -> None:
+    """An image chat (GOOD_URL, QUESTION) through the server: the same prompt
+    ids and greedy tokens as HF's ``hf_class`` on the checkpoint ``model``,
+    its answer their text. As the server renders it: the content list
+    [image, text] through the chat template; where the template brings the
+    bos, no special tokens added (``special_tokens``: the tokenizer adds its
+    own, as Qwen2.5-VL's adds none)."""
+    import transformers
     from PIL import Image
-    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
 
-    _, model, _ = server
+    from vllm_accel.patches import apply_patches
+
     reply = ask(client, model, user(image_part(GOOD_URL), text(QUESTION)),
                 extra_body={"return_token_ids": True})
     answer = reply.choices[0].message.content
     assert answer and reply.choices[0].finish_reason == "length"
 
-    processor = AutoProcessor.from_pretrained(llava)
-    hf = LlavaNextForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
-    # As the server renders it: the content list [image, text] through the
-    # chat template; the template brings the bos, so no special tokens added.
+    apply_patches()  # processors without torchvision
+    processor = transformers.AutoProcessor.from_pretrained(model)
+    hf = getattr(transformers, hf_class).from_pretrained(model, dtype=torch.float32).eval()
     prompt = processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, text(QUESTION)]}],
         add_generation_prompt=True)
     image = Image.open(io.BytesIO(base64.b64decode(GOOD_URL.split(",", 1)[1])))
-    inputs = processor(images=image.convert("RGB"), text=prompt, add_special_tokens=False,
-                       return_tensors="pt")
+    inputs = processor(images=image.convert("RGB"), text=prompt, return_tensors="pt",
+                       **({} if special_tokens else {"add_special_tokens": False}))
     with torch.no_grad():
         out = hf.generate(**inputs, max_new_tokens=8, do_sample=False)
     expected = out[0, inputs.input_ids.shape[1]:].tolist()
@@ -200,6 +206,25 @@ def test_image_chat_matches_hf(server, client, llava):
     assert reply.prompt_token_ids == inputs.input_ids[0].tolist()
     assert reply.choices[0].token_ids == expected
     assert answer == processor.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def assert_batch_example_runs(model_dir, tmp_path) -> None:
+    """examples/batch_eval_vision.py on ``model_dir``: an answer per sample, in order."""
+    out = tmp_path / "results.jsonl"
+    run = subprocess.run([sys.executable, str(EXAMPLES / "batch_eval_vision.py"), "--model",
+                          str(model_dir), "--output", str(out)],
+                         env=server_env(**FAST, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in results] == list(range(len(results))) and results
+    assert all(r["answer"] for r in results)
+
+
+def test_image_chat_matches_hf(server, client, llava):
+    """Same prompt ids and the same greedy tokens as HF's LlavaNext for a data-URL image."""
+    _, model, _ = server
+    assert_image_chat_matches_hf(client, model, "LlavaNextForConditionalGeneration")
 
 
 BAD_IMAGES = {

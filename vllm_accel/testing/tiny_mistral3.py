@@ -37,6 +37,7 @@ from vllm_accel.testing.tiny_models import (
     _save_tokenizer,
     _unprintable_ids,
     build_tokenizer,
+    vision_chat_template,
 )
 
 # Text model: GQA (4 query heads over 2 KV heads), head_dim 32, no window.
@@ -70,29 +71,8 @@ IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 BIAS_STD = 0.02  # non-zero, so a bias left unloaded shows
 NORM_NOISE = 0.05  # norms = 1 + noise, so a swapped/missing norm shows
 
-# Llama-3 style like tiny_models.VISION_CHAT_TEMPLATE; an image part renders
-# as [IMG] (Pixtral's processors expand it), a text part as its text.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] | trim }}"
-    "{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url') %}"
-    "{{ '[IMG]' }}"
-    "{% elif part['type'] == 'text' %}"
-    "{{ part['text'] | trim }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% endif %}"
-    "{{ '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{% endif %}"
-)
+# An image part renders as [IMG] (Pixtral's processors expand it).
+CHAT_TEMPLATE = vision_chat_template("[IMG]")
 
 
 def _tokenizer():

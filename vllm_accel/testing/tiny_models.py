@@ -365,31 +365,37 @@ BIAS_STD = 0.02  # biases non-zero so a bias left unloaded is detectable
 # kept near GRANITE_EMBED_STD: images then steer the text without swamping it.
 PROJECTOR_STD = (0.05, 0.003)  # linear_1, linear_2
 
-# Llama-3 style like CHAT_TEMPLATE, but a message's content may also be an
-# OpenAI-style list of parts: {"type": "image"} becomes "<image>\n", {"type":
-# "text", "text": ...} its text. vLLM detects the list loop ("openai" content
-# format) and passes such lists; HF processors' apply_chat_template too.
-VISION_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] | trim }}"
-    "{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url') %}"
-    "{{ '<image>\\n' }}"
-    "{% elif part['type'] == 'text' %}"
-    "{{ part['text'] | trim }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% endif %}"
-    "{{ '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{% endif %}"
-)
+def vision_chat_template(image_text: str) -> str:
+    """Llama-3 style like CHAT_TEMPLATE, but a message's content may also be
+    an OpenAI-style list of parts: {"type": "image"} becomes ``image_text`` (a
+    Jinja string literal's body: the model's image placeholder), {"type":
+    "text", "text": ...} its text. vLLM detects the list loop ("openai"
+    content format) and passes such lists; HF processors' apply_chat_template
+    too."""
+    return (
+        "{{ bos_token }}"
+        "{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+        "{% if message['content'] is string %}"
+        "{{ message['content'] | trim }}"
+        "{% else %}"
+        "{% for part in message['content'] %}"
+        "{% if part['type'] in ('image', 'image_url') %}"
+        "{{ '" + image_text + "' }}"
+        "{% elif part['type'] == 'text' %}"
+        "{{ part['text'] | trim }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% endif %}"
+        "{{ '<|eot_id|>' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+        "{% endif %}"
+    )
+
+
+VISION_CHAT_TEMPLATE = vision_chat_template("<image>\\n")
 
 
 def _llava_next_config(tokenizer):

@@ -27,6 +27,7 @@ lives in ``multimodal/encoder.py``, not here.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -141,6 +142,13 @@ class VisionAdapter(ABC):
     @abstractmethod
     def warmup_image_sizes(self, buckets: list[int]) -> list[tuple[int, int]]:
         """(width, height) of images that together hit every one of ``buckets``."""
+
+    @functools.cached_property
+    def image_processor(self):
+        """The checkpoint's own image processor (its size limits, warmup images)."""
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(self.model_dir, local_files_only=True)
 
     def warmup_items(self, image_sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
         """Images of those sizes through the model's own processor, in the form

@@ -43,7 +43,6 @@ class Mistral3VisionAdapter(VisionAdapter):
         self.merge = config.spatial_merge_size
         self.vision_bucket_multiple = self.merge * self.merge  # patches merged into one token
         self.tower = PixtralPatches(fms_model.vision_tower, layer)
-        self._image_processor = None
 
     @property
     def vision_module(self) -> nn.Module:
@@ -77,15 +76,6 @@ class Mistral3VisionAdapter(VisionAdapter):
         return out
 
     # ---- buckets and warmup ----------------------------------------------
-
-    @property
-    def image_processor(self):
-        if self._image_processor is None:
-            from transformers import AutoImageProcessor
-
-            self._image_processor = AutoImageProcessor.from_pretrained(
-                self.model_dir, local_files_only=True)
-        return self._image_processor
 
     def _longest_side(self) -> int:
         """Patches along the longest side the processor lets an image keep."""

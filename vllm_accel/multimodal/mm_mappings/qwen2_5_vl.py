@@ -43,7 +43,6 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         super().__init__(model_config, fms_model)
         merge = self.hf_config.vision_config.spatial_merge_size
         self.vision_bucket_multiple = merge * merge  # patches merged into one token
-        self._image_processor = None
 
     @property
     def vision_module(self) -> nn.Module:
@@ -89,15 +88,6 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         return positions.numpy().astype(np.int64), delta
 
     # ---- buckets and warmup ----------------------------------------------
-
-    @property
-    def image_processor(self):
-        if self._image_processor is None:
-            from transformers import AutoImageProcessor
-
-            self._image_processor = AutoImageProcessor.from_pretrained(
-                self.model_dir, local_files_only=True)
-        return self._image_processor
 
     def _patch_limits(self) -> tuple[int, int]:
         """Patches of the smallest and the largest image the processor makes."""
