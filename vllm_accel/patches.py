@@ -138,20 +138,13 @@ all. None edits a file on disk; each is idempotent.
    against it (a literal image token typed in the text would reach the model
    as one), a prompt with images against its own placeholders' token.
 
-17. transformers 5.20 / vLLM 0.33, without torchvision: ``PixtralProcessor``
-   is declared to need torchvision, so ``transformers`` and
-   ``transformers.models.pixtral`` (lazy modules) hand out a placeholder that
-   raises ImportError, and vLLM's Mistral3 processing (``models/mistral3.py``
-   imports it from the latter) and ``AutoProcessor`` for Mistral3/Pixtral
-   checkpoints fail. Its module, ``processing_pixtral``, needs only one
-   helper from ``image_processing_pixtral``, which patch 1 aliases to the PIL
-   variant: it imports. When either lazy module is imported (or now, if it
-   is), the name is struck from its list of objects with a missing backend
-   (and a placeholder it cached is dropped), so it resolves, on first use, to
-   the real class from that module; the image processor it loads is the PIL
-   one (transformers' own fallback). With torchvision nothing changes: the
-   hook checks (the route cannot: asking transformers while ``transformers``
-   itself is being imported would recurse).
+17. transformers 5.20 / vLLM 0.33, without torchvision: ``transformers`` and
+   ``transformers.models.pixtral`` hand out a placeholder for
+   ``PixtralProcessor`` (declared to need torchvision), so vLLM's Mistral3
+   processing and ``AutoProcessor`` fail; its module imports with patch 1's
+   alias. Once either lazy module is imported, the name is struck from its
+   missing-backend list (a cached placeholder dropped): it resolves to the
+   real class. The hook checks for torchvision itself (the route would recurse).
 
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
