@@ -1,0 +1,158 @@
+"""Patches 1-3, 9-11 and 17: those ``apply_patches`` applies in every vLLM
+process (our ``vllm.general_plugins`` entry point), most of them through an
+import hook once the module they concern is imported. ``patches.py`` lists
+every patch and says why; it re-exports ``apply_patches``."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+# Relative imports: benchmarks/native_shims.py loads this package's modules
+# under a package name of its own, where vllm_accel is not.
+from .import_hooks import Alias, ShimFinder
+from .log import get_logger  # imports vLLM only when called
+
+# torchvision image-processor module -> its PIL variant (patch 1).
+TORCHVISION_TO_PIL_MODULES = {
+    "transformers.models.pixtral.image_processing_pixtral":
+        "transformers.models.pixtral.image_processing_pil_pixtral",
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl":
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+}
+VIDEO_AUTO_MODULE = "transformers.models.auto.video_processing_auto"
+TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"  # patch 9
+ARCH_CONVERTOR_MODULE = "vllm.transformers_utils.model_arch_config_convertor"  # patch 10
+CUSTOM_OPS_MODULE = "vllm._custom_ops"  # patch 11
+# The lazy modules that export PixtralProcessor (patch 17).
+PIXTRAL_PROCESSOR_MODULES = ("transformers", "transformers.models.pixtral")
+
+_lock = threading.Lock()
+_finder: ShimFinder | None = None
+_video_registered = False
+
+
+def torchvision_available() -> bool:
+    """transformers' own test (package present), so the shims switch on
+    exactly when transformers falls back to its PIL image processors."""
+    from transformers.utils import is_torchvision_available
+
+    return is_torchvision_available()
+
+
+def apply_patches() -> None:
+    """Idempotent and cheap: apply every patch above once per process."""
+    global _finder
+    _make_accelerator_cache_calls_noops()
+    with _lock:
+        if _finder is None:
+            _finder = ShimFinder(_import_route)
+            sys.meta_path.insert(0, _finder)
+    # The modules may already be loaded (e.g. shims installed late).
+    for name, hook in _POST_IMPORT_HOOKS.items():
+        if name in sys.modules:
+            hook()
+
+
+def _make_accelerator_cache_calls_noops() -> None:
+    import torch
+
+    if not torch.accelerator.is_available():
+        torch.accelerator.empty_cache = _no_accelerator_cache
+        torch.accelerator.empty_host_cache = _no_accelerator_cache
+
+
+def _no_accelerator_cache(*args, **kwargs) -> None:
+    """torch.accelerator.empty_cache without an accelerator: nothing to free."""
+
+
+def _import_route(fullname: str):
+    """What the import hook does for a module name: None (nothing: most
+    names), an alias (patch 1) or a patch to apply once the module is
+    imported (2, 9-11, 17)."""
+    if fullname in TORCHVISION_TO_PIL_MODULES:
+        return None if torchvision_available() else Alias(TORCHVISION_TO_PIL_MODULES[fullname])
+    if fullname == VIDEO_AUTO_MODULE and torchvision_available():
+        return None
+    return _POST_IMPORT_HOOKS.get(fullname)
+
+
+def _host_top_k_top_p() -> None:
+    """Patch 9 (idempotent)."""
+    module = sys.modules[TOPK_TOPP_MODULE]
+    triton_path = module.apply_top_k_top_p
+    if getattr(triton_path, "_vllm_accel_host_path", False) or not module.HAS_TRITON:
+        return
+
+    def apply_top_k_top_p(logits, k, p, *args, **kwargs):
+        if logits.device.type == "cpu":
+            return module.apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=True)
+        return triton_path(logits, k, p, *args, **kwargs)
+
+    apply_top_k_top_p._vllm_accel_host_path = True
+    module.apply_top_k_top_p = apply_top_k_top_p
+
+
+def _torch_repetition_penalties() -> None:
+    """Patch 11 (idempotent)."""
+    import torch
+
+    module = sys.modules[CUSTOM_OPS_MODULE]
+    if hasattr(torch.ops._C, "apply_repetition_penalties_"):
+        return  # a vLLM with its compiled ops
+    module.apply_repetition_penalties_cuda = module.apply_repetition_penalties_torch
+
+
+def _molmo_kv_heads_fallback() -> None:
+    """Patch 10 (idempotent)."""
+    module = sys.modules[ARCH_CONVERTOR_MODULE]
+    if "molmo" in module.MODEL_ARCH_CONFIG_CONVERTORS:
+        return
+
+    class MolmoModelArchConfigConvertor(module.ModelArchConfigConvertorBase):
+        def get_total_num_kv_heads(self) -> int:
+            config = self.hf_text_config
+            return config.num_key_value_heads or config.num_attention_heads
+
+    module.MODEL_ARCH_CONFIG_CONVERTORS["molmo"] = MolmoModelArchConfigConvertor
+
+
+def _real_pixtral_processor() -> None:
+    """Patch 17 (idempotent)."""
+    if torchvision_available():
+        return
+    name = "PixtralProcessor"
+    for module_name in PIXTRAL_PROCESSOR_MODULES:
+        module = sys.modules.get(module_name)
+        missing = getattr(module, "_object_missing_backend", None)
+        if not missing or missing.get(name) != ["torchvision"]:
+            continue  # not loaded, done already, or torch is missing too
+        del missing[name]
+        # A placeholder class (metaclass DummyObject) the module cached.
+        if getattr(type(vars(module).get(name)), "is_dummy", False):
+            delattr(module, name)
+
+
+def _register_video_stubs() -> None:
+    """Patch 2 (once)."""
+    global _video_registered
+    with _lock:
+        if _video_registered:
+            return
+        _video_registered = True
+    try:
+        if not torchvision_available():
+            from .video_stub import register  # imports transformers' processing
+
+            register()
+    except Exception:  # never break the import that triggered us
+        get_logger(__name__).warning(
+            "vllm-accel: could not register the stand-in video processor", exc_info=True)
+
+
+# Module -> the patch applied once it is imported (also by apply_patches, in this order).
+_POST_IMPORT_HOOKS = {
+    VIDEO_AUTO_MODULE: _register_video_stubs, TOPK_TOPP_MODULE: _host_top_k_top_p,
+    ARCH_CONVERTOR_MODULE: _molmo_kv_heads_fallback, CUSTOM_OPS_MODULE: _torch_repetition_penalties,
+    **dict.fromkeys(PIXTRAL_PROCESSOR_MODULES, _real_pixtral_processor),
+}
