@@ -150,6 +150,16 @@ class VisionAdapter(ABC):
 
         return AutoImageProcessor.from_pretrained(self.model_dir, local_files_only=True)
 
+    def processed_warmup_images(self, image_sizes: list[tuple[int, int]]) -> list[dict]:
+        """One warmup image of each (width, height) through ``image_processor``
+        (its outputs batched, one image each): for adapters whose items are
+        the image processor's outputs reshaped."""
+        from vllm_accel.multimodal.inputs import warmup_image
+
+        return [self.image_processor(images=[warmup_image(width, height, seed)],
+                                     return_tensors="pt")
+                for seed, (width, height) in enumerate(image_sizes)]
+
     def warmup_items(self, image_sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
         """Images of those sizes through the model's own processor, in the form
         ``encode_item`` takes. The default suits processors whose outputs are

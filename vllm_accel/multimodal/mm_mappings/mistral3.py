@@ -23,7 +23,6 @@ from torch import nn
 
 from vllm_accel.buckets import exponential_buckets
 from vllm_accel.model.pixtral_vision import PixtralPatches, image_patches
-from vllm_accel.multimodal.inputs import warmup_image
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 
@@ -99,10 +98,7 @@ class Mistral3VisionAdapter(VisionAdapter):
         return sizes
 
     def warmup_items(self, image_sizes):
-        items = []
-        for seed, (width, height) in enumerate(image_sizes):
-            out = self.image_processor(images=[warmup_image(width, height, seed)],
-                                       return_tensors="pt")
-            rows, cols = (int(v) for v in out["image_sizes"][0])
-            items.append({"pixel_values": out["pixel_values"][0, :, :rows, :cols]})
-        return items
+        # Cropped to the image's own size, as vLLM's Mistral3 processing does.
+        return [{"pixel_values": out["pixel_values"][0, :, :rows, :cols]}
+                for out in self.processed_warmup_images(image_sizes)
+                for rows, cols in [out["image_sizes"][0].tolist()]]

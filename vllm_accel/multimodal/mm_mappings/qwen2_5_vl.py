@@ -24,7 +24,6 @@ from torch import nn
 
 from vllm_accel.buckets import exponential_buckets
 from vllm_accel.model.qwen2_5_vl import mrope_positions
-from vllm_accel.multimodal.inputs import warmup_image
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 
 
@@ -113,10 +112,5 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         return sizes
 
     def warmup_items(self, image_sizes):
-        items = []
-        for seed, (width, height) in enumerate(image_sizes):
-            out = self.image_processor(images=[warmup_image(width, height, seed)],
-                                       return_tensors="pt")
-            items.append({"pixel_values": out["pixel_values"],
-                          "image_grid_thw": out["image_grid_thw"][0]})
-        return items
+        return [{"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"][0]}
+                for out in self.processed_warmup_images(image_sizes)]
