@@ -21,7 +21,7 @@ from PIL import Image
 
 from helpers import in_forward
 from vllm_accel.kernels import span_attention
-from vllm_accel.model.fms_causal_lm import _check_all_weights_loaded, _load_with_nan_fill
+from vllm_accel.model.fms_causal_lm import check_all_weights_loaded, _load_with_nan_fill
 from port_helpers import merge_image_features, register_qwen2
 from vllm_accel.model.ports import register_port
 from vllm_accel.model.qwen2_5_vl import FMS_PORT, mrope_positions
@@ -60,7 +60,7 @@ def hf(ckpt):
 def load_fms(path):
     register_port(FMS_PORT)
     model = _load_with_nan_fill(str(path), torch.float32, "cpu")  # unloaded weights -> NaN
-    _check_all_weights_loaded(model, str(path))
+    check_all_weights_loaded(model, str(path))
     return model.eval()
 
 
@@ -411,7 +411,7 @@ def test_qwen2_text_model_matches_hf(tmp_path):
     hf_model.save_pretrained(tmp_path)
     register_qwen2()
     model = _load_with_nan_fill(str(tmp_path), torch.float32, "cpu")
-    _check_all_weights_loaded(model, str(tmp_path))
+    check_all_weights_loaded(model, str(tmp_path))
     ids = torch.randint(0, 320, (1, 21))
     with torch.no_grad():
         torch.testing.assert_close(model(ids, position_ids=torch.arange(21)[None]),

@@ -54,6 +54,10 @@ class Architecture:
     # layers may mix. Else one window (sliding_window, or none) for every
     # layer, and a mix is refused.
     windows_by_layer_types: bool = False
+    # An encoder-only model (bidirectional attention, no KV cache), served by
+    # the pooling runner: FMS's model family that loads it ("bert" or
+    # "roberta": model/fms_encoder.py); None: a decoder.
+    encoder: str | None = None
 
     @property
     def name(self) -> str:
@@ -174,6 +178,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(("GptOssForCausalLM",), "gpt_oss", fms_port="vllm_accel.model.gpt_oss:FMS_PORT",
                  paged_layers="vllm_accel.model.windowed_blocks:page_attention_layers",
                  windows_by_layer_types=True),
+    # Encoders for pooling: embedders (headless checkpoints) and classifiers
+    # (cross-encoders: one label), FMS's RoBERTa class for both families.
+    Architecture(("BertModel", "BertForSequenceClassification"), "bert", encoder="bert"),
+    Architecture(("RobertaModel", "RobertaForSequenceClassification", "XLMRobertaModel",
+                  "XLMRobertaForSequenceClassification"), "roberta", encoder="roberta"),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -201,11 +210,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 # Architectures FMS maps (its HF registry) that the runner cannot execute
 # yet, with the layer kinds it lacks for them: what FMS's registry cannot say.
 MISSING_LAYER_KINDS: dict[str, str] = {
-    "RobertaForMaskedLM": "pooling (encoder-only models)",
-    "BertForMaskedLM": "pooling (encoder-only models)",
-    "MPNetForMaskedLM": "pooling (encoder-only models)",
-    "RobertaForSequenceClassification": "pooling (encoder-only models)",
-    "BertForSequenceClassification": "pooling (encoder-only models)",
+    "RobertaForMaskedLM": "masked-LM heads (encoder-only models)",
+    "BertForMaskedLM": "masked-LM heads (encoder-only models)",
+    "MPNetForMaskedLM": "MPNet's relative attention bias (encoder-only models)",
     "RobertaForQuestionAnswering": "question answering (encoder-only models)",
 }
 

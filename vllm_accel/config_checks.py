@@ -62,6 +62,47 @@ def configure_recurrent_state(vllm_config, arch, dims, backend: DeviceBackend) -
     cache.mamba_page_size_padded = page if page > state else None
 
 
+def check_runner(model_config, arch, parallel) -> None:
+    """Generation for decoders; pooling (``--runner pooling``) for encoders,
+    and for text decoders as embedders (``--convert embed``, vLLM's default
+    for them), on one device."""
+    runner, name = model_config.runner_type, arch.name
+    if runner not in ("generate", "pooling"):
+        raise ValueError(f"vllm-accel does not serve runner '{runner}'. Allowed: 'generate' "
+                         f"and 'pooling' (--runner).")
+    if arch.encoder is not None and runner != "pooling":
+        raise ValueError(f"{name} is encoder-only: serve it with --runner pooling (it embeds, "
+                         f"classifies or scores; it cannot generate).")
+    if runner != "pooling":
+        return
+    if arch.encoder is None:
+        if model_config.convert_type not in ("embed", "none"):
+            raise ValueError(
+                f"vllm-accel pools {name} as an embedder only (--convert embed), not "
+                f"--convert {model_config.convert_type}.")
+        if arch.vision_adapter is not None or arch.recurrent_state is not None:
+            raise ValueError(f"vllm-accel does not pool {name} (pooling runs text decoders "
+                             f"of attention layers and encoders): use --runner generate.")
+    if parallel.tensor_parallel_size > 1:
+        raise ValueError("vllm-accel runs pooling models on one device: tensor_parallel_size "
+                         "must be 1 with --runner pooling.")
+    if arch.encoder is not None:
+        check_encoder_positions(model_config, arch)
+
+
+def check_encoder_positions(model_config, arch) -> None:
+    """An encoder's prompt may hold no more tokens than its position table has
+    rows (RoBERTa's first ``padding_idx + 1`` rows are never a token's)."""
+    hf_config = model_config.hf_config
+    rows = hf_config.max_position_embeddings
+    if arch.encoder == "roberta":
+        rows -= hf_config.pad_token_id + 1
+    if model_config.max_model_len > rows:
+        raise ValueError(
+            f"max_model_len={model_config.max_model_len} is longer than {arch.name}'s position "
+            f"table allows: at most {rows} tokens (set --max-model-len {rows}).")
+
+
 def use_v1_runner_protocol(vllm_config) -> None:
     """Our runner speaks vLLM's V1 model runner protocol. vLLM's scheduler
     switches to the V2 one (resumed requests sent as new ones, no copy of a

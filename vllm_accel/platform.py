@@ -19,8 +19,8 @@ from vllm_accel.architectures import (check_layer_kinds, find_architecture,
                                       tensor_parallel_names)
 from vllm_accel import devices
 from vllm_accel.config_checks import (check_head_split, check_image_tokens, check_parallelism,
-                                      configure_recurrent_state, disable_modalities,
-                                      use_v1_runner_protocol)
+                                      check_runner, configure_recurrent_state,
+                                      disable_modalities, use_v1_runner_protocol)
 from vllm_accel.devices import DeviceBackend, select_backend
 from vllm_accel.log import get_logger
 from vllm_accel.patches import use_spawn_for_workers
@@ -189,7 +189,13 @@ class AccelPlatform(Platform):
         use_v1_runner_protocol(vllm_config)
 
         scheduler = vllm_config.scheduler_config
-        if scheduler.async_scheduling and not keeps_async_scheduling(settings, backend):
+        pooling = vllm_config.model_config is not None and \
+            vllm_config.model_config.runner_type == "pooling"
+        if scheduler.async_scheduling and pooling:
+            # A pooling step's outputs come from its forward (no sampling to overlap).
+            logger.info_once("vllm-accel runs pooling models with async scheduling off.")
+            scheduler.async_scheduling = False
+        elif scheduler.async_scheduling and not keeps_async_scheduling(settings, backend):
             # vLLM turns it on by default; it pays only where the device runs
             # apart from the host.
             logger.info_once("vllm-accel runs with async scheduling off on device '%s' (%s=%s).",
@@ -227,12 +233,8 @@ class AccelPlatform(Platform):
 
     @classmethod
     def _check_model(cls, model_config, parallel):
-        if model_config.runner_type != "generate":
-            raise ValueError(
-                f"vllm-accel serves text generation only, not runner "
-                f"'{model_config.runner_type}'."
-            )
         arch = find_architecture(model_config.architectures)
+        check_runner(model_config, arch, parallel)
         check_layer_kinds(arch, model_config.hf_text_config)
         if (parallel.tensor_parallel_size > 1
                 and arch.recurrent_dims(model_config.hf_text_config) is not None):

@@ -58,7 +58,7 @@ def load_fms_model(model_path: str, hf_config, dtype: torch.dtype,
         extra.update(distributed_strategy="tp", group=tp_group)
     extra.update(arch.fms_config_overrides(hf_config))
     model = _load_with_nan_fill(model_path, dtype, device, **extra)
-    _check_all_weights_loaded(model, model_path)
+    check_all_weights_loaded(model, model_path)
     if arch.paged_layers is not None:
         load_object(arch.paged_layers)(model)
     logger.info(
@@ -83,7 +83,7 @@ def _load_with_nan_fill(model_path: str, dtype: torch.dtype, device: str,
         )
 
 
-def _check_all_weights_loaded(model: nn.Module, model_path: str) -> None:
+def check_all_weights_loaded(model: nn.Module, model_path: str) -> None:
     missing = [
         name
         for name, param in model.named_parameters()

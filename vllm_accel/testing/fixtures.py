@@ -19,7 +19,8 @@ from vllm_accel.architectures import ARCHITECTURES, load_object
 # SUPPORTED_ARCHS: the text-only causal LMs (tests are parametrised over it).
 # VISION_ARCHS: vision-language models. ALL_ARCHS: everything make_tiny_model
 # and the CLI accept.
-SUPPORTED_ARCHS = tuple(a.model_type for a in ARCHITECTURES if a.vision_adapter is None)
+SUPPORTED_ARCHS = tuple(a.model_type for a in ARCHITECTURES
+                        if a.vision_adapter is None and a.encoder is None)
 VISION_ARCHS = tuple(a.model_type for a in ARCHITECTURES if a.vision_adapter is not None)
 ALL_ARCHS = SUPPORTED_ARCHS + VISION_ARCHS
 

@@ -40,12 +40,12 @@ class KvCacheGroups:
         # Where groups share tensors: each shared tensor's two halves of pages.
         self.pages: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
-        self.attention_groups = [0]
+        self.attention_groups = [0] if layer_windows else []  # none: an encoder's
         self.state_groups: list[int] = []
         # Until the KV cache's config: one layout (a memory profile's forward).
         attention_windows = [w for i, w in enumerate(layer_windows) if i not in recurrent]
         self.layouts: list[tuple[int, int]] = [(0, attention_windows[0] if attention_windows
-                                                else 0)]
+                                                else 0)] if layer_windows else []
 
     def attention_layers(self) -> list[int]:
         return [i for i in range(len(self.layer_windows)) if i not in self.recurrent]

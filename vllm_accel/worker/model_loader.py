@@ -1,6 +1,7 @@
-"""Loading a model for the runner: the FMS model, our CPU kernels and the
-layers packed for them (mixture-of-experts layers too), the vision adapter and
-encoder, compiled layers."""
+"""Loading a model for the runner: the FMS model (a decoder, or an
+encoder-only model for pooling), our CPU kernels and the layers packed for
+them (mixture-of-experts layers too), the vision adapter and encoder,
+compiled layers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from vllm_accel.devices import DeviceBackend
 from vllm_accel.kernels import CpuKernels
 from vllm_accel.log import get_logger
 from vllm_accel.model import experts, half_split_rope, saved_graphs
+from vllm_accel.architectures import find_architecture
 from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
+from vllm_accel.model.fms_encoder import FmsEncoder, load_fms_encoder
 from vllm_accel.model.packed_linear import pack_linear_layers
 from vllm_accel.multimodal.encoder import VisionEncoder
 from vllm_accel.multimodal.mm_mappings import vision_adapter_class
@@ -26,7 +29,7 @@ logger = get_logger(__name__)
 
 @dataclass
 class LoadedModel:
-    model: FmsCausalLM  # the text model the runner calls
+    model: FmsCausalLM | FmsEncoder  # the text model the runner calls
     kernels: CpuKernels  # what every forward's context names (cpu only; else none)
     vision: VisionAdapter | None = None  # vision-language models only
     vision_encoder: VisionEncoder | None = None
@@ -41,9 +44,15 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
     kernel_dir = settings.cache_dir / "kernels"
     if use_kernels:
         kernels.start_building(kernel_dir)  # while the weights load
-    fms_model = load_fms_model(model_config.model, hf_config, model_config.dtype,
-                               backend.device, trust_remote_code=model_config.trust_remote_code,
-                               tp_group=tp_group)
+    encoder_family = find_architecture(hf_config.architectures).encoder
+    if encoder_family is not None:
+        fms_model = load_fms_encoder(model_config.model, hf_config, encoder_family,
+                                     model_config.dtype, backend.device)
+    else:
+        fms_model = load_fms_model(model_config.model, hf_config, model_config.dtype,
+                                   backend.device,
+                                   trust_remote_code=model_config.trust_remote_code,
+                                   tp_group=tp_group)
     rotated = half_split_rope.install(fms_model, model_config.max_model_len)
     logger.info("vllm_accel rotary embedding on head halves: %d attention layers", rotated)
     adapter_class = vision_adapter_class(hf_config)
@@ -58,7 +67,8 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
                     "by oneDNN", packed, model_config.dtype, by_kernel)
         if not settings.cpu_kernels:
             logger.info("vllm_accel cpu kernels off (cpu_kernels=false): oneDNN and torch only")
-    loaded = LoadedModel(FmsCausalLM(text_model), cpu_kernels, vision)
+    loaded = LoadedModel(fms_model if encoder_family else FmsCausalLM(text_model),
+                         cpu_kernels, vision)
     compile_backend = backend.compile_backend if backend.compiles else None
     saved = None
     if compile_backend is not None:

@@ -9,7 +9,8 @@ more forwards padded to token buckets (``step_layout``), each under its own
 forward context, and samples with vLLM's ``Sampler`` (``sampling``).
 
 A vision-language model always runs on embeddings: images scheduled this step
-are encoded and merged at their placeholder positions (``images``).
+are encoded and merged at their placeholder positions (``images``). A pooling
+model returns vLLM's pooler outputs instead of sampling (``pooling``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from vllm_accel.forward_context import ForwardContext, set_forward_context
 from vllm_accel.kernels import NO_KERNELS, CpuKernels
 from vllm_accel.log import get_logger
 from vllm_accel.model.fms_causal_lm import FmsCausalLM
+from vllm_accel.model.fms_encoder import FmsEncoder
 from vllm_accel.model.mamba2 import RecurrentLayout
 from vllm_accel.model.paged_attention import AttentionLayouts, TableShape
 from vllm_accel.multimodal.encoder import VisionEncoder
@@ -50,6 +52,7 @@ from vllm_accel.worker.in_flight import (NO_TOKENS_IN_FLIGHT, InFlightOutput, co
                                         in_forward, tokens_in_flight)
 from vllm_accel.worker.kv_cache_groups import KvCacheGroups
 from vllm_accel.worker.model_loader import load_model
+from vllm_accel.worker.pooling import PoolingHead, batch_order, encode_step
 from vllm_accel.worker.prompt_logprobs import compute_prompt_logprobs
 from vllm_accel.worker.request_state import RequestStates
 from vllm_accel.worker.sampling import PendingSample, sample, step_output
@@ -100,6 +103,11 @@ class AccelModelRunner:
         )
 
         self.model: FmsCausalLM | None = None
+        # Pooling models only: vLLM's pooler (after load_model), and the
+        # model when it is encoder-only (then ``model`` stays None).
+        self.is_pooling = self.model_config.runner_type == "pooling"
+        self.pooling: PoolingHead | None = None
+        self.encoder: FmsEncoder | None = None
         self.kernels: CpuKernels = NO_KERNELS  # cpu: our C++ kernels, after load_model
         self.graphs: ForwardGraphs | None = None  # cuda only, after warmup
         # Each token bucket's inputs in one device buffer (cuda, after load_model).
@@ -133,8 +141,9 @@ class AccelModelRunner:
             block_sizes=block_sizes,
             max_num_blocks_per_req=max_blocks,
             logitsprocs=build_logitsprocs(self.vllm_config, self.device, False, False),
+            is_pooling_model=self.is_pooling,
         )
-        self.requests = RequestStates(self.input_batch, self.device, self.vision)
+        self.requests = RequestStates(self.input_batch, self.device, self.vision, self.pooling)
 
     # ---- start-up -----------------------------------------------------------
 
@@ -146,7 +155,17 @@ class AccelModelRunner:
             tp_group = get_tp_group().device_group
         loaded = load_model(self.model_config, self.backend, self.settings, self.token_buckets,
                             self.compile_stats, tp_group)
-        self.model, self.kernels = loaded.model, loaded.kernels
+        self.kernels = loaded.kernels
+        if isinstance(loaded.model, FmsEncoder):  # no KV cache, no decoder
+            self.encoder = loaded.model
+            self.pooling = self.requests.pooling = PoolingHead(
+                self.vllm_config, loaded.model.classify
+                if loaded.model.classification_head is not None else None)
+            self.kv_cache = KvCacheGroups([], {})
+            return
+        self.model = loaded.model
+        if self.is_pooling:
+            self.pooling = self.requests.pooling = PoolingHead(self.vllm_config, None)
         arch = find_architecture(self.model_config.architectures)
         windows = layer_windows(arch, self.model_config.hf_text_config, self.model.num_layers)
         self.kv_cache = KvCacheGroups.for_context(windows, self.model.recurrent, self.max_model_len)
@@ -182,7 +201,8 @@ class AccelModelRunner:
                 for bucket in self.token_buckets}
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        assert self.model is not None
+        if self.encoder is not None:
+            return {}
         return self.kv_cache.specs(self.block_size, self.model.num_kv_heads, self.model.head_dim,
                                    self.dtype, self.max_model_len)
 
@@ -191,8 +211,10 @@ class AccelModelRunner:
                                              self.max_model_len)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        assert self.model is not None
         self.num_blocks = kv_cache_config.num_blocks
+        if self.encoder is not None:  # no KV cache: requests hold no blocks
+            self._new_input_batch([], [])
+            return
         block_tables = self.kv_cache.allocate(
             kv_cache_config, self.block_size, self.model.num_kv_heads, self.model.head_dim,
             self.dtype, self.device, self.max_blocks_per_req)
@@ -223,6 +245,8 @@ class AccelModelRunner:
         num_scheduled = np.array(
             [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64
         )
+        if self.encoder is not None:
+            return self._pool(encode_step(self, num_scheduled), num_scheduled)
         start = batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64)
         attention = [AttentionGroup(batch.block_table[g].get_numpy_array(), window)
                      for g, window in self.kv_cache.layouts]
@@ -238,8 +262,8 @@ class AccelModelRunner:
         self.tokens_from_device += len(in_flight[0])
         # Prompt logprobs read every prompt token's hidden state, sampling only
         # the logits of each request's last token (computed per forward).
-        keep_hidden = any(self.requests[r].prompt_logprobs_pending is not None
-                          for r in scheduler_output.num_scheduled_tokens)
+        keep_hidden = self.is_pooling or any(self.requests[r].prompt_logprobs_pending is not None
+                                             for r in scheduler_output.num_scheduled_tokens)
         multimodal = None
         if self.images is not None:
             with set_forward_context(self.forward_context()):
@@ -254,6 +278,9 @@ class AccelModelRunner:
         if keep_hidden:
             parts = [h for h, _ in outputs]
             hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if self.pooling is not None:
+            order = torch.from_numpy(batch_order(step.first_tokens, step.counts, step.rows))
+            return self._pool(hidden[0, order.to(hidden.device)], num_scheduled)
         logits, prompt_logprobs = None, {}
         if self.is_driver:
             parts = [lg for _, lg in outputs]
@@ -338,8 +365,15 @@ class AccelModelRunner:
         with set_forward_context(context.padded(bucket, bucket if tokens is None else tokens)):
             hidden = self.model(inputs, positions, self.kv_cache.layers)
         with set_forward_context(context):  # the head's rows: those sampled, none padding
-            logits = self.model.compute_logits(hidden[0, logit_rows]) if self.is_driver else None
+            logits = (self.model.compute_logits(hidden[0, logit_rows])
+                      if self.is_driver and self.pooling is None else None)
         return hidden, logits
+
+    def _pool(self, hidden: torch.Tensor, num_scheduled: np.ndarray) -> ModelRunnerOutput:
+        """vLLM's pooler over the step's hidden states (batch order); a
+        classifier's head may run by our kernel: in a forward's context."""
+        with set_forward_context(self.forward_context()):
+            return self.pooling.pool(hidden, self.input_batch, num_scheduled)
 
     def forward_context(self, **fields) -> ForwardContext:
         """The context of a forward of this engine (``fields``: the forward's
@@ -389,6 +423,9 @@ class AccelModelRunner:
             "runtime_compiles": self.compile_stats.runtime_compiles,
             "tokens_from_device": self.tokens_from_device,
         }
+
+    def supported_tasks(self) -> tuple[str, ...]:
+        return self.pooling.supported_tasks() if self.pooling is not None else ("generate",)
 
     def _plan_forwards(self, num_tokens: int) -> list[int]:
         return plan_forwards(num_tokens, self.token_buckets, self.forward_costs)

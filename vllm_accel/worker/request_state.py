@@ -5,7 +5,7 @@ plus what our runner keeps per request. ``RequestStates.update`` applies one
 ``SchedulerOutput``: finished requests leave, new ones arrive, running ones
 get their computed-token counts and new blocks. It is adapted from vLLM
 0.33.0's ``GPUModelRunner._update_states`` (vllm/v1/worker/gpu_model_runner.py)
-without speculative decoding, LoRA and pooling (async scheduling: only the
+without speculative decoding and LoRA (async scheduling: only the
 resumed requests' tokens; the rest is in_flight.py): diff against that
 function when upgrading vLLM.
 """
@@ -22,6 +22,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm_accel.multimodal.inputs import item_tensors
 from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
 from vllm_accel.worker.multimodal_rows import Placeholder, RopePositions
+from vllm_accel.worker.pooling import PoolingHead
 
 
 @dataclass
@@ -36,10 +37,11 @@ class RequestState(CachedRequestState):
 
 class RequestStates:
     def __init__(self, input_batch: InputBatch, device: torch.device,
-                 vision: VisionAdapter | None = None):
+                 vision: VisionAdapter | None = None, pooling: PoolingHead | None = None):
         self.batch = input_batch
         self.device = device
         self.vision = vision
+        self.pooling = pooling  # a pooling model's pooler: it adjusts each request's parameters
         self.requests: dict[str, RequestState] = {}
 
     def __getitem__(self, req_id: str) -> RequestState:
@@ -106,7 +108,7 @@ class RequestStates:
             prompt_is_token_ids=new.prompt_is_token_ids,
             mm_features=new.mm_features,
             sampling_params=params,
-            pooling_params=None,
+            pooling_params=new.pooling_params,
             generator=generator,
             block_ids=new.block_ids,
             num_computed_tokens=new.num_computed_tokens,
@@ -114,6 +116,8 @@ class RequestStates:
             lora_request=new.lora_request,
             placeholders=[_placeholder(feature) for feature in new.mm_features],
         )
+        if self.pooling is not None:
+            self.pooling.prepare(new.pooling_params)
         if params is not None and params.prompt_logprobs is not None:
             # -1: the whole vocabulary.
             state.prompt_logprobs_pending = (self.batch.vocab_size if params.prompt_logprobs == -1

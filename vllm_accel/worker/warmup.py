@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from vllm.distributed import get_tp_group
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -51,7 +52,7 @@ def _step(runner: AccelModelRunner, scheduler_output: SchedulerOutput) -> None:
 
 
 def _new_requests(runner: AccelModelRunner, name: str, lengths: list[int],
-                  params: SamplingParams, computed: int = 0) -> SchedulerOutput:
+                  params: SamplingParams | PoolingParams, computed: int = 0) -> SchedulerOutput:
     """A step that prefills ``lengths`` tokens of new prompts, each after
     ``computed`` tokens taken as already in the KV cache (a prefix hit)."""
     next_block = 1  # block 0 is vLLM's null block; others are free during warmup
@@ -75,7 +76,9 @@ def _new_requests(runner: AccelModelRunner, name: str, lengths: list[int],
                           for g in range(groups))
         new_reqs.append(NewRequestData(
             req_id=f"{name}-{i}", prompt_token_ids=[i % 7 + 10] * (computed + length),
-            mm_features=[], sampling_params=params, pooling_params=None,
+            mm_features=[],
+            sampling_params=params if isinstance(params, SamplingParams) else None,
+            pooling_params=params.clone() if isinstance(params, PoolingParams) else None,
             block_ids=block_ids, num_computed_tokens=computed, lora_request=None,
         ))
     prefill = SchedulerOutput.make_empty()
@@ -93,6 +96,12 @@ def _finish(runner: AccelModelRunner, req_ids: list[str]) -> None:
 
 def _run_bucket(runner: AccelModelRunner, bucket: int, params: SamplingParams) -> None:
     lengths = _prompt_lengths(bucket, runner.max_model_len - 2, runner.max_num_reqs)
+    if runner.pooling is not None:  # prompts only: pooled when prefilled
+        task = runner.pooling.supported_tasks()[0]
+        prefill = _new_requests(runner, f"warmup-{bucket}", lengths, PoolingParams(task=task))
+        _step(runner, prefill)
+        _finish(runner, list(prefill.num_scheduled_tokens))
+        return
     prefill = _new_requests(runner, f"warmup-{bucket}", lengths, params)
     req_ids = list(prefill.num_scheduled_tokens)
     _step(runner, prefill)

@@ -223,7 +223,7 @@ class AccelWorker(WorkerBase):
         return CompilationTimes(language_model=warmup_s, encoder=0.0)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        return self.model_runner.supported_tasks()
 
     def get_cache_block_size_bytes(self) -> int:
         return self.model_runner.kv_cache_bytes_per_token() * self.cache_config.block_size

@@ -1,0 +1,190 @@
+"""Pooling models (embedders, classifiers, a cross-encoder) against HF
+transformers' own classes, float32, within 1e-4; batches of mixed lengths
+equal to one prompt at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from vllm import PoolingParams, TokensPrompt
+from vllm.exceptions import VLLMValidationError
+
+from helpers import model_runner, running_llm
+from vllm_accel.testing.tiny_encoders import make_tiny_encoder
+
+TOL = 1e-4
+# Lengths across token buckets (1, 8, 16, 32, ...), one past 64.
+TEXTS = ["a", "hello world", "The quick brown fox jumps over the lazy dog.",
+         "Once upon a time there was a little robot who lived in a quiet town near the sea. "
+         "Every morning the robot walked to the harbour, counted the boats, and wrote the "
+         "numbers in a notebook: one, two, three, four, five."]
+ENGINE = dict(max_model_len=512, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("encoders")
+    return lambda kind: make_tiny_encoder(kind, root / kind)
+
+
+def hf_hidden(model_dir, kind: str, ids: list[int]) -> torch.Tensor:
+    """HF's last hidden states [tokens, hidden] for one prompt."""
+    from transformers import AutoModel, BertModel, RobertaModel
+
+    if kind == "qwen3_embedder":
+        model = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        model = {"bert": BertModel, "roberta": RobertaModel}[kind].from_pretrained(
+            model_dir, add_pooling_layer=False)
+    with torch.no_grad():
+        return model.eval()(torch.tensor([ids])).last_hidden_state[0]
+
+
+def hf_embedding(model_dir, kind: str, ids: list[int]) -> torch.Tensor:
+    """The fixture's sentence-transformers pooling, on HF's hidden states."""
+    hidden = hf_hidden(model_dir, kind, ids)
+    pooled = {"bert": hidden.mean(0), "roberta": hidden[0], "qwen3_embedder": hidden[-1]}[kind]
+    return pooled if kind == "roberta" else F.normalize(pooled, dim=0)
+
+
+def token_ids(llm, texts):
+    return [llm.get_tokenizer()(t).input_ids for t in texts]
+
+
+def embed(llm, prompts, **params):
+    outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False,
+                     pooling_params=PoolingParams(**params) if params else None)
+    return [torch.tensor(o.outputs.embedding) for o in outs]
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_encoder_embeddings_equal_hf_in_a_batch_and_one_at_a_time(kind, encoders):
+    model_dir = encoders(kind)
+    with running_llm(model_dir, **ENGINE) as llm:
+        prompts = token_ids(llm, TEXTS)
+        batched = embed(llm, prompts)
+        alone = [embed(llm, [p])[0] for p in prompts]
+        assert model_runner(llm).kv_cache.nbytes() == 0  # no KV cache
+    for p, got, single in zip(prompts, batched, alone):
+        expected = hf_embedding(model_dir, kind, p)
+        assert torch.allclose(got, expected, atol=TOL, rtol=0), (got - expected).abs().max()
+        assert torch.allclose(got, single, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_decoder_embedder_equals_hf_through_chunks_and_a_prefix_hit(encoders):
+    """Qwen3 as an embedder (last token, normalized): a prompt longer than
+    a step's token budget pools once its last chunk ran; the same prompt
+    again hits the prefix cache and pools alike."""
+    model_dir = encoders("qwen3_embedder")
+    with running_llm(model_dir, runner="pooling", max_num_batched_tokens=32,
+                     enable_prefix_caching=True, **ENGINE) as llm:
+        prompts = token_ids(llm, TEXTS)
+        assert len(prompts[-1]) > 32  # chunked
+        batched = embed(llm, prompts)
+        again = embed(llm, [prompts[-1]])[0]
+    for p, got in zip(prompts, batched):
+        expected = hf_embedding(model_dir, "qwen3_embedder", p)
+        assert torch.allclose(got, expected, atol=TOL, rtol=0), (got - expected).abs().max()
+    assert torch.allclose(again, batched[-1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_classifier_probabilities_and_cross_encoder_scores_equal_hf(encoders):
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    classifier_dir, cross_dir = encoders("bert_classifier"), encoders("cross_encoder")
+    with running_llm(classifier_dir, **ENGINE) as llm:
+        prompts = token_ids(llm, TEXTS)
+        probs = [torch.tensor(o.outputs.probs) for o in
+                 llm.classify([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                              use_tqdm=False)]
+    hf = BertForSequenceClassification.from_pretrained(classifier_dir).eval()
+    for p, got in zip(prompts, probs):
+        with torch.no_grad():
+            expected = hf(torch.tensor([p])).logits[0].softmax(-1)
+        assert torch.allclose(got, expected, atol=TOL, rtol=0), (got, expected)
+
+    query, docs = "What is the capital of France?", TEXTS[1:]
+    with running_llm(cross_dir, **ENGINE) as llm:
+        scores = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    tokenizer = AutoTokenizer.from_pretrained(cross_dir)
+    hf = BertForSequenceClassification.from_pretrained(cross_dir).eval()
+    for doc, got in zip(docs, scores):
+        pair = tokenizer(query, doc, return_tensors="pt")
+        assert pair.token_type_ids.any()  # the second text's tokens are of type 1
+        with torch.no_grad():
+            expected = hf(**pair).logits[0, 0].sigmoid().item()
+        assert abs(got - expected) < TOL, (got, expected)
+
+
+@pytest.mark.slow
+def test_pooler_config_override_and_matryoshka_dimensions(encoders):
+    """--pooler-config replaces the checkpoint's pooling (CLS for its mean);
+    a request's dimensions keep the embedding's first ones, normalized."""
+    from vllm.config import PoolerConfig
+
+    model_dir = encoders("bert")
+    with running_llm(model_dir, pooler_config=PoolerConfig(seq_pooling_type="CLS"),
+                     **ENGINE) as llm:
+        prompts = token_ids(llm, TEXTS[1:3])
+        full = embed(llm, prompts)
+        short = embed(llm, prompts, dimensions=16)
+        with pytest.raises(VLLMValidationError, match=r"dimensions \[16, 32, 64\], got 20"):
+            embed(llm, prompts, dimensions=20)  # not one of the model's
+    for p, got, got_short in zip(prompts, full, short):
+        cls = hf_hidden(model_dir, "bert", p)[0]
+        assert torch.allclose(got, F.normalize(cls, dim=0), atol=TOL, rtol=0)
+        assert torch.allclose(got_short, F.normalize(cls[:16], dim=0), atol=TOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_encoder_serves_mixed_lengths_without_compiling(encoders, tmp_path):
+    """Inductor graphs per token bucket at warmup, none while serving."""
+    model_dir = encoders("bert")
+    settings = {"compile_backend": "inductor", "token_buckets": "1,4,16,64",
+                "compile_cache_dir": str(tmp_path)}
+    with running_llm(model_dir, additional_config={"accel": settings}, max_model_len=64,
+                     max_num_batched_tokens=64, max_num_seqs=8) as llm:
+        runner = model_runner(llm)
+        prompts = token_ids(llm, TEXTS[:3] + [TEXTS[3][:100]])
+        got = embed(llm, prompts[:3]) + embed(llm, prompts[3:]) + embed(llm, prompts[:1])
+        assert runner.compile_stats.runtime_compiles == 0
+    for p, vector in zip(prompts + prompts[:1], got):
+        expected = hf_embedding(model_dir, "bert", p)
+        assert torch.allclose(vector, expected, atol=TOL, rtol=0)
+
+
+def test_a_generate_request_to_an_embedder_fails_and_it_keeps_serving(encoders):
+    from vllm import SamplingParams
+
+    model_dir = encoders("roberta")
+    with running_llm(model_dir, **ENGINE) as llm:
+        with pytest.raises(ValueError, match="generat"):
+            llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+        with pytest.raises(VLLMValidationError, match="maximum context length is 512"):
+            embed(llm, [[5] * 600])
+        assert len(embed(llm, [[5, 6, 7]])[0]) == 64
+
+
+@pytest.mark.parametrize("kind,options,message", [
+    # Without sentence-transformers' max_seq_length vLLM takes every row of
+    # the table; RoBERTa's first padding_idx + 1 are no token's.
+    ("roberta_without_max_seq_length", {},
+     r"max_model_len=515 is longer than RobertaModel's position table allows: at most 512"),
+    ("qwen3_embedder", dict(runner="pooling", convert="classify"),
+     r"pools Qwen3ForCausalLM as an embedder only \(--convert embed\)"),
+    ("bert", dict(tensor_parallel_size=2), r"tensor_parallel_size must be 1 with --runner pooling"),
+])
+def test_unsupported_pooling_configurations_fail_at_start_naming_the_setting(
+        kind, options, message, encoders, tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    if kind.endswith("_without_max_seq_length"):  # a directory vLLM has not read
+        model_dir = make_tiny_encoder(kind.removesuffix("_without_max_seq_length"), tmp_path)
+        (model_dir / "sentence_bert_config.json").unlink()
+    else:
+        model_dir = encoders(kind)
+    with pytest.raises(Exception, match=message):
+        EngineArgs(model=str(model_dir), **options).create_engine_config()

@@ -1,0 +1,149 @@
+"""Pooling models (``--runner pooling``): vLLM's pooler over a step's hidden states.
+
+The runner computes every scheduled token's hidden state and hands them, in
+``InputBatch`` order, to vLLM's own ``DispatchPooler``, which reads the
+model's pooler config (sentence-transformers' ``modules.json`` and
+``1_Pooling``, ``--pooler-config``): CLS, mean or last-token pooling,
+normalization, matryoshka dimensions, a classifier's head and activation.
+A request's pooled output comes back when its prompt is done (a decoder
+embedder may prefill in chunks; vLLM's pooling cursor says which are done).
+
+Decoder embedders (Qwen3) run the decoder's usual forwards over the paged KV
+cache. Encoder-only models (``model/fms_encoder.py``) keep no KV cache: each
+step's prompts are packed into one sequence and padded to a token bucket
+(``pack_encoder_step``), each prompt attending only to itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.model_executor.layers.pooler import DispatchPooler
+from vllm.pooling_params import PoolingParams
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.gpu_input_batch import InputBatch
+
+from vllm_accel.buckets import fit_bucket
+from vllm_accel.forward_context import set_forward_context
+from vllm_accel.settings import env_var_name
+
+if TYPE_CHECKING:
+    from vllm_accel.worker.model_runner import AccelModelRunner
+
+
+class PoolingHead:
+    """vLLM's pooler for this model: embedding tasks, or with ``classify``
+    (a classifier's head on pooled states) classification tasks."""
+
+    def __init__(self, vllm_config, classify: Callable[[torch.Tensor], torch.Tensor] | None):
+        pooler_config = vllm_config.model_config.pooler_config
+        with set_current_vllm_config(vllm_config):  # vLLM's poolers read it as they build
+            self.pooler = (DispatchPooler.for_embedding(pooler_config) if classify is None
+                           else DispatchPooler.for_seq_cls(pooler_config, classifier=classify))
+
+    def supported_tasks(self) -> tuple[str, ...]:
+        return tuple(sorted(self.pooler.get_supported_tasks()))
+
+    def prepare(self, params: PoolingParams) -> None:
+        """What the pooler needs of a new request's parameters (vLLM's rule)."""
+        if params.task is None:
+            raise ValueError("a pooling request reached the runner without a task")
+        self.pooler.get_pooling_updates(params.task).apply(params)
+
+    def pool(self, hidden: torch.Tensor, batch: InputBatch,
+             num_scheduled: np.ndarray) -> ModelRunnerOutput:
+        """hidden [tokens, hidden]: the step's scheduled tokens in batch
+        order -> each request's pooled output, None where its prompt is not done."""
+        num_reqs = batch.num_reqs
+        seq_lens = torch.from_numpy(
+            batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64) + num_scheduled)
+        metadata = batch.get_pooling_metadata()
+        metadata.build_pooling_cursor(num_scheduled, seq_lens, device=hidden.device)
+        pooled = self.pooler(hidden_states=hidden, pooling_metadata=metadata)
+        done = metadata.get_pooling_cursor().get_finished_mask()
+        if isinstance(pooled, torch.Tensor):
+            pooled = list(pooled)
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids.copy(), req_id_to_index=batch.req_id_to_index.copy(),
+            pooler_output=[out.float().cpu() if finished and out is not None else None
+                           for out, finished in zip(pooled, done)])
+
+
+def batch_order(first_tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The packed index of every token, requests taken in batch-row order
+    (``rows``: the batch row of each packed request)."""
+    by_row = np.argsort(rows)
+    return np.concatenate([np.arange(first_tokens[i], first_tokens[i] + counts[i])
+                           for i in by_row])
+
+
+@dataclass
+class EncoderStep:
+    """A step of an encoder-only model: its prompts packed in batch order,
+    padded to ``bucket`` tokens. Each token's span [first, end) is its
+    prompt's (padding tokens: the padding's); positions restart per prompt;
+    token type 1 where the request's pair range says (a cross-encoder's
+    second text)."""
+
+    input_ids: torch.Tensor  # [1, bucket]
+    positions: torch.Tensor  # [1, bucket]
+    token_types: torch.Tensor  # [1, bucket]
+    ranges: torch.Tensor  # [1, bucket, 2] int32
+    num_tokens: int
+
+
+def pack_encoder_step(token_ids: np.ndarray, num_scheduled: np.ndarray,
+                      type_ranges: list[tuple[int, int] | None],
+                      bucket_for: Callable[[int], int]) -> EncoderStep:
+    """``token_ids`` [rows, max_len]: the batch's; each row's first
+    ``num_scheduled`` tokens are its whole prompt."""
+    total = int(num_scheduled.sum())
+    bucket = bucket_for(total)
+    ids = np.zeros(bucket, dtype=np.int64)
+    positions = np.zeros(bucket, dtype=np.int64)
+    types = np.zeros(bucket, dtype=np.int64)
+    ranges = np.empty((bucket, 2), dtype=np.int32)
+    ranges[total:] = (total, bucket)  # padding attends among itself
+    start = 0
+    for row, count in enumerate(num_scheduled.tolist()):
+        end = start + count
+        ids[start:end] = token_ids[row, :count]
+        positions[start:end] = np.arange(count)
+        if type_ranges[row] is not None:
+            first, last = type_ranges[row]
+            types[start + min(first, count):start + min(last, count)] = 1
+        ranges[start:end] = (start, end)
+        start = end
+    as_tensor = torch.from_numpy
+    return EncoderStep(as_tensor(ids)[None], as_tensor(positions)[None],
+                       as_tensor(types)[None], as_tensor(ranges)[None], total)
+
+
+def token_type_ranges(batch: InputBatch) -> list[tuple[int, int] | None]:
+    """Each request's tokens of type 1 (vLLM's scoring front end sends a
+    cross-encoder's pair as that range), None: all type 0."""
+    ranges = []
+    for params in batch.get_pooling_params():
+        extra = params.extra_kwargs or {}
+        ranges.append(extra.get("compressed_token_type_ids"))
+    return ranges
+
+
+def encode_step(runner: AccelModelRunner, num_scheduled: np.ndarray) -> torch.Tensor:
+    """An encoder-only model's step: its prompts' hidden states [tokens, hidden]."""
+    batch = runner.input_batch
+    step = pack_encoder_step(batch.token_ids_cpu, num_scheduled, token_type_ranges(batch),
+                             lambda n: fit_bucket(runner.token_buckets, n, "tokens",
+                                                  env_var_name("token_buckets")))
+    inputs = [t.to(runner.device, non_blocking=True) for t in
+              (step.input_ids, step.positions, step.token_types, step.ranges)]
+    bucket = inputs[0].shape[1]
+    with set_forward_context(runner.forward_context().padded(bucket, step.num_tokens)):
+        hidden = runner.encoder(*inputs)
+    runner.compile_stats.after_step(f"a forward of {bucket} tokens")
+    return hidden[0, :step.num_tokens]
