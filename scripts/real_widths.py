@@ -5,6 +5,8 @@ offline by HF's own class, fewer layers). The engine loads the checkpoint and
 generates greedily from token ids; HF's own class generates from the same
 ids, and the script prints how many leading tokens agree (bfloat16 and random
 weights: near ties may part them, so agreement is reported, not required).
+Embedders (``EMBEDDERS``) embed instead: the cosine of each embedding to
+HF's, pooled as the checkpoint's sentence-transformers files say.
 
     .venv/bin/python scripts/real_widths.py [--models mixtral,...] [--device cpu|cuda]
                                             [--dtype bfloat16|float32] [--tokens 8]
@@ -85,6 +87,73 @@ CONFIGS = {
         max_position_embeddings=262144, tie_word_embeddings=False, bos_token_id=0,
         eos_token_id=0, pad_token_id=0), dict(num_hidden_layers=3, attn_layer_indices=[1])),
 }
+
+
+# Embedders (pooling): model -> (HF config class name, the published fields,
+# the depth cut, sentence-transformers' pooling, extra engine options).
+EMBEDDERS = {
+    # granite-embedding-125m-english: RoBERTa, CLS pooling, normalized.
+    "granite_embedding_125m": ("RobertaConfig", dict(
+        architectures=["RobertaModel"], hidden_size=768, intermediate_size=3072,
+        num_attention_heads=12, num_hidden_layers=12, vocab_size=50265,
+        max_position_embeddings=514, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, layer_norm_eps=1e-12, hidden_act="gelu"), {}, "cls", {}),
+    # Qwen3-Embedding-0.6B: Qwen3, last-token pooling, normalized.
+    "qwen3_embedding_0_6b": ("Qwen3Config", dict(
+        architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_hidden_layers=28,
+        vocab_size=151669, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643),
+        dict(num_hidden_layers=4), "lasttoken", {"runner": "pooling"}),
+}
+
+
+def write_embedder(name: str, out: Path, dtype) -> Path:
+    import torch
+    import transformers
+
+    from vllm_accel.testing.tiny_encoders import write_sentence_transformers
+    from vllm_accel.testing.tiny_models import CHAT_TEMPLATE, _save_tokenizer, build_tokenizer
+
+    config_class, fields, cut, pooling, _ = EMBEDDERS[name]
+    config = getattr(transformers, config_class)(**{**fields, **cut})
+    torch.manual_seed(0)
+    transformers.AutoModel.from_config(config, dtype=dtype).save_pretrained(out)
+    # As published: Qwen3-Embedding's weights are a Qwen3Model's (no "model."
+    # prefix, no LM head), its config names Qwen3ForCausalLM.
+    saved = json.loads((out / "config.json").read_text())
+    saved["architectures"] = fields["architectures"]
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
+    _save_tokenizer(build_tokenizer(), out, CHAT_TEMPLATE)  # ids are sent directly
+    write_sentence_transformers(out, pooling, True, config.hidden_size, max_seq_length=512)
+    return out
+
+
+def embedder_agreement(name: str, path: Path, prompts, dtype_name: str, device: str) -> dict:
+    """The engine's embeddings beside HF's class (pooled, normalized)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModel
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(model=str(path), dtype=dtype_name, max_model_len=256, seed=0,
+              additional_config={"accel": {"device": device}}, **EMBEDDERS[name][4])
+    start_s = time.perf_counter() - started
+    outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    ours = torch.stack([torch.tensor(o.outputs.embedding) for o in outs])
+    model = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype_name)).to(device).eval()
+    hf = []
+    for prompt in prompts:
+        with torch.no_grad():
+            hidden = model(torch.tensor([prompt], device=device)).last_hidden_state[0].float()
+        hf.append(F.normalize(hidden[0] if EMBEDDERS[name][3] == "cls" else hidden[-1], dim=0))
+    cosines = F.cosine_similarity(ours, torch.stack(hf).cpu(), dim=1)
+    return {"dimensions": ours.shape[1], "engine_start_s": start_s,
+            "cosine_to_hf": [round(c, 5) for c in cosines.tolist()]}
 
 
 def write_checkpoint(name: str, out: Path, dtype, layers: int | None = None) -> Path:
@@ -179,7 +248,7 @@ def main() -> None:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(CONFIGS))
+    parser.add_argument("--models", default=",".join([*CONFIGS, *EMBEDDERS]))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=8)
@@ -188,6 +257,15 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     results = {}
     for name in args.models.split(","):
+        if name in EMBEDDERS:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = write_embedder(name, Path(tmp) / name, dtype)
+                vocab = EMBEDDERS[name][1]["vocab_size"]
+                gen = torch.Generator().manual_seed(1)
+                prompts = torch.randint(1000, vocab - 1, (2, 40), generator=gen).tolist()
+                results[name] = embedder_agreement(name, path, prompts, args.dtype, args.device)
+                print(name, json.dumps(results[name]), flush=True)
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             path = write_checkpoint(name, Path(tmp) / name, dtype, args.layers)
             fields = CONFIGS[name][1]

@@ -79,27 +79,30 @@ def _encoder_config(kind: str, tokenizer):
     return config
 
 
-def _write_sentence_transformers(out: pathlib.Path, kind: str, hidden: int) -> None:
+def write_sentence_transformers(out: pathlib.Path, pooling: str, normalize: bool, hidden: int,
+                                max_seq_length: int = ENCODER_MAX_POS) -> None:
+    """sentence-transformers' files: ``pooling`` ("mean", "cls" or
+    "lasttoken"), then Normalize if ``normalize``."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
-    if kind in _NORMALIZED:
+    if normalize:
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
                         "type": "sentence_transformers.models.Normalize"})
         (out / "2_Normalize").mkdir(exist_ok=True)
     (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
     # The longest input, as a real checkpoint's says (vLLM caps max_model_len to it).
     (out / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": ENCODER_MAX_POS, "do_lower_case": False}) + "\n")
+        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}) + "\n")
     (out / "1_Pooling").mkdir(exist_ok=True)
-    pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": False,
-               "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
-               "pooling_mode_mean_sqrt_len_tokens": False,
-               "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False,
-               "include_prompt": True}
-    pooling[{"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
-             "lasttoken": "pooling_mode_lasttoken"}[_POOLING[kind]]] = True
-    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
+    config = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": False,
+              "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+              "pooling_mode_mean_sqrt_len_tokens": False,
+              "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False,
+              "include_prompt": True}
+    config[{"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
+            "lasttoken": "pooling_mode_lasttoken"}[pooling]] = True
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def make_tiny_encoder(kind: str, out_dir: str | os.PathLike, *, seed: int = 0) -> pathlib.Path:
@@ -111,7 +114,8 @@ def make_tiny_encoder(kind: str, out_dir: str | os.PathLike, *, seed: int = 0) -
         make_tiny_checkpoint("qwen3", out, seed=seed, printable_only=False)
         from transformers import AutoConfig
 
-        _write_sentence_transformers(out, kind, AutoConfig.from_pretrained(out).hidden_size)
+        write_sentence_transformers(out, _POOLING[kind], kind in _NORMALIZED,
+                                    AutoConfig.from_pretrained(out).hidden_size)
         return out
     from transformers import BertForSequenceClassification, BertModel, RobertaModel
 
@@ -138,5 +142,5 @@ def make_tiny_encoder(kind: str, out_dir: str | os.PathLike, *, seed: int = 0) -
               model_max_length=ENCODER_MAX_POS)
     tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
     if kind in _POOLING:
-        _write_sentence_transformers(out, kind, ENCODER_HIDDEN)
+        write_sentence_transformers(out, _POOLING[kind], kind in _NORMALIZED, ENCODER_HIDDEN)
     return out
