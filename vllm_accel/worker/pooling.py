@@ -86,7 +86,7 @@ def batch_order(first_tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray) 
 class EncoderStep:
     """A step of an encoder-only model: its prompts packed in batch order,
     padded to ``bucket`` tokens. Each token's span [first, end) is its
-    prompt's (padding tokens: the padding's); positions restart per prompt;
+    prompt's (a padding token's: itself); positions restart per prompt;
     token type 1 where the request's pair range says (a cross-encoder's
     second text)."""
 
@@ -108,7 +108,8 @@ def pack_encoder_step(token_ids: np.ndarray, num_scheduled: np.ndarray,
     positions = np.zeros(bucket, dtype=np.int64)
     types = np.zeros(bucket, dtype=np.int64)
     ranges = np.empty((bucket, 2), dtype=np.int32)
-    ranges[total:] = (total, bucket)  # padding attends among itself
+    padding = np.arange(total, bucket, dtype=np.int32)
+    ranges[total:, 0], ranges[total:, 1] = padding, padding + 1  # each to itself: no work
     start = 0
     for row, count in enumerate(num_scheduled.tolist()):
         end = start + count
