@@ -305,3 +305,22 @@ def test_cpu_backend_on_a_cuda_host(tmp_path):
         out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.8, top_k=5, top_p=0.9,
                                                        seed=0, max_tokens=6), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+
+
+@pytest.mark.parametrize("kind", ["bert", "qwen3_embedder"])
+def test_embeddings_on_cuda_equal_hf(kind, tmp_path):
+    """An encoder (span attention, no KV cache) and a decoder embedder
+    (paged attention, CUDA graphs), a batch of mixed lengths."""
+    from test_pooling import TEXTS, TOL, embed, hf_embedding, token_ids
+    from vllm_accel.testing.tiny_encoders import make_tiny_encoder
+
+    model_dir = make_tiny_encoder(kind, tmp_path / kind)
+    with running_llm(model_dir, additional_config=CUDA, runner="pooling", max_model_len=512,
+                     max_num_seqs=8, **GPU_SHARE) as llm:
+        runner = model_runner(llm)
+        prompts = token_ids(llm, TEXTS)
+        got = embed(llm, prompts) + embed(llm, prompts[:1])
+        assert runner.compile_stats.runtime_compiles == 0
+    for p, vector in zip(prompts + prompts[:1], got):
+        expected = hf_embedding(model_dir, kind, p)
+        assert torch.allclose(vector, expected, atol=TOL, rtol=0), (vector - expected).abs().max()

@@ -141,19 +141,40 @@ def test_pooler_config_override_and_matryoshka_dimensions(encoders):
 
 @pytest.mark.slow
 def test_compiled_encoder_serves_mixed_lengths_without_compiling(encoders, tmp_path):
-    """Inductor graphs per token bucket at warmup, none while serving."""
+    """Inductor graphs per token bucket at warmup, none while serving; a step
+    longer than the largest bucket runs as forwards of whole prompts."""
     model_dir = encoders("bert")
-    settings = {"compile_backend": "inductor", "token_buckets": "1,4,16,64",
+    settings = {"compile_backend": "inductor", "token_buckets": "1,4,16,32",
                 "compile_cache_dir": str(tmp_path)}
-    with running_llm(model_dir, additional_config={"accel": settings}, max_model_len=64,
-                     max_num_batched_tokens=64, max_num_seqs=8) as llm:
+    with running_llm(model_dir, additional_config={"accel": settings}, max_model_len=32,
+                     max_num_batched_tokens=128, max_num_seqs=8) as llm:
         runner = model_runner(llm)
-        prompts = token_ids(llm, TEXTS[:3] + [TEXTS[3][:100]])
-        got = embed(llm, prompts[:3]) + embed(llm, prompts[3:]) + embed(llm, prompts[:1])
+        prompts = token_ids(llm, TEXTS[:3] + [TEXTS[3][:60]])
+        assert sum(map(len, prompts)) > 32
+        got = embed(llm, prompts) + embed(llm, prompts[:1])
         assert runner.compile_stats.runtime_compiles == 0
     for p, vector in zip(prompts + prompts[:1], got):
         expected = hf_embedding(model_dir, "bert", p)
         assert torch.allclose(vector, expected, atol=TOL, rtol=0)
+
+
+def test_an_encoder_needs_a_token_bucket_that_holds_its_longest_prompt(encoders):
+    with pytest.raises(Exception, match=r"largest token bucket must be at least "
+                                        r"max_model_len=32"):
+        with running_llm(encoders("bert"), additional_config={"accel": {"token_buckets": "1,16"}},
+                         max_model_len=32):
+            pass
+
+
+def test_encoder_steps_cut_into_forwards_of_whole_prompts():
+    import numpy as np
+
+    from vllm_accel.worker.pooling import encoder_forwards
+
+    counts = np.array([10, 20, 5, 32, 1])
+    assert encoder_forwards(counts, 32) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
+    assert encoder_forwards(counts, 67) == [slice(0, 4), slice(4, 5)]
+    assert encoder_forwards(counts, 1000) == [slice(0, 5)]
 
 
 def test_a_generate_request_to_an_embedder_fails_and_it_keeps_serving(encoders):

@@ -52,10 +52,11 @@ DEFAULT_TOKEN_BUCKETS = (1, 8, 16, 32, 48, 64, 256, 384, 512)
 FORWARD_COST_IN_TOKENS = 32
 
 
-def token_buckets(spec: str, max_step: int) -> list[int]:
+def token_buckets(spec: str, max_step: int, whole_prompt: int = 1) -> list[int]:
     """The token buckets for a spec ("" = the defaults), none above the
-    largest step the scheduler can send."""
-    top = min(max_step, DEFAULT_TOKEN_BUCKETS[-1])
+    largest step the scheduler can send, the largest at least
+    ``whole_prompt`` (an encoder's prompt runs in one forward)."""
+    top = min(max_step, max(DEFAULT_TOKEN_BUCKETS[-1], whole_prompt))
     buckets = (make_buckets(spec, 1, top) if spec
                else [b for b in DEFAULT_TOKEN_BUCKETS if b < top] + [top])
     return [b for b in buckets if b <= max_step] or [max_step]

@@ -84,7 +84,17 @@ class AccelModelRunner:
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
-        self.token_buckets = token_buckets(settings.token_buckets, max_step)
+        # An encoder attends over whole prompts: none is cut across forwards.
+        self.is_pooling = self.model_config.runner_type == "pooling"
+        encoder_only = (self.is_pooling and find_architecture(
+            self.model_config.hf_config.architectures).encoder is not None)
+        self.token_buckets = token_buckets(settings.token_buckets, max_step,
+                                           self.max_model_len if encoder_only else 1)
+        if encoder_only and self.token_buckets[-1] < self.max_model_len:
+            raise ValueError(
+                f"{env_var_name('token_buckets')}={settings.token_buckets!r}: an encoder runs "
+                f"each prompt in one forward, so the largest token bucket must be at least "
+                f"max_model_len={self.max_model_len}; add one or lower max_model_len")
         self.context_buckets = context_buckets(settings.context_buckets, self.max_blocks_per_req)
         # The cost of one forward per token bucket, for cutting a step into
         # forwards (plan_forwards): by token counts; measured at warmup with forward_plan=measured.
@@ -105,7 +115,6 @@ class AccelModelRunner:
         self.model: FmsCausalLM | None = None
         # Pooling models only: vLLM's pooler (after load_model), and the
         # model when it is encoder-only (then ``model`` stays None).
-        self.is_pooling = self.model_config.runner_type == "pooling"
         self.pooling: PoolingHead | None = None
         self.encoder: FmsEncoder | None = None
         self.kernels: CpuKernels = NO_KERNELS  # cpu: our C++ kernels, after load_model

@@ -135,16 +135,33 @@ def token_type_ranges(batch: InputBatch) -> list[tuple[int, int] | None]:
     return ranges
 
 
+def encoder_forwards(counts: np.ndarray, largest: int) -> list[slice]:
+    """The step's requests (rows, in batch order) cut into forwards of whole
+    prompts, each at most ``largest`` tokens: a prompt attends to all of
+    itself, so it is never cut."""
+    forwards, first, tokens = [], 0, 0
+    for row, count in enumerate(counts.tolist()):
+        if tokens + count > largest and row > first:
+            forwards.append(slice(first, row))
+            first, tokens = row, 0
+        tokens += count
+    return forwards + [slice(first, len(counts))]
+
+
 def encode_step(runner: AccelModelRunner, num_scheduled: np.ndarray) -> torch.Tensor:
-    """An encoder-only model's step: its prompts' hidden states [tokens, hidden]."""
+    """An encoder-only model's step: its prompts' hidden states [tokens, hidden],
+    in forwards of at most the largest token bucket."""
     batch = runner.input_batch
-    step = pack_encoder_step(batch.token_ids_cpu, num_scheduled, token_type_ranges(batch),
-                             lambda n: fit_bucket(runner.token_buckets, n, "tokens",
-                                                  env_var_name("token_buckets")))
-    inputs = [t.to(runner.device, non_blocking=True) for t in
-              (step.input_ids, step.positions, step.token_types, step.ranges)]
-    bucket = inputs[0].shape[1]
-    with set_forward_context(runner.forward_context().padded(bucket, step.num_tokens)):
-        hidden = runner.encoder(*inputs)
-    runner.compile_stats.after_step(f"a forward of {bucket} tokens")
-    return hidden[0, :step.num_tokens]
+    type_ranges = token_type_ranges(batch)
+    hidden = []
+    for rows in encoder_forwards(num_scheduled, runner.token_buckets[-1]):
+        step = pack_encoder_step(batch.token_ids_cpu[rows], num_scheduled[rows], type_ranges[rows],
+                                 lambda n: fit_bucket(runner.token_buckets, n, "tokens",
+                                                      env_var_name("token_buckets")))
+        inputs = [t.to(runner.device, non_blocking=True) for t in
+                  (step.input_ids, step.positions, step.token_types, step.ranges)]
+        bucket = inputs[0].shape[1]
+        with set_forward_context(runner.forward_context().padded(bucket, step.num_tokens)):
+            hidden.append(runner.encoder(*inputs)[0, :step.num_tokens])
+        runner.compile_stats.after_step(f"a forward of {bucket} tokens")
+    return torch.cat(hidden) if len(hidden) > 1 else hidden[0]
