@@ -106,6 +106,13 @@ EMBEDDERS = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643),
         dict(num_hidden_layers=4), "lasttoken", {"runner": "pooling"}),
+    # all-mpnet-base-v2: MPNetModel's weights, its config naming MPNetForMaskedLM;
+    # mean pooling, normalized.
+    "all_mpnet_base_v2": ("MPNetConfig", dict(
+        architectures=["MPNetForMaskedLM"], hidden_size=768, intermediate_size=3072,
+        num_attention_heads=12, num_hidden_layers=12, vocab_size=30527,
+        max_position_embeddings=514, relative_attention_num_buckets=32, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5, hidden_act="gelu"), {}, "mean", {}),
 }
 
 
@@ -150,7 +157,8 @@ def embedder_agreement(name: str, path: Path, prompts, dtype_name: str, device: 
     for prompt in prompts:
         with torch.no_grad():
             hidden = model(torch.tensor([prompt], device=device)).last_hidden_state[0].float()
-        hf.append(F.normalize(hidden[0] if EMBEDDERS[name][3] == "cls" else hidden[-1], dim=0))
+        pooled = {"cls": hidden[0], "mean": hidden.mean(0), "lasttoken": hidden[-1]}
+        hf.append(F.normalize(pooled[EMBEDDERS[name][3]], dim=0))
     cosines = F.cosine_similarity(ours, torch.stack(hf).cpu(), dim=1)
     return {"dimensions": ours.shape[1], "engine_start_s": start_s,
             "cosine_to_hf": [round(c, 5) for c in cosines.tolist()]}

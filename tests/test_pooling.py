@@ -30,21 +30,27 @@ def encoders(tmp_path_factory):
 
 def hf_hidden(model_dir, kind: str, ids: list[int]) -> torch.Tensor:
     """HF's last hidden states [tokens, hidden] for one prompt."""
-    from transformers import AutoModel, BertModel, RobertaModel
+    from transformers import AutoModel, BertModel, MPNetModel, RobertaModel
 
+    inputs = {"input_ids": torch.tensor([ids])}
     if kind == "qwen3_embedder":
         model = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
     else:
-        model = {"bert": BertModel, "roberta": RobertaModel}[kind].from_pretrained(
-            model_dir, add_pooling_layer=False)
+        model = {"bert": BertModel, "roberta": RobertaModel, "mpnet": MPNetModel}[kind]
+        model = model.from_pretrained(model_dir, add_pooling_layer=False)
+    if kind == "mpnet":
+        # HF's MPNet numbers every token but id 1 (its fixed padding index) from
+        # 2; the fixture's tokenizer has <eos> there, a real MPNet one <pad>.
+        inputs["position_ids"] = torch.arange(2, len(ids) + 2)[None]
     with torch.no_grad():
-        return model.eval()(torch.tensor([ids])).last_hidden_state[0]
+        return model.eval()(**inputs).last_hidden_state[0]
 
 
 def hf_embedding(model_dir, kind: str, ids: list[int]) -> torch.Tensor:
     """The fixture's sentence-transformers pooling, on HF's hidden states."""
     hidden = hf_hidden(model_dir, kind, ids)
-    pooled = {"bert": hidden.mean(0), "roberta": hidden[0], "qwen3_embedder": hidden[-1]}[kind]
+    pooled = {"bert": hidden.mean(0), "roberta": hidden[0], "qwen3_embedder": hidden[-1],
+              "mpnet": hidden.mean(0)}[kind]
     return pooled if kind == "roberta" else F.normalize(pooled, dim=0)
 
 
@@ -58,7 +64,7 @@ def embed(llm, prompts, **params):
     return [torch.tensor(o.outputs.embedding) for o in outs]
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "mpnet"])
 def test_encoder_embeddings_equal_hf_in_a_batch_and_one_at_a_time(kind, encoders):
     model_dir = encoders(kind)
     with running_llm(model_dir, **ENGINE) as llm:
@@ -140,10 +146,11 @@ def test_pooler_config_override_and_matryoshka_dimensions(encoders):
 
 
 @pytest.mark.slow
-def test_compiled_encoder_serves_mixed_lengths_without_compiling(encoders, tmp_path):
+@pytest.mark.parametrize("kind", ["bert", "mpnet"])  # span attention; a float mask per bucket
+def test_compiled_encoder_serves_mixed_lengths_without_compiling(kind, encoders, tmp_path):
     """Inductor graphs per token bucket at warmup, none while serving; a step
     longer than the largest bucket runs as forwards of whole prompts."""
-    model_dir = encoders("bert")
+    model_dir = encoders(kind)
     settings = {"compile_backend": "inductor", "token_buckets": "1,4,16,32",
                 "compile_cache_dir": str(tmp_path)}
     with running_llm(model_dir, additional_config={"accel": settings}, max_model_len=32,
@@ -154,7 +161,7 @@ def test_compiled_encoder_serves_mixed_lengths_without_compiling(encoders, tmp_p
         got = embed(llm, prompts) + embed(llm, prompts[:1])
         assert runner.compile_stats.runtime_compiles == 0
     for p, vector in zip(prompts + prompts[:1], got):
-        expected = hf_embedding(model_dir, "bert", p)
+        expected = hf_embedding(model_dir, kind, p)
         assert torch.allclose(vector, expected, atol=TOL, rtol=0)
 
 
@@ -166,15 +173,21 @@ def test_an_encoder_needs_a_token_bucket_that_holds_its_longest_prompt(encoders)
             pass
 
 
-def test_encoder_steps_cut_into_forwards_of_whole_prompts():
+def test_encoder_steps_cut_into_full_forwards_of_whole_prompts():
     import numpy as np
 
     from vllm_accel.worker.pooling import encoder_forwards
 
     counts = np.array([10, 20, 5, 32, 1])
-    assert encoder_forwards(counts, 32) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
-    assert encoder_forwards(counts, 67) == [slice(0, 4), slice(4, 5)]
-    assert encoder_forwards(counts, 1000) == [slice(0, 5)]
+    cut = [f.tolist() for f in encoder_forwards(counts, 32)]
+    assert cut == [[3], [1, 0, 4], [2]]  # longest first, each into the first forward it fits
+    assert [f.tolist() for f in encoder_forwards(counts, 1000)] == [[3, 1, 0, 2, 4]]
+    rng = np.random.default_rng(0)
+    counts = rng.integers(8, 257, 128)
+    cut = encoder_forwards(counts, 512)
+    assert sorted(np.concatenate(cut).tolist()) == list(range(128))
+    assert all(counts[f].sum() <= 512 for f in cut)
+    assert len(cut) <= -(-counts.sum() // 512) + 1  # all but one forward nearly full
 
 
 def test_a_generate_request_to_an_embedder_fails_and_it_keeps_serving(encoders):

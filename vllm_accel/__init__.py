@@ -15,6 +15,8 @@ def register() -> str:
 
 def register_general() -> None:
     """Entry point for ``vllm.general_plugins``: runs once in every vLLM process."""
+    from vllm_accel.model.vllm_registry import register_with_vllm
     from vllm_accel.patches import apply_patches
 
     apply_patches()
+    register_with_vllm()

@@ -55,8 +55,8 @@ class Architecture:
     # layer, and a mix is refused.
     windows_by_layer_types: bool = False
     # An encoder-only model (bidirectional attention, no KV cache), served by
-    # the pooling runner: FMS's model family that loads it ("bert" or
-    # "roberta": model/fms_encoder.py); None: a decoder.
+    # the pooling runner: FMS's model family that loads it ("bert",
+    # "roberta" or "mpnet": model/fms_encoder.py); None: a decoder.
     encoder: str | None = None
 
     @property
@@ -183,6 +183,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(("BertModel", "BertForSequenceClassification"), "bert", encoder="bert"),
     Architecture(("RobertaModel", "RobertaForSequenceClassification", "XLMRobertaModel",
                   "XLMRobertaForSequenceClassification"), "roberta", encoder="roberta"),
+    # MPNet embedders (sentence-transformers' publish MPNetModel weights
+    # under MPNetForMaskedLM, FMS's name): FMS's MPNet, with its relative
+    # position bias. vLLM has no class for them (model/vllm_registry.py).
+    Architecture(("MPNetModel", "MPNetForMaskedLM"), "mpnet", encoder="mpnet"),
     Architecture(
         ("LlavaNextForConditionalGeneration",), "llava_next",
         vision_adapter=f"{_ADAPTERS}.llava_next:LlavaNextVisionAdapter", tensor_parallel=True,
@@ -212,7 +216,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 MISSING_LAYER_KINDS: dict[str, str] = {
     "RobertaForMaskedLM": "masked-LM heads (encoder-only models)",
     "BertForMaskedLM": "masked-LM heads (encoder-only models)",
-    "MPNetForMaskedLM": "MPNet's relative attention bias (encoder-only models)",
     "RobertaForQuestionAnswering": "question answering (encoder-only models)",
 }
 

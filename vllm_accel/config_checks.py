@@ -92,11 +92,14 @@ def check_runner(model_config, arch, parallel) -> None:
 
 def check_encoder_positions(model_config, arch) -> None:
     """An encoder's prompt may hold no more tokens than its position table has
-    rows (RoBERTa's first ``padding_idx + 1`` rows are never a token's)."""
+    rows (RoBERTa's and MPNet's first ``padding_idx + 1`` rows are never a
+    token's)."""
     hf_config = model_config.hf_config
     rows = hf_config.max_position_embeddings
     if arch.encoder == "roberta":
         rows -= hf_config.pad_token_id + 1
+    elif arch.encoder == "mpnet":  # HF's MPNet: padding_idx 1, whatever the config says
+        rows -= 2
     if model_config.max_model_len > rows:
         raise ValueError(
             f"max_model_len={model_config.max_model_len} is longer than {arch.name}'s position "

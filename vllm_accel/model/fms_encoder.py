@@ -1,11 +1,14 @@
-"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa) through FMS's RoBERTa.
+"""Encoder-only models through FMS: BERT, RoBERTa and XLM-RoBERTa through
+FMS's RoBERTa, MPNet through FMS's MPNet.
 
 FMS builds BERT and RoBERTa as one class (``fms/models/roberta.py``); its
 HF adapters load ``Bert*`` and ``Roberta*`` checkpoints. ``load_fms_encoder``
 loads a checkpoint of an encoder entry of ``architectures.py`` with them: an
 embedder's headless checkpoint (``BertModel``: keys without the ``bert.``
 prefix) through an adapter that adds the prefix first, a classifier
-(``*ForSequenceClassification``) as FMS's classification model.
+(``*ForSequenceClassification``) as FMS's classification model. FMS's MPNet
+adapter reads headless keys (what sentence-transformers publish); a
+checkpoint with an ``mpnet.`` prefix has it dropped first.
 
 ``FmsEncoder`` runs a step's requests packed in one sequence, as the
 decoders do, with bidirectional attention kept within each request (span
@@ -13,6 +16,8 @@ attention, ``ranges``) and no KV cache: every request is a whole prompt
 (vLLM schedules encoder-only models without chunked prefill). FMS's own
 embedding stage numbers positions from the call's first token; ours numbers
 them per request, then FMS's blocks run, compiled per token bucket.
+``FmsMpnetEncoder`` adds MPNet's relative position bias to attention scores
+(SDPA's float mask, as FMS's MPNet passes it, -inf outside each request's span).
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ _registered: set[str] = set()
 
 
 def _register_headless_source(family: str) -> None:
-    """``family``'s HF adapter, after prefixing a headless checkpoint's keys
-    with ``family.`` (what FMS's renames expect)."""
+    """``family``'s HF adapter, after giving a checkpoint's keys the form
+    FMS's renames expect: prefixed with ``family.`` (BERT, RoBERTa), or
+    without the ``mpnet.`` prefix (MPNet)."""
     if family in _registered:
         return
     from fms.utils import serialization
@@ -41,16 +47,20 @@ def _register_headless_source(family: str) -> None:
     def add_prefix(state_dict, **_):
         return {k if k.startswith(prefix) else prefix + k: v for k, v in state_dict.items()}
 
-    serialization.register_adapter_step(family, "vllm_accel_add_prefix", add_prefix)
+    def drop_prefix(state_dict, **_):
+        return {k.removeprefix(prefix): v for k, v in state_dict.items()}
+
+    serialization.register_adapter_step(family, "vllm_accel_key_prefix",
+                                        drop_prefix if family == "mpnet" else add_prefix)
     serialization.register_adapter(family, _HEADLESS_SOURCE,
-                                   ["vllm_accel_add_prefix", "hf_to_fms_names", "weight_fusion"])
+                                   ["vllm_accel_key_prefix", "hf_to_fms_names", "weight_fusion"])
     _registered.add(family)
 
 
 def load_fms_encoder(model_path: str, hf_config, family: str, dtype: torch.dtype,
                      device: str = "cpu") -> FmsEncoder:
     """The encoder of an HF checkpoint directory; ``family`` is FMS's model
-    ("bert" or "roberta", as the architecture table names it)."""
+    ("bert", "roberta" or "mpnet", as the architecture table names it)."""
     from fms.models import get_model
     from fms.models.hf.config_utils import param_builders
 
@@ -58,20 +68,25 @@ def load_fms_encoder(model_path: str, hf_config, family: str, dtype: torch.dtype
     from vllm_accel.patches import nan_for_unloaded_weights
 
     classify = hf_config.architectures[0].endswith("ForSequenceClassification")
-    build = {"bert": param_builders.build_bert_params,
-             "roberta": param_builders.build_roberta_params}[family]
-    params = build(hf_config, is_classify=classify)
+    if family == "mpnet":
+        params, variant = param_builders.build_mpnet_params(hf_config), "v2"
+    else:
+        build = {"bert": param_builders.build_bert_params,
+                 "roberta": param_builders.build_roberta_params}[family]
+        params, variant = build(hf_config, is_classify=classify), "base"
     if classify:
         source = "hf"
     else:
         _register_headless_source(family)
         source = _HEADLESS_SOURCE
     with nan_for_unloaded_weights():
-        model = get_model(family + ("_classification" if classify else ""), "base",
+        model = get_model(family + ("_classification" if classify else ""), variant,
                           model_path=model_path, source=source, device_type=device,
                           data_type=dtype, **params)
     # An embedder's checkpoint has no masked-LM head: only the encoder must load.
     check_all_weights_loaded(model if classify else model.base_model, model_path)
+    if family == "mpnet":
+        return FmsMpnetEncoder(model.base_model).eval()
     head = model.classification_head if classify else None
     return FmsEncoder(model.base_model, family, hf_config, head).eval()
 
@@ -85,14 +100,9 @@ class FmsEncoder(nn.Module):
                  classification_head: nn.Module | None):
         super().__init__()
         self.headless = headless
-        config = headless.config
-        self.hidden_size: int = config.emb_dim
-        self.num_layers: int = config.nlayers
         # RoBERTa numbers positions from padding_idx + 1; FMS's adapter drops
         # the table's first two rows (HF's rows 0 and 1).
         self.position_offset = hf_config.pad_token_id - 1 if family == "roberta" else 0
-        # The positions the table holds (a prompt may use no more).
-        self.max_positions: int = config.max_pos - self.position_offset
         self.attn_name = span_attention.register_fms_attention()
         self.classification_head = classification_head
         if classification_head is not None:
@@ -101,20 +111,73 @@ class FmsEncoder(nn.Module):
     def compile_layers(self, backend: str, buckets: list[int],
                        saved: SavedGraphs | None = None, shared: bool = False) -> None:
         """One compiled block graph per token bucket, shared by all blocks."""
-        axis = BucketAxis((("x", -2), ("ranges", -2)), max(buckets)) if shared else None
+        axis = BucketAxis(self.bucket_dims, max(buckets)) if shared else None
         compile_shared_forward(list(self.headless.layers), backend, len(buckets), saved, axis)
+
+    # The blocks' arguments whose dimension is the bucket's token count.
+    bucket_dims = (("x", -2), ("ranges", -2))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_types: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids, positions, token_types)
+        attention = self.attention(ranges)
+        for layer in self.headless.layers:
+            x = layer(x, **attention)
+        return x
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              token_types: torch.Tensor) -> torch.Tensor:
         model = self.headless
         x = (model.embedding(input_ids)
              + model.position_embedding(positions + self.position_offset)
              + model.token_type_embeddings(token_types))
-        x = model.enc_norm(x)
-        for layer in model.layers:
-            x = layer(x, attn_name=self.attn_name, ranges=ranges)
-        return x
+        return model.enc_norm(x)
+
+    def attention(self, ranges: torch.Tensor) -> dict:
+        """The blocks' attention arguments: each token attends to its span."""
+        return {"attn_name": self.attn_name, "ranges": ranges}
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled states [requests, hidden] -> class logits [requests, labels]."""
         return self.classification_head(pooled.to(self.headless.embedding.weight.dtype))
+
+
+class FmsMpnetEncoder(FmsEncoder):
+    """MPNet: no token types, positions from HF's fixed ``padding_idx`` 1
+    plus one, and a learned bias per head and relative-position bucket
+    (FMS's ``relative_position_bucket``) added to attention scores."""
+
+    bucket_dims = (("x", -2), ("position_bias", -2), ("position_bias", -1))
+    POSITION_OFFSET = 2  # HF's MPNetEmbeddings: padding_idx = 1, whatever the config says
+
+    def __init__(self, headless: nn.Module):
+        nn.Module.__init__(self)
+        self.headless = headless
+        self.attn_name = span_attention.register_fms_attention()
+        self.classification_head = None
+        # tokens -> [tokens, tokens] bucket of each (query, key) distance
+        self._distance_buckets: dict[int, torch.Tensor] = {}
+
+    def embed(self, input_ids, positions, token_types):
+        model = self.headless
+        x = model.word_embedding(input_ids) + model.position_embeddings(
+            positions + self.POSITION_OFFSET)
+        return model.enc_norm(x)
+
+    def attention(self, ranges: torch.Tensor) -> dict:
+        """The position bias [1, heads, tokens, tokens] within each token's
+        span, -inf outside it (the blocks' attention adds it to the scores)."""
+        tokens = ranges.shape[1]
+        buckets = self._distance_buckets.get(tokens)
+        if buckets is None:
+            index = torch.arange(tokens, device=ranges.device)
+            buckets = self.headless.relative_position_bucket(
+                index[None, :] - index[:, None],
+                num_buckets=self.headless.config.relative_attention_num_buckets)
+            self._distance_buckets[tokens] = buckets
+        bias = self.headless.relative_attention_bias(buckets).permute(2, 0, 1)
+        keys = torch.arange(tokens, device=ranges.device)
+        span = ranges[0].to(keys.dtype)
+        outside = (keys < span[:, :1]) | (keys >= span[:, 1:])
+        mask = bias.masked_fill(outside, float("-inf"))
+        return {"attn_name": self.attn_name, "position_bias": mask[None].contiguous()}

@@ -13,6 +13,8 @@ second segment of a pair has token type 1.
 - ``bert_classifier``: ``BertForSequenceClassification``, 3 labels.
 - ``cross_encoder``: ``BertForSequenceClassification``, 1 label (a score).
 - ``qwen3_embedder``: the tiny Qwen3, last-token pooling, normalized.
+- ``mpnet``: ``MPNetModel``'s weights under ``MPNetForMaskedLM`` (as
+  sentence-transformers publish MPNet embedders), mean pooling, normalized.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from vllm_accel.testing.tiny_models import (BOS, EOS, WEIGHT_STD, _save_tokenizer,
                                             build_tokenizer, make_tiny_checkpoint)
 
-ENCODERS = ("bert", "roberta", "bert_classifier", "cross_encoder", "qwen3_embedder")
+ENCODERS = ("bert", "roberta", "bert_classifier", "cross_encoder", "qwen3_embedder", "mpnet")
 ENCODER_HIDDEN = 64
 ENCODER_LAYERS = 2
 ENCODER_HEADS = 4
@@ -35,8 +37,8 @@ ENCODER_MAX_POS = 512
 CLASSIFIER_LABELS = 3
 MATRYOSHKA_DIMENSIONS = (16, 32, ENCODER_HIDDEN)
 # Which sentence-transformers pooling each embedder declares.
-_POOLING = {"bert": "mean", "roberta": "cls", "qwen3_embedder": "lasttoken"}
-_NORMALIZED = {"bert", "qwen3_embedder"}
+_POOLING = {"bert": "mean", "roberta": "cls", "qwen3_embedder": "lasttoken", "mpnet": "mean"}
+_NORMALIZED = {"bert", "qwen3_embedder", "mpnet"}
 SEED_OFFSET = 86_028_121  # their own weights, apart from the other fixtures'
 
 
@@ -53,7 +55,7 @@ def encoder_tokenizer():
 
 
 def _encoder_config(kind: str, tokenizer):
-    from transformers import BertConfig, RobertaConfig
+    from transformers import BertConfig, MPNetConfig, RobertaConfig
 
     common = dict(
         vocab_size=len(tokenizer), hidden_size=ENCODER_HIDDEN,
@@ -67,6 +69,12 @@ def _encoder_config(kind: str, tokenizer):
         config = RobertaConfig(max_position_embeddings=ENCODER_MAX_POS + pad + 1,
                                layer_norm_eps=1e-5, **common)
         config.architectures = ["RobertaModel"]
+        return config
+    if kind == "mpnet":  # positions from HF's fixed padding_idx 1, plus one
+        common.pop("type_vocab_size")
+        config = MPNetConfig(max_position_embeddings=ENCODER_MAX_POS + 2, layer_norm_eps=1e-12,
+                             relative_attention_num_buckets=32, **common)
+        config.architectures = ["MPNetForMaskedLM"]
         return config
     config = BertConfig(max_position_embeddings=ENCODER_MAX_POS, layer_norm_eps=1e-12, **common)
     if kind == "bert":
@@ -117,12 +125,12 @@ def make_tiny_encoder(kind: str, out_dir: str | os.PathLike, *, seed: int = 0) -
         write_sentence_transformers(out, _POOLING[kind], kind in _NORMALIZED,
                                     AutoConfig.from_pretrained(out).hidden_size)
         return out
-    from transformers import BertForSequenceClassification, BertModel, RobertaModel
+    from transformers import BertForSequenceClassification, BertModel, MPNetModel, RobertaModel
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = encoder_tokenizer()
     config = _encoder_config(kind, tokenizer)
-    model_class = {"bert": BertModel, "roberta": RobertaModel}.get(
+    model_class = {"bert": BertModel, "roberta": RobertaModel, "mpnet": MPNetModel}.get(
         kind, BertForSequenceClassification)
     g = torch.Generator().manual_seed(seed + SEED_OFFSET + ENCODERS.index(kind))
     model = (model_class(config, add_pooling_layer=False) if kind in _POOLING
