@@ -1,0 +1,69 @@
+"""One backend's side of benchmarks/embedding.py: embed a batch of mixed-length
+sentences, print one JSON line (sentences/s over a timed run of at least
+--min-seconds, after one untimed batch). Runs inside the backend's own Python."""
+import argparse
+import json
+import random
+import sys
+import time
+
+
+def sentences(vocab: int, count: int, shortest: int, longest: int, seed: int):
+    """Random token ids (none of the first few: specials and RoBERTa's pad),
+    lengths uniform in [shortest, longest]: identical on every backend."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(shortest, longest))]
+            for _ in range(count)]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--sentences", type=int, default=1024)
+    p.add_argument("--shortest", type=int, default=8)
+    p.add_argument("--longest", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--min-seconds", type=float, default=10.0)
+    a = p.parse_args()
+
+    import torch
+    import vllm
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=512, seed=0,
+              max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+              enforce_eager=a.enforce_eager)
+    load_s = time.perf_counter() - t0
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+
+    def batch(number):
+        return [TokensPrompt(prompt_token_ids=ids) for ids in
+                sentences(vocab, a.sentences, a.shortest, a.longest, number)]
+
+    llm.embed(batch(0), use_tqdm=False)  # untimed
+    done = tokens = 0
+    elapsed = 0.0
+    number = 1
+    while done == 0 or elapsed < a.min_seconds:
+        prompts = batch(number)
+        t0 = time.perf_counter()
+        outs = llm.embed(prompts, use_tqdm=False)
+        elapsed += time.perf_counter() - t0
+        assert len(outs) == len(prompts)
+        done += len(prompts)
+        tokens += sum(len(p["prompt_token_ids"]) for p in prompts)
+        number += 1
+    print(json.dumps(dict(vllm=vllm.__version__, torch=torch.__version__, python=sys.executable,
+                          dtype=a.dtype, load_s=round(load_s, 2), elapsed_s=round(elapsed, 3),
+                          sentences=done, sentences_s=round(done / elapsed, 1),
+                          tokens_s=round(tokens / elapsed, 1),
+                          dimensions=len(outs[0].outputs.embedding))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
