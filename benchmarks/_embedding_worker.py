@@ -27,9 +27,12 @@ def main():
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--min-seconds", type=float, default=10.0)
+    p.add_argument("--hf", action="store_true", help="HF's class on the GPU instead of vLLM")
     a = p.parse_args()
 
     import torch
+    if a.hf:
+        return run_hf(a)
     import vllm
     from vllm import LLM
     from vllm.inputs import TokensPrompt
@@ -63,6 +66,56 @@ def main():
                           sentences=done, sentences_s=round(done / elapsed, 1),
                           tokens_s=round(tokens / elapsed, 1),
                           dimensions=len(outs[0].outputs.embedding))), flush=True)
+
+
+def run_hf(a):
+    """sentence-transformers' encode with HF's class: sentences sorted by
+    length, batches of 32 padded to their longest, CLS pooled, normalized."""
+    import torch
+    import transformers
+    from transformers import AutoModel
+
+    t0 = time.perf_counter()
+    model = AutoModel.from_pretrained(a.model, dtype=getattr(torch, a.dtype)).cuda().eval()
+    load_s = time.perf_counter() - t0
+    pad = model.config.pad_token_id
+
+    def encode(batch):
+        order = sorted(range(len(batch)), key=lambda i: -len(batch[i]))
+        out = [None] * len(batch)
+        with torch.inference_mode():
+            for start in range(0, len(order), 32):
+                rows = order[start:start + 32]
+                longest = len(batch[rows[0]])
+                ids = torch.full((len(rows), longest), pad, dtype=torch.long)
+                mask = torch.zeros((len(rows), longest), dtype=torch.long)
+                for r, i in enumerate(rows):
+                    ids[r, :len(batch[i])] = torch.tensor(batch[i])
+                    mask[r, :len(batch[i])] = 1
+                hidden = model(input_ids=ids.cuda(), attention_mask=mask.cuda()).last_hidden_state
+                vectors = torch.nn.functional.normalize(hidden[:, 0].float(), dim=-1).cpu()
+                for r, i in enumerate(rows):
+                    out[i] = vectors[r]
+        return out
+
+    vocab = model.config.vocab_size
+    encode(sentences(vocab, a.sentences, a.shortest, a.longest, 0))  # untimed
+    done = tokens = 0
+    elapsed = 0.0
+    number = 1
+    while done == 0 or elapsed < a.min_seconds:
+        batch = sentences(vocab, a.sentences, a.shortest, a.longest, number)
+        t0 = time.perf_counter()
+        outs = encode(batch)
+        elapsed += time.perf_counter() - t0
+        done += len(outs)
+        tokens += sum(map(len, batch))
+        number += 1
+    print(json.dumps(dict(transformers=transformers.__version__, torch=torch.__version__,
+                          python=sys.executable, dtype=a.dtype, load_s=round(load_s, 2),
+                          elapsed_s=round(elapsed, 3), sentences=done,
+                          sentences_s=round(done / elapsed, 1), tokens_s=round(tokens / elapsed, 1),
+                          dimensions=len(outs[0]))), flush=True)
 
 
 if __name__ == "__main__":

