@@ -194,7 +194,9 @@ class AccelWorker(WorkerBase):
             )
         else:
             warm_up(self.model_runner)
-            graphs = self.backend.device == "cuda" and self.settings.cuda_graphs
+            # An encoder's forwards run outside CUDA graphs (no KV cache, few steps).
+            graphs = (self.backend.device == "cuda" and self.settings.cuda_graphs
+                      and self.model_runner.encoder is None)
             if graphs and self.model_runner.model.recurrent:
                 # The Mamba2 scan follows each forward's segments (lengths,
                 # which continue a state) on the host: no fixed graph.
