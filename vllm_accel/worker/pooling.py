@@ -8,7 +8,7 @@ normalization, matryoshka dimensions, a classifier's head and activation.
 A request's pooled output comes back when its prompt is done (a decoder
 embedder may prefill in chunks; vLLM's pooling cursor says which are done).
 
-Decoder embedders (Qwen3) run the decoder's usual forwards over the paged KV
+Decoder embedders run the decoder's usual forwards over the paged KV
 cache. Encoder-only models (``model/fms_encoder.py``) keep no KV cache: each
 step's prompts are packed into one sequence and padded to a token bucket
 (``pack_encoder_step``), each prompt attending only to itself.
