@@ -10,8 +10,9 @@ embedder may prefill in chunks; vLLM's pooling cursor says which are done).
 
 Decoder embedders run the decoder's usual forwards over the paged KV
 cache. Encoder-only models (``model/fms_encoder.py``) keep no KV cache: each
-step's prompts are packed into one sequence and padded to a token bucket
-(``pack_encoder_step``), each prompt attending only to itself.
+step's prompts are packed into forwards of whole prompts (``encoder_forwards``),
+each padded to a token bucket (``pack_encoder_step``), each prompt attending
+only to itself.
 """
 
 from __future__ import annotations
