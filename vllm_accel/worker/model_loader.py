@@ -69,6 +69,11 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
             logger.info("vllm_accel cpu kernels off (cpu_kernels=false): oneDNN and torch only")
     loaded = LoadedModel(fms_model if encoder_family else FmsCausalLM(text_model),
                          cpu_kernels, vision)
+    if tp_group is not None and not encoder_family and not loaded.model.head_replicated:
+        # Only the driver computes logits: a sharded head would need every rank.
+        raise ValueError(
+            f"vllm-accel tensor parallelism needs the LM head replicated on every "
+            f"rank; {type(loaded.model.fms_model).__name__}'s is sharded.")
     compile_backend = backend.compile_backend if backend.compiles else None
     saved = None
     if compile_backend is not None:

@@ -5,6 +5,7 @@ the step's output for vLLM's engine (``step_output``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ from vllm.v1.worker.gpu_input_batch import InputBatch
 
 from vllm_accel.worker.in_flight import PLACEHOLDER, InFlightOutput
 from vllm_accel.worker.request_state import RequestStates
+
+if TYPE_CHECKING:
+    from vllm_accel.worker.model_runner import AccelModelRunner
 
 
 @dataclass
@@ -41,6 +45,29 @@ def sample(sampler: Sampler, batch: InputBatch, pending: PendingSample,
     for i, state in saved_rng.items():
         batch.generators[i].set_state(state)
     return output
+
+
+def sample_step(runner: AccelModelRunner, pending: PendingSample,
+                grammar_output: GrammarOutput | None) -> ModelRunnerOutput | InFlightOutput:
+    """The step's tokens: sampled by the driver, broadcast to the other
+    tensor-parallel ranks so that every rank's requests stay in step."""
+    batch = runner.input_batch
+    output = None
+    if runner.is_driver:
+        output = sample(runner.sampler, batch, pending, grammar_output)
+        sampled_ids = output.sampled_token_ids.to(torch.int64)
+    else:
+        sampled_ids = torch.empty((batch.num_reqs, 1), dtype=torch.int64, device=runner.device)
+    if runner.tp_size > 1:
+        from vllm.distributed import get_tp_group
+
+        # On the device: the group's backend (gloo, nccl) reads it there.
+        sampled_ids = get_tp_group().broadcast(sampled_ids.to(runner.device).contiguous(),
+                                               src=0)
+    runner.compile_stats.after_step("sampling")  # vLLM's sampler compiles helpers too
+    logprobs = output.logprobs_tensors if output is not None else None
+    return step_output(batch, runner.requests, pending, sampled_ids, logprobs,
+                       runner.device if runner.async_scheduling else None)
 
 
 def step_output(batch: InputBatch, requests: RequestStates, pending: PendingSample,

@@ -190,6 +190,15 @@ class StepLayout:
     counts: np.ndarray
     starts: np.ndarray
 
+    def in_batch_order(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        """Each forward's logits (a row per packed request, decodes first) as
+        one tensor, a row per request in batch order."""
+        logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+        if np.array_equal(self.rows, np.arange(len(self.rows))):
+            return logits
+        by_row = torch.from_numpy(np.argsort(self.rows))
+        return logits[by_row.to(logits.device, non_blocking=True)]
+
 
 def pack_step(
     token_ids: np.ndarray,

@@ -249,12 +249,18 @@ class AccelWorker(WorkerBase):
 
     def runner_state(self) -> dict[str, int]:
         """Sizes of the runner's per-request and per-image state, and its
-        run-time compiles: what a soak test checks once the server is idle.
+        counters: what a soak test checks once the server is idle.
         Read-only; reachable as ``collective_rpc("runner_state")`` (with
         ``VLLM_SERVER_DEV_MODE=1``, ``POST /collective_rpc`` of `vllm serve`)."""
+        runner = self.model_runner
         return {
-            **self.model_runner.state_sizes(),
+            **runner.requests.sizes(),
+            **(runner.images.sizes() if runner.images is not None
+               else {"encoder_cache_entries": 0, "encoder_cache_rows": 0}),
             "encoder_cache_capacity": self.vllm_config.scheduler_config.encoder_cache_size,
+            "runtime_compiles": runner.compile_stats.runtime_compiles,
+            # decode inputs taken from the device (async scheduling)
+            "tokens_from_device": runner.tokens_from_device,
         }
 
     def shutdown(self) -> None:
