@@ -173,6 +173,16 @@ def test_an_encoder_needs_a_token_bucket_that_holds_its_longest_prompt(encoders)
             pass
 
 
+def test_an_encoder_on_a_gpu_runs_a_whole_step_in_one_forward():
+    from vllm_accel.worker.pooling import encoder_token_buckets
+
+    assert encoder_token_buckets("", 4096, 512, large_forwards=False)[-1] == 512
+    assert encoder_token_buckets("", 4096, 512, large_forwards=True)[-1] == 4096
+    assert encoder_token_buckets("1,64,1024", 4096, 512, large_forwards=True)[-1] == 1024
+    with pytest.raises(ValueError, match="VLLM_ACCEL_TOKEN_BUCKETS='1,64'"):
+        encoder_token_buckets("1,64", 4096, 512, large_forwards=True)
+
+
 def test_encoder_steps_cut_into_full_forwards_of_whole_prompts():
     import numpy as np
 
@@ -188,6 +198,32 @@ def test_encoder_steps_cut_into_full_forwards_of_whole_prompts():
     assert sorted(np.concatenate(cut).tolist()) == list(range(128))
     assert all(counts[f].sum() <= 512 for f in cut)
     assert len(cut) <= -(-counts.sum() // 512) + 1  # all but one forward nearly full
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_a_gpu_forwards_mask_equals_the_cpus_spans(kind, encoders):
+    """On a GPU a packed forward's prompts are kept apart by one mask
+    (``FmsEncoder.attention``); on the cpu by their spans: the same states."""
+    import numpy as np
+    from transformers import AutoConfig
+
+    from vllm_accel.kernels.span_attention import span_mask
+    from vllm_accel.model.fms_encoder import load_fms_encoder
+    from vllm_accel.worker.pooling import pack_encoder_step
+
+    model_dir = encoders(kind)
+    encoder = load_fms_encoder(str(model_dir), AutoConfig.from_pretrained(model_dir), kind,
+                               torch.float32)
+    ids = np.arange(4, 4 + 2 * 20).reshape(2, 20)
+    step = pack_encoder_step(ids, np.array([20, 7]), [None, None], lambda n: 32)
+    inputs = (step.input_ids, step.positions, step.token_types, step.ranges)
+    with torch.no_grad():
+        by_spans = encoder(*inputs)[0, :step.num_tokens]
+        mask = span_mask(step.ranges, 32)
+        assert mask[0, 0].sum(-1).tolist() == [20] * 20 + [7] * 7 + [1] * 5
+        encoder.attention = lambda ranges: {"attn_name": encoder.attn_name, "mask": mask}
+        by_mask = encoder(*inputs)[0, :step.num_tokens]
+    assert torch.allclose(by_mask, by_spans, atol=1e-5, rtol=0)
 
 
 def test_a_generate_request_to_an_embedder_fails_and_it_keeps_serving(encoders):

@@ -59,6 +59,13 @@ class DeviceBackend:
         a stream), so that scheduling the next step can overlap this one."""
         return self.device == "cuda"
 
+    @property
+    def prefers_large_forwards(self) -> bool:
+        """Whether fewer, larger forwards win over padding less: a forward's
+        fixed cost (its kernel launches, the host's work) outweighs its
+        padded rows on a GPU, not on the cpu, where every row costs compute."""
+        return self.device == "cuda"
+
     def synchronize(self) -> None:
         """Wait until the device has done the work queued so far (for timing)."""
         if self.device != "cpu":

@@ -121,16 +121,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return _op(q, k, v, ranges, scale, causal)
 
 
+def span_mask(ranges: torch.Tensor, keys: int) -> torch.Tensor:
+    """ranges [batch, rows, 2] -> [batch, 1, rows, keys] bool: whether a
+    row attends to a key (SDPA's ``attn_mask``, broadcast over heads)."""
+    index = torch.arange(keys, device=ranges.device)
+    return ((index >= ranges[..., :1]) & (index < ranges[..., 1:]))[:, None]
+
+
 def reference(q, k, v, scale, ranges=None, causal=False):
     """``attend`` by torch's SDPA: what the kernel must equal."""
     mask = None
     if causal:  # bottom-right aligned, as the kernel (SDPA's is_causal is top-left)
         rows, keys = q.shape[1], k.shape[1]
-        ends = torch.arange(keys - rows + 1, keys + 1)
+        ends = torch.arange(keys - rows + 1, keys + 1, device=q.device)
         ranges = torch.stack([torch.zeros_like(ends), ends], -1).expand(q.shape[0], -1, -1)
     if ranges is not None:
-        keys = torch.arange(k.shape[1])
-        mask = ((keys >= ranges[..., :1]) & (keys < ranges[..., 1:]))[:, None]
+        mask = span_mask(ranges, k.shape[1])
     out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
                                          attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[2] != k.shape[2])

@@ -134,8 +134,14 @@ class FmsEncoder(nn.Module):
         return model.enc_norm(x)
 
     def attention(self, ranges: torch.Tensor) -> dict:
-        """The blocks' attention arguments: each token attends to its span."""
-        return {"attn_name": self.attn_name, "ranges": ranges}
+        """The blocks' attention arguments: each token attends to its span.
+        On the cpu by the spans (the span kernel, or SDPA span by span); on
+        a GPU by one mask, built once a forward: one SDPA launch a layer, no
+        spans read back to the host."""
+        if ranges.device.type == "cpu":
+            return {"attn_name": self.attn_name, "ranges": ranges}
+        mask = span_attention.span_mask(ranges, ranges.shape[1])
+        return {"attn_name": self.attn_name, "mask": mask}
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled states [requests, hidden] -> class logits [requests, labels]."""
@@ -176,8 +182,6 @@ class FmsMpnetEncoder(FmsEncoder):
                 num_buckets=self.headless.config.relative_attention_num_buckets)
             self._distance_buckets[tokens] = buckets
         bias = self.headless.relative_attention_bias(buckets).permute(2, 0, 1)
-        keys = torch.arange(tokens, device=ranges.device)
-        span = ranges[0].to(keys.dtype)
-        outside = (keys < span[:, :1]) | (keys >= span[:, 1:])
+        outside = ~span_attention.span_mask(ranges, tokens)[0]
         mask = bias.masked_fill(outside, float("-inf"))
         return {"attn_name": self.attn_name, "position_bias": mask[None].contiguous()}

@@ -52,10 +52,11 @@ from vllm_accel.worker.in_flight import (NO_TOKENS_IN_FLIGHT, InFlightOutput, co
                                         in_forward, tokens_in_flight)
 from vllm_accel.worker.kv_cache_groups import KvCacheGroups
 from vllm_accel.worker.model_loader import load_model
-from vllm_accel.worker.pooling import PoolingHead, batch_order, encode_step
+from vllm_accel.worker.pooling import (PoolingHead, batch_order, encode_step,
+                                      encoder_token_buckets)
 from vllm_accel.worker.prompt_logprobs import compute_prompt_logprobs
 from vllm_accel.worker.request_state import RequestStates
-from vllm_accel.worker.sampling import PendingSample, sample, step_output
+from vllm_accel.worker.sampling import PendingSample, sample_step
 from vllm_accel.worker.step_layout import AttentionGroup, BucketedForward, pack_step
 
 logger = get_logger(__name__)
@@ -65,11 +66,9 @@ class AccelModelRunner:
     def __init__(self, vllm_config: VllmConfig, backend: DeviceBackend,
                  settings: AccelSettings, is_driver: bool = True):
         self.vllm_config = vllm_config
-        # Tensor parallelism: every rank runs the forward on its shard of the
-        # model (FMS all-reduces inside the layers); only the driver (TP rank
-        # 0, whose output vLLM's executor reads) computes logits and samples,
-        # and it broadcasts the sampled tokens so that every rank's requests
-        # stay in step.
+        # Tensor parallelism: every rank runs the forward on its shard (FMS
+        # all-reduces inside the layers); only the driver (rank 0, whose output
+        # vLLM's executor reads) computes logits and samples (sample_step).
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.is_driver = is_driver
         self.model_config = vllm_config.model_config
@@ -84,20 +83,17 @@ class AccelModelRunner:
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
-        # An encoder attends over whole prompts: none is cut across forwards.
         self.is_pooling = self.model_config.runner_type == "pooling"
-        encoder_only = (self.is_pooling and find_architecture(
-            self.model_config.hf_config.architectures).encoder is not None)
-        self.token_buckets = token_buckets(settings.token_buckets, max_step,
-                                           self.max_model_len if encoder_only else 1)
-        if encoder_only and self.token_buckets[-1] < self.max_model_len:
-            raise ValueError(
-                f"{env_var_name('token_buckets')}={settings.token_buckets!r}: an encoder runs "
-                f"each prompt in one forward, so the largest token bucket must be at least "
-                f"max_model_len={self.max_model_len}; add one or lower max_model_len")
+        if self.is_pooling and find_architecture(
+                self.model_config.hf_config.architectures).encoder is not None:
+            self.token_buckets = encoder_token_buckets(
+                settings.token_buckets, max_step, self.max_model_len,
+                backend.prefers_large_forwards)
+        else:
+            self.token_buckets = token_buckets(settings.token_buckets, max_step)
         self.context_buckets = context_buckets(settings.context_buckets, self.max_blocks_per_req)
-        # The cost of one forward per token bucket, for cutting a step into
-        # forwards (plan_forwards): by token counts; measured at warmup with forward_plan=measured.
+        # Each bucket's forward cost, to cut steps into forwards (plan_forwards):
+        # by token counts, or measured at warmup (forward_plan=measured).
         self.forward_costs = token_count_costs(self.token_buckets)
         # While warmup times forwards: bucket -> seconds of each forward run.
         self.forward_times: dict[int, list[float]] | None = None
@@ -121,13 +117,11 @@ class AccelModelRunner:
         self.graphs: ForwardGraphs | None = None  # cuda only, after warmup
         # Each token bucket's inputs in one device buffer (cuda, after load_model).
         self.forward_inputs: dict[int, ForwardInputs] | None = None
-        # Vision-language models only: the architecture's adapter, the encoder
-        # and the step's images.
+        # Vision-language models only: the adapter, the encoder, the step's images.
         self.vision: VisionAdapter | None = None
         self.vision_encoder: VisionEncoder | None = None
         self.images: StepImages | None = None
-        # The KV cache: its groups, tensors and layouts (after load_model:
-        # each layer's window and kind).
+        # The KV cache: groups, tensors, layouts (each layer's window and kind).
         self.kv_cache = KvCacheGroups([0], {})
         compile_sampler_logprob_ranks(self.model_config.get_vocab_size())  # before counting ours
         self.compile_stats = CompileStats()
@@ -184,11 +178,6 @@ class AccelModelRunner:
             conv, ssm = mamba2_state_dtypes(self.dtype, self.vllm_config.cache_config)
             for mixer in self.model.recurrent.values():
                 mixer.conv_dtype, mixer.ssm_dtype = conv, ssm
-        if self.tp_size > 1 and not self.model.head_replicated:
-            # Only the driver computes logits: a sharded head would need every rank.
-            raise ValueError(
-                f"vllm-accel tensor parallelism needs the LM head replicated on every "
-                f"rank; {type(self.model.fms_model).__name__}'s is sharded.")
         if loaded.vision is not None:
             self.vision, self.vision_encoder = loaded.vision, loaded.vision_encoder
             self.requests.vision = self.vision
@@ -292,11 +281,7 @@ class AccelModelRunner:
             return self._pool(hidden[0, order.to(hidden.device)], num_scheduled)
         logits, prompt_logprobs = None, {}
         if self.is_driver:
-            parts = [lg for _, lg in outputs]
-            logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # packed order
-            if not np.array_equal(step.rows, np.arange(len(step.rows))):
-                by_row = torch.from_numpy(np.argsort(step.rows))
-                logits = logits[by_row.to(self.device, non_blocking=True)]
+            logits = step.in_batch_order([lg for _, lg in outputs])
             if keep_hidden:  # the LM head may run by our kernel: in a forward's context
                 with set_forward_context(self.forward_context()):
                     prompt_logprobs = compute_prompt_logprobs(
@@ -379,10 +364,7 @@ class AccelModelRunner:
         return hidden, logits
 
     def _pool(self, hidden: torch.Tensor, num_scheduled: np.ndarray) -> ModelRunnerOutput:
-        """vLLM's pooler over the step's hidden states (batch order); a
-        classifier's head may run by our kernel: in a forward's context."""
-        with set_forward_context(self.forward_context()):
-            return self.pooling.pool(hidden, self.input_batch, num_scheduled)
+        return self.pooling.pool(hidden, self.input_batch, num_scheduled, self.forward_context())
 
     def forward_context(self, **fields) -> ForwardContext:
         """The context of a forward of this engine (``fields``: the forward's
@@ -400,38 +382,11 @@ class AccelModelRunner:
         if self.pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         pending, self.pending = self.pending, None
-        batch = self.input_batch
-        output = None
-        if self.is_driver:
-            output = sample(self.sampler, self.input_batch, pending, grammar_output)
-            sampled_ids = output.sampled_token_ids.to(torch.int64)
-        else:
-            sampled_ids = torch.empty((batch.num_reqs, 1), dtype=torch.int64, device=self.device)
-        if self.tp_size > 1:
-            from vllm.distributed import get_tp_group
-
-            # On the device: the group's backend (gloo, nccl) reads it there.
-            sampled_ids = get_tp_group().broadcast(sampled_ids.to(self.device).contiguous(),
-                                                   src=0)
-        self.compile_stats.after_step("sampling")  # vLLM's sampler compiles helpers too
-        logprobs = output.logprobs_tensors if output is not None else None
-        return step_output(batch, self.requests, pending, sampled_ids, logprobs,
-                           self.device if self.async_scheduling else None)
+        return sample_step(self, pending, grammar_output)
 
     def reset_encoder_cache(self) -> None:
         if self.images is not None:
             self.images.cache.clear()
-
-    def state_sizes(self) -> dict[str, int]:
-        """Sizes of the per-request and per-image state; counters: run-time
-        compiles, decode inputs taken from the device (async scheduling)."""
-        return {
-            **self.requests.sizes(),
-            **(self.images.sizes() if self.images is not None
-               else {"encoder_cache_entries": 0, "encoder_cache_rows": 0}),
-            "runtime_compiles": self.compile_stats.runtime_compiles,
-            "tokens_from_device": self.tokens_from_device,
-        }
 
     def supported_tasks(self) -> tuple[str, ...]:
         return self.pooling.supported_tasks() if self.pooling is not None else ("generate",)

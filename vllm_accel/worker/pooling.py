@@ -29,8 +29,8 @@ from vllm.pooling_params import PoolingParams
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
-from vllm_accel.buckets import fit_bucket
-from vllm_accel.forward_context import set_forward_context
+from vllm_accel.buckets import fit_bucket, token_buckets
+from vllm_accel.forward_context import ForwardContext, set_forward_context
 from vllm_accel.settings import env_var_name
 
 if TYPE_CHECKING:
@@ -56,23 +56,40 @@ class PoolingHead:
             raise ValueError("a pooling request reached the runner without a task")
         self.pooler.get_pooling_updates(params.task).apply(params)
 
-    def pool(self, hidden: torch.Tensor, batch: InputBatch,
-             num_scheduled: np.ndarray) -> ModelRunnerOutput:
+    def pool(self, hidden: torch.Tensor, batch: InputBatch, num_scheduled: np.ndarray,
+             context: ForwardContext) -> ModelRunnerOutput:
         """hidden [tokens, hidden]: the step's scheduled tokens in batch
-        order -> each request's pooled output, None where its prompt is not done."""
+        order -> each request's pooled output, None where its prompt is not
+        done. A classifier's head may run by our kernel: under ``context``."""
         num_reqs = batch.num_reqs
         seq_lens = torch.from_numpy(
             batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64) + num_scheduled)
         metadata = batch.get_pooling_metadata()
         metadata.build_pooling_cursor(num_scheduled, seq_lens, device=hidden.device)
-        pooled = self.pooler(hidden_states=hidden, pooling_metadata=metadata)
+        with set_forward_context(context):
+            pooled = self.pooler(hidden_states=hidden, pooling_metadata=metadata)
         done = metadata.get_pooling_cursor().get_finished_mask()
-        if isinstance(pooled, torch.Tensor):
-            pooled = list(pooled)
+        # To the host in one copy where the outputs come as one tensor.
+        pooled = (list(pooled.float().cpu()) if isinstance(pooled, torch.Tensor)
+                  else [None if out is None else out.float().cpu() for out in pooled])
         return ModelRunnerOutput(
             req_ids=batch.req_ids.copy(), req_id_to_index=batch.req_id_to_index.copy(),
-            pooler_output=[out.float().cpu() if finished and out is not None else None
-                           for out, finished in zip(pooled, done)])
+            pooler_output=[out if finished else None for out, finished in zip(pooled, done)])
+
+
+def encoder_token_buckets(spec: str, max_step: int, max_model_len: int,
+                          large_forwards: bool) -> list[int]:
+    """An encoder's token buckets. A prompt runs whole in one forward, so
+    the largest holds max_model_len; where fewer, larger forwards win over
+    padding less (``DeviceBackend.prefers_large_forwards``), a whole step."""
+    whole = max_step if large_forwards and not spec else max_model_len
+    buckets = token_buckets(spec, max_step, whole)
+    if buckets[-1] < max_model_len:
+        raise ValueError(
+            f"{env_var_name('token_buckets')}={spec!r}: an encoder runs each prompt in one "
+            f"forward, so the largest token bucket must be at least "
+            f"max_model_len={max_model_len}; add one or lower max_model_len")
+    return buckets
 
 
 def batch_order(first_tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
