@@ -574,7 +574,7 @@ def hf_static_compiled(model: Path, prompts: list[list[int]]) -> dict:
 
 
 def main() -> None:
-    global SHAPE, OUTPUT_LEN
+    global SHAPE, OUTPUT_LEN, NUM_PROMPTS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="gpu_results.json")
@@ -585,6 +585,9 @@ def main() -> None:
                              "gpu_profile, host_split")
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES) + list(MEDIUM_SHAPES))
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
+    parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS,
+                        help="the throughput batch (HF's torch-only Mamba2 scan needs ~50 GB "
+                             "for hybrid100m's 64 x 128-token prefill)")
     parser.add_argument("--variants", default=",".join(v[0] for v in VARIANTS),
                         help="throughput variants: CUDA graphs or not, async scheduling "
                              "(on) or not (_sync)")
@@ -593,6 +596,7 @@ def main() -> None:
                              "no overlap of vLLM's output processing with the engine's steps")
     args = parser.parse_args()
     SHAPE, OUTPUT_LEN = dict(SHAPES.get(args.shape, {})), args.output_len
+    NUM_PROMPTS = args.num_prompts
     parts = args.parts.split(",")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
