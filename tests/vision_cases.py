@@ -20,6 +20,7 @@ from helpers import chat_prompt, hf_vision_greedy, noise_image, running_llm
 from vllm_accel.patches import apply_patches
 from vllm_accel.testing.fixtures import make_tiny_model
 from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
+from vllm_accel.testing.tiny_qwen3_vl import make_tiny_qwen3_vl
 
 MAX_TOKENS = 10
 ENGINE = dict(max_model_len=1024, limit_mm_per_prompt={"image": 2}, max_num_seqs=8)
@@ -123,7 +124,30 @@ MISTRAL3 = VisionArch(
     patch_before_processor=True,  # PixtralProcessor without torchvision (patch 17)
 )
 
-ARCHS = [LLAVA_NEXT, QWEN2_5_VL, MISTRAL3]
+QWEN3_VL = VisionArch(
+    name="qwen3_vl",
+    make=make_tiny_qwen3_vl,
+    hf_class="Qwen3VLForConditionalGeneration",
+    # 32-pixel merged patches: sizes that are and are not multiples of 32.
+    sizes=((224, 224), (300, 200), (449, 97), (1000, 60)),
+    two_images=((300, 200), (449, 97)),
+    # 196, 216, 168, 248 patches against a 256-patch budget (the tiny tower's
+    # attention outgrows its linear layers beyond 320 rows): a call each.
+    packed_batch=(4, 4),
+    # 300x200 -> 9x6 merged tokens = 54 image tokens from offset 4: 24-token
+    # chunks end inside the image twice (DeepStack rows split across chunks too).
+    chunk_tokens=24,
+    chunk_image=(300, 200),
+    repeat_image=(224, 224, 9),
+    # Coarse vision buckets: every image here is padded (16..256 patches -> 64 or 256).
+    compile_settings={"token_buckets": "16,256,1024", "multimodal_buckets": "64,256"},
+    compile_batched_tokens=1024,
+    warmup_graphs=1 + 1,  # one decoder graph, one tower graph: each shared by its buckets
+    vision_buckets=[64, 256],
+    patch_before_processor=True,  # the stand-in video processor (no torchvision)
+)
+
+ARCHS = [LLAVA_NEXT, QWEN2_5_VL, MISTRAL3, QWEN3_VL]
 
 
 # ---- fixtures (each needs an `arch` fixture in the module) -------------------

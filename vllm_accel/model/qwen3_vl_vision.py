@@ -219,7 +219,7 @@ class Qwen3VisionTransformer(nn.Module):
         if layout is None:
             layout = vision_layout(self.config, torch.as_tensor(grid_thw).tolist(),
                                    pixel_values.shape[0], pixel_values.device)
-        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
+        x = self.patch_embed(pixel_values.to(self.pos_embed.weight.dtype))
         pos = (self.pos_embed(layout.pos_index) * layout.pos_weight[:, :, None]).sum(1)
         x = x + pos.to(x.dtype)
         deepstack = dict(zip(self.config.deepstack_indexes, self.deepstack_mergers))
