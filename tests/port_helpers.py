@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from helpers import noise_image as image  # noqa: F401 (the port tests' images)
 from vllm_accel.model.fms_causal_lm import _load_with_nan_fill, check_all_weights_loaded
 from vllm_accel.model.molmo import HF_VISION_PREFIX, MolmoVisionBackbone, image_embed_order
 from vllm_accel.model.ports import FmsPort, register_port
@@ -96,14 +96,6 @@ def register_qwen2() -> None:
 
 STEPS = 6
 QUESTION = "What is in the picture?"
-
-
-def image(width, height, seed=0):
-    """A noise image of width x height pixels (PIL)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed + width * 1000 + height)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 def load_port_model(port: FmsPort, path):

@@ -8,6 +8,7 @@ architecture."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,27 +125,14 @@ MISTRAL3 = VisionArch(
     patch_before_processor=True,  # PixtralProcessor without torchvision (patch 17)
 )
 
-QWEN3_VL = VisionArch(
-    name="qwen3_vl",
-    make=make_tiny_qwen3_vl,
-    hf_class="Qwen3VLForConditionalGeneration",
-    # 32-pixel merged patches: sizes that are and are not multiples of 32.
-    sizes=((224, 224), (300, 200), (449, 97), (1000, 60)),
-    two_images=((300, 200), (449, 97)),
-    # 196, 216, 168, 248 patches against a 256-patch budget (the tiny tower's
-    # attention outgrows its linear layers beyond 320 rows): a call each.
-    packed_batch=(4, 4),
-    # 300x200 -> 9x6 merged tokens = 54 image tokens from offset 4: 24-token
-    # chunks end inside the image twice (DeepStack rows split across chunks too).
-    chunk_tokens=24,
-    chunk_image=(300, 200),
-    repeat_image=(224, 224, 9),
-    # Coarse vision buckets: every image here is padded (16..256 patches -> 64 or 256).
-    compile_settings={"token_buckets": "16,256,1024", "multimodal_buckets": "64,256"},
-    compile_batched_tokens=1024,
-    warmup_graphs=1 + 1,  # one decoder graph, one tower graph: each shared by its buckets
-    vision_buckets=[64, 256],
-    patch_before_processor=True,  # the stand-in video processor (no torchvision)
+# Qwen2.5-VL's cases and numbers hold for the tiny Qwen3-VL: its 32-pixel
+# merged patches give 196, 216, 168 and 248 patches for the same sizes (one
+# call each, budget 256), and the 300x200 image 9x6 = 54 image tokens from
+# offset 4: 24-token chunks end inside it twice (DeepStack rows split across
+# chunks too). One tower graph: every block attends within frames.
+QWEN3_VL = dataclasses.replace(
+    QWEN2_5_VL, name="qwen3_vl", make=make_tiny_qwen3_vl,
+    hf_class="Qwen3VLForConditionalGeneration", chunk_tokens=24,
 )
 
 ARCHS = [LLAVA_NEXT, QWEN2_5_VL, MISTRAL3, QWEN3_VL]

@@ -43,8 +43,21 @@ from vllm_accel.model.half_split_rope import rotate_halves
 from vllm_accel.model.qwen2_layers import rms_norm
 
 
+class PatchTowerShape:
+    """What a Qwen-VL tower config derives from its fields (emb_dim, nheads,
+    in_channels, temporal_patch_size, patch_size)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.emb_dim // self.nheads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
 @dataclass
-class Qwen2_5_VisionConfig(ModelConfig):
+class Qwen2_5_VisionConfig(ModelConfig, PatchTowerShape):
     depth: int = 32
     emb_dim: int = 1280
     nheads: int = 16
@@ -59,15 +72,6 @@ class Qwen2_5_VisionConfig(ModelConfig):
     norm_eps: float = 1e-6
     rope_theta: float = 10_000.0
     activation_fn: str = "silu"
-
-    @property
-    def head_dim(self) -> int:
-        return self.emb_dim // self.nheads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
 
 
 class VisionAttention(nn.Module):

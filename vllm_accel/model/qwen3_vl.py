@@ -18,18 +18,15 @@ the hub checkpoint (registered by the loader, ``model/ports.py``).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
 
-from fms.distributed.strategy import DistributedStrategy, NoOpStrategy
-from fms.utils.config import ModelConfig
-
-from vllm_accel.model.ports import FmsPort, renamed
-from vllm_accel.model.qwen2 import (
-    Qwen2VisionLanguageModel,
-    qwen2_config_from_hf,
-    rename_hf_text_key,
+from vllm_accel.model.ports import FmsPort
+from vllm_accel.model.qwen2 import qwen2_config_from_hf
+from vllm_accel.model.qwen2_5_vl import (
+    Qwen2_5_VL,
+    Qwen2_5_VLConfig,
+    qwen_vl_names,
+    vision_token_ids,
 )
 from vllm_accel.model.qwen2_layers import Qwen2Config
 from vllm_accel.model.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTransformer
@@ -42,35 +39,23 @@ DEFAULT_MROPE_SECTION = [24, 20, 20]
 
 
 @dataclass
-class Qwen3_VLConfig(ModelConfig):
-    # Defaults: Qwen3-VL-4B's shapes.
+class Qwen3_VLConfig(Qwen2_5_VLConfig):
+    # Defaults: Qwen3-VL-4B's shapes (token ids: Qwen2.5-VL's).
     text_config: Qwen2Config = field(default_factory=lambda: Qwen2Config(
         emb_dim=2560, nheads=32, kvheads=8, nlayers=36, hidden_dim=9728, head_size=128,
         mrope_section=list(DEFAULT_MROPE_SECTION), mrope_interleaved=True, attn_bias=False,
         qk_norm_per_head=True, tie_heads=True))
     vision_config: Qwen3VisionConfig = field(default_factory=Qwen3VisionConfig)
-    image_token_id: int = 151_655
-    video_token_id: int = 151_656
-    vision_start_token_id: int = 151_652
-    vision_end_token_id: int = 151_653
-
-    @property
-    def spatial_merge_size(self) -> int:
-        return self.vision_config.spatial_merge_size
 
 
-class Qwen3_VL(Qwen2VisionLanguageModel):
-    """The text model our generic wrapper drives is ``language_model``; the
-    caller runs ``visual`` on each image and writes its rows (embedding and
+class Qwen3_VL(Qwen2_5_VL):
+    """Qwen2.5-VL's composite with Qwen3-VL's config and tower: the caller
+    runs ``visual`` on each image and writes its rows (embedding and
     DeepStack features) into the prompt's wide embeddings at the image-token
     positions."""
 
-    def __init__(self, config: Optional[Qwen3_VLConfig] = None, vision_only: bool = False,
-                 distributed_strategy: DistributedStrategy = NoOpStrategy, **kwargs):
-        if vision_only:
-            raise NotImplementedError("Qwen3_VL has no vision-only mode")
-        super().__init__((config or Qwen3_VLConfig()).updated(**kwargs), distributed_strategy)
-        self.visual = Qwen3VisionTransformer(self.config.vision_config)
+    config_class = Qwen3_VLConfig
+    vision_class = Qwen3VisionTransformer
 
 
 # ---------------------------------------------------------------------------
@@ -101,12 +86,7 @@ def qwen3_vl_config_from_hf(hf_config) -> Qwen3_VLConfig:
     if len(vision.deepstack_indexes) > text.nlayers:
         raise ValueError(f"Qwen3-VL: {len(vision.deepstack_indexes)} DeepStack features for "
                          f"{text.nlayers} decoder layers")
-    return Qwen3_VLConfig(
-        text_config=text, vision_config=vision,
-        image_token_id=hf_config.image_token_id, video_token_id=hf_config.video_token_id,
-        vision_start_token_id=hf_config.vision_start_token_id,
-        vision_end_token_id=hf_config.vision_end_token_id,
-    )
+    return Qwen3_VLConfig(text_config=text, vision_config=vision, **vision_token_ids(hf_config))
 
 
 _VISION_RENAMES = (
@@ -124,24 +104,8 @@ _VISION_RENAMES = (
 )
 
 
-def _hf_to_fms_names(sd: Mapping[str, Any], **_) -> dict:
-    """Hub layout (model.language_model.*, model.visual.*, lm_head) -> our names."""
-    out = {}
-    for name, tensor in sd.items():
-        name = re.sub(r"^model\.language_model\.", "model.", name)
-        name = re.sub(r"^model\.visual\.", "visual.", name)
-        if name.startswith("visual."):
-            name = renamed(name, _VISION_RENAMES)
-            if name == "visual.patch_embed.weight":
-                tensor = tensor.flatten(1)  # Conv3d [D, C, T, P, P] -> linear [D, C*T*P*P]
-        else:
-            name = rename_hf_text_key(name, "model.", "language_model.") or name
-        out[name] = tensor
-    return out
-
-
 FMS_PORT = FmsPort(
     fms_architecture=ARCHITECTURE, hf_architecture=HF_ARCHITECTURE, model_class=Qwen3_VL,
-    config_from_hf=qwen3_vl_config_from_hf, hf_to_fms_names=_hf_to_fms_names,
+    config_from_hf=qwen3_vl_config_from_hf, hf_to_fms_names=qwen_vl_names(_VISION_RENAMES),
     fused_prefix="language_model.", text_config_attr="text_config",
 )

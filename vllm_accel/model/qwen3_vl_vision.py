@@ -36,11 +36,16 @@ from torch import nn
 
 from fms.utils.config import ModelConfig
 
-from vllm_accel.model.qwen2_5_vl_vision import VisionAttention, axial_angles, row_spans
+from vllm_accel.model.qwen2_5_vl_vision import (
+    PatchTowerShape,
+    VisionAttention,
+    axial_angles,
+    row_spans,
+)
 
 
 @dataclass
-class Qwen3VisionConfig(ModelConfig):
+class Qwen3VisionConfig(ModelConfig, PatchTowerShape):
     # Defaults: Qwen3-VL-4B's shapes.
     depth: int = 24
     emb_dim: int = 1024
@@ -56,14 +61,6 @@ class Qwen3VisionConfig(ModelConfig):
     norm_eps: float = 1e-6
     rope_theta: float = 10_000.0
     activation_fn: str = "gelu_pytorch_tanh"
-
-    @property
-    def head_dim(self) -> int:
-        return self.emb_dim // self.nheads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def grid_side(self) -> int:

@@ -25,30 +25,31 @@ Usage:
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 
 import torch
 
 from vllm_accel.testing.tiny_models import (
-    EOS,
-    NORM_NOISE,
     SPECIAL_TOKENS,
     SUPPRESS_SCALE,
     WEIGHT_STD,
     _save_tokenizer,
     _unprintable_ids,
+    fill_weights,
 )
 from vllm_accel.testing.tiny_qwen2_5_vl import (
     CHAT_TEMPLATE,
     IM_END,
     IMAGE_PAD,
+    MERGE_SIZE,
     QWEN_TOKENS,
+    TEMPORAL_PATCH_SIZE,
     VIDEO_PAD,
     VISION_END,
     VISION_START,
     _tokenizer,
+    write_processor_files,
 )
 
 HIDDEN = 256
@@ -65,9 +66,7 @@ VISION_HIDDEN = 64
 VISION_HEADS = 4  # head_dim 16
 VISION_INTERMEDIATE = 128
 VISION_DEPTH = 4
-PATCH_SIZE = 16
-TEMPORAL_PATCH_SIZE = 2
-MERGE_SIZE = 2
+PATCH_SIZE = 16  # merged 2x2 over 2 frames, as Qwen2.5-VL's
 NUM_POSITION_EMBEDDINGS = 64  # an 8x8 table
 DEEPSTACK_INDEXES = [0, 2]
 # Images are resized to between 4 and 64 merged tokens (32x32 pixels each).
@@ -76,7 +75,6 @@ MAX_PIXELS = 32 * 32 * 64
 IMAGE_MEAN = [0.5, 0.5, 0.5]
 IMAGE_STD = [0.5, 0.5, 0.5]
 
-BIAS_STD = 0.02  # non-zero so an unloaded bias is detectable
 PATCH_EMBED_STD = 0.03  # 1536 inputs per patch
 MERGER_OUT_STD = 0.02  # image features enter the residual stream like embeddings
 
@@ -120,23 +118,6 @@ def _std(name: str) -> float:
     return WEIGHT_STD
 
 
-def _fill_weights(model, g: torch.Generator) -> None:
-    """Every parameter redrawn from ``g``, in name order: norms 1 + noise,
-    biases small, the rest normal (peaked logits)."""
-    for name, parameter in sorted(model.named_parameters()):
-        if name.endswith(".bias"):
-            value = torch.randn(parameter.shape, generator=g) * BIAS_STD
-        elif parameter.dim() == 1:  # RMSNorm and LayerNorm weights
-            value = 1.0 + NORM_NOISE * torch.randn(parameter.shape, generator=g)
-        else:
-            value = torch.randn(parameter.shape, generator=g) * _std(name)
-        parameter.copy_(value)
-
-
-def _write_json(path: pathlib.Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
 def make_tiny_qwen3_vl(out_dir: str | os.PathLike, seed: int = 0, *,
                        tie_word_embeddings: bool = True,
                        printable_only: bool = True) -> pathlib.Path:
@@ -144,7 +125,7 @@ def make_tiny_qwen3_vl(out_dir: str | os.PathLike, seed: int = 0, *,
     the same arguments and library versions. ``printable_only``: the output
     rows of special and unprintable tokens are shrunk, so greedy output is
     printable text that never hits eos."""
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,43 +136,12 @@ def make_tiny_qwen3_vl(out_dir: str | os.PathLike, seed: int = 0, *,
     g = torch.Generator().manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(_config(tokenizer, tie_word_embeddings)).eval()
     with torch.no_grad():
-        _fill_weights(model, g)
+        fill_weights(model, g, _std)
         if printable_only:
             specials = (*SPECIAL_TOKENS, IMAGE_PAD, *QWEN_TOKENS)
             model.lm_head.weight[_unprintable_ids(tokenizer, specials=specials)] *= SUPPRESS_SCALE
     model.save_pretrained(out)
-    GenerationConfig(
-        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(EOS)],
-        pad_token_id=tokenizer.pad_token_id,
-    ).save_pretrained(out)
-
-    _write_json(out / "preprocessor_config.json", {
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": IMAGE_MEAN,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "image_std": IMAGE_STD,
-        "merge_size": MERGE_SIZE,
-        "patch_size": PATCH_SIZE,
-        "processor_class": "Qwen3VLProcessor",
-        "resample": 3,  # bicubic
-        "rescale_factor": 1 / 255,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
-    })
-    # As the hub's checkpoints: their own video processor's config (without
-    # torchvision, vllm_accel's stand-in of that name loads it).
-    _write_json(out / "video_preprocessor_config.json", {
-        "image_mean": IMAGE_MEAN,
-        "image_std": IMAGE_STD,
-        "merge_size": MERGE_SIZE,
-        "patch_size": PATCH_SIZE,
-        "processor_class": "Qwen3VLProcessor",
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
-        "video_processor_type": "Qwen3VLVideoProcessor",
-    })
-    _write_json(out / "processor_config.json", {"processor_class": "Qwen3VLProcessor"})
+    write_processor_files(out, tokenizer, "Qwen3VLProcessor", patch_size=PATCH_SIZE,
+                          min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, mean=IMAGE_MEAN,
+                          std=IMAGE_STD, video_processor_type="Qwen3VLVideoProcessor")
     return out
