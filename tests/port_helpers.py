@@ -154,3 +154,15 @@ def hf_generate(model, inputs, steps=STEPS):
     logits = model(**inputs).logits[0]
     out = model.generate(**inputs, max_new_tokens=steps, do_sample=False)
     return logits, out[0, inputs.input_ids.shape[1]:].tolist()
+
+
+def assert_greedy_matches_hf(hf, model, images, logits_atol: float) -> None:
+    """Our port's prompt logits (within ``logits_atol``) and STEPS greedy
+    tokens equal HF's (hf = (processor, model)) for QUESTION on ``images``."""
+    processor, hf_model = hf
+    inputs = processed(processor, images)
+    hf_logits, hf_tokens = hf_generate(hf_model, inputs)
+    logits, tokens = fms_generate(model, inputs)
+    torch.testing.assert_close(logits, hf_logits, atol=logits_atol, rtol=0)
+    assert tokens == hf_tokens
+    assert len(set(hf_tokens)) > 1, "fixture should give varied greedy output"

@@ -20,7 +20,7 @@ import torch
 from helpers import in_forward
 from vllm_accel.kernels import span_attention
 from vllm_accel.model.fms_causal_lm import check_all_weights_loaded, _load_with_nan_fill
-from port_helpers import (fms_generate, hf_generate, image, load_port_model,
+from port_helpers import (assert_greedy_matches_hf, fms_generate, image, load_port_model,
                           merge_image_features, processed, prompt_positions, register_qwen2)
 from vllm_accel.model.qwen2_5_vl import FMS_PORT
 from vllm_accel.model.qwen2_5_vl_vision import vision_layout
@@ -66,13 +66,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_match_hf(hf, fms, case):
-    processor, hf_model = hf
-    inputs = processed(processor, [image(w, h) for w, h in CASES[case]])
-    hf_logits, hf_tokens = hf_generate(hf_model, inputs)
-    fms_logits_, fms_tokens = fms_generate(fms, inputs)
-    torch.testing.assert_close(fms_logits_, hf_logits, atol=LOGITS_ATOL, rtol=0)
-    assert fms_tokens == hf_tokens
-    assert len(set(hf_tokens)) > 1, "fixture should give varied greedy output"
+    assert_greedy_matches_hf(hf, fms, [image(w, h) for w, h in CASES[case]], LOGITS_ATOL)
 
 
 def test_images_steer_the_output(hf, fms):

@@ -15,18 +15,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from port_helpers import (fms_generate, fms_logits, hf_generate, image, load_port_model,
+from port_helpers import (assert_greedy_matches_hf, fms_logits, image, load_port_model,
                           processed, prompt_positions)
 from vllm_accel.model.qwen2_layers import Qwen2Rotary
 from vllm_accel.model.qwen3_vl import FMS_PORT
-from vllm_accel.patches import apply_patches
-from vllm_accel.testing.tiny_qwen3_vl import DEEPSTACK_INDEXES, HIDDEN, make_tiny_qwen3_vl
+from vllm_accel.testing.tiny_qwen3_vl import DEEPSTACK_INDEXES, HIDDEN
+from vision_cases import QWEN3_VL, hf, model_dir  # noqa: F401 (hf, model_dir: fixtures)
 
 # Observed max |diff| ~1e-5 on logits of magnitude ~7 (fused q/k/v and
 # gate/up matmuls, the patch embedding as a linear, not a Conv3d).
 LOGITS_ATOL = 1e-4
 FEATURES_ATOL = 1e-5
-SIZES = [(224, 224), (300, 200), (449, 97), (1000, 60)]  # (width, height)
+SIZES = list(QWEN3_VL.sizes)  # (width, height)
 CASES = {
     **{f"{w}x{h}": [(w, h)] for w, h in SIZES},
     "two_images": [(224, 224), (300, 200)],
@@ -35,23 +35,13 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    apply_patches()  # stand-in video processor: AutoProcessor works without torchvision
-    return make_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl") / "tiny", seed=0)
+def arch():
+    return QWEN3_VL
 
 
 @pytest.fixture(scope="module")
-def hf(ckpt):
-    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(ckpt)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32)
-    return processor, model.eval()
-
-
-@pytest.fixture(scope="module")
-def fms(ckpt):
-    return load_port_model(FMS_PORT, ckpt)  # raises if any weight stayed unloaded
+def fms(model_dir):
+    return load_port_model(FMS_PORT, model_dir)  # raises if any weight stayed unloaded
 
 
 @torch.no_grad()
@@ -104,13 +94,7 @@ def test_mrope_positions_match_hf_get_rope_index(hf, fms, sizes):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_match_hf(hf, fms, case):
-    processor, hf_model = hf
-    inputs = processed(processor, [image(w, h) for w, h in CASES[case]])
-    hf_logits, hf_tokens = hf_generate(hf_model, inputs)
-    fms_logits_, fms_tokens = fms_generate(fms, inputs)
-    torch.testing.assert_close(fms_logits_, hf_logits, atol=LOGITS_ATOL, rtol=0)
-    assert fms_tokens == hf_tokens
-    assert len(set(hf_tokens)) > 1, "fixture should give varied greedy output"
+    assert_greedy_matches_hf(hf, fms, [image(w, h) for w, h in CASES[case]], LOGITS_ATOL)
 
 
 @torch.no_grad()
