@@ -111,3 +111,10 @@ def test_deepstack_features_steer_the_decoder(hf, fms):
     without[:, HIDDEN:] = 0
     assert not torch.allclose(fms_logits(fms, ids, features, positions),
                               fms_logits(fms, ids, without, positions), atol=1e-3)
+
+
+def test_fixture_is_deterministic(model_dir, tmp_path):
+    again = QWEN3_VL.make(tmp_path / "again")
+    for name in ("model.safetensors", "config.json", "preprocessor_config.json",
+                 "video_preprocessor_config.json", "tokenizer.json"):
+        assert (again / name).read_bytes() == (model_dir / name).read_bytes(), name

@@ -271,6 +271,8 @@ class TPQwen2Attention(TPMultiHeadAttention):
     Qwen2's projection; the q/k norm weights sharded like their heads."""
 
     def __init__(self, attn: Qwen2Attention, group):
+        if attn.config.qk_norm_per_head:  # Qwen3-VL: its table entry refuses TP
+            raise NotImplementedError("per-head q/k norms have no tensor-parallel form here")
         super().__init__(
             emb_dim=attn.emb_dim, emb_kq=attn.emb_kq_per_head, emb_v=attn.emb_v_per_head,
             nheads=attn.nheads, kvheads=attn.kvheads, use_bias=False,
