@@ -14,17 +14,15 @@ from __future__ import annotations
 import copy
 import re
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from helpers import in_forward
 from vllm_accel.kernels import span_attention
 from vllm_accel.model.fms_causal_lm import check_all_weights_loaded, _load_with_nan_fill
-from port_helpers import merge_image_features, register_qwen2
-from vllm_accel.model.ports import register_port
-from vllm_accel.model.qwen2_5_vl import FMS_PORT, mrope_positions
+from port_helpers import (assert_greedy_matches_hf, fms_generate, image, load_port_model,
+                          merge_image_features, processed, prompt_positions, register_qwen2)
+from vllm_accel.model.qwen2_5_vl import FMS_PORT
 from vllm_accel.model.qwen2_5_vl_vision import vision_layout
 from vllm_accel.patches import apply_patches
 from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
@@ -32,14 +30,7 @@ from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
 # Observed max |diff| ~5e-5 on logits of magnitude ~10 (different reduction
 # orders: fused q/k/v and gate/up matmuls, one masked SDPA vs per-window SDPA).
 LOGITS_ATOL = 1e-4
-STEPS = 6
 SIZES = [(224, 224), (300, 200), (449, 97), (1000, 60)]  # (width, height)
-QUESTION = "What is in the picture?"
-
-
-def image(width, height, seed=0):
-    rng = np.random.default_rng(seed + width * 1000 + height)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -58,65 +49,12 @@ def hf(ckpt):
 
 
 def load_fms(path):
-    register_port(FMS_PORT)
-    model = _load_with_nan_fill(str(path), torch.float32, "cpu")  # unloaded weights -> NaN
-    check_all_weights_loaded(model, str(path))
-    return model.eval()
+    return load_port_model(FMS_PORT, path)
 
 
 @pytest.fixture(scope="module")
 def fms(ckpt):
     return load_fms(ckpt)
-
-
-def processed(processor, images, text=QUESTION):
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}],
-                                           add_generation_prompt=True)
-    return processor(text=prompt, images=images or None, return_tensors="pt")
-
-
-def prompt_positions(model, input_ids, grid_thw):
-    c = model.config
-    return mrope_positions(
-        input_ids, grid_thw, image_token_id=c.image_token_id,
-        vision_start_token_id=c.vision_start_token_id, spatial_merge_size=c.spatial_merge_size,
-    )
-
-
-def fms_logits(model, input_ids: list[int], features, positions):
-    """Full forward of the text model: ids -> embeddings (image rows
-    replaced) -> logits [T, vocab]."""
-    ids = torch.tensor([input_ids])
-    embeds = merge_image_features(model, ids, features)
-    hidden, _ = model.language_model.base_model(
-        embeds, position_ids=positions.unsqueeze(1), use_cache=True)
-    return model.language_model.head(hidden)[0]
-
-
-@torch.no_grad()
-def fms_generate(model, inputs, steps=STEPS):
-    """Greedy, recomputing the whole sequence each step. Returns
-    (prompt logits, generated ids)."""
-    grid = inputs.image_grid_thw.tolist() if "image_grid_thw" in inputs else []
-    features = model.visual(inputs.pixel_values, grid) if grid else None
-    ids = inputs.input_ids[0].tolist()
-    positions, delta = prompt_positions(model, ids, grid)
-    prompt_logits = None
-    for _ in range(steps):
-        logits = fms_logits(model, ids, features, positions)
-        prompt_logits = logits if prompt_logits is None else prompt_logits
-        ids.append(int(logits[-1].argmax()))
-        decode = torch.full((3, 1), len(ids) - 1 + delta)  # the new token's position
-        positions = torch.cat([positions, decode], dim=1)
-    return prompt_logits, ids[inputs.input_ids.shape[1]:]
-
-
-@torch.no_grad()
-def hf_generate(model, inputs, steps=STEPS):
-    logits = model(**inputs).logits[0]
-    out = model.generate(**inputs, max_new_tokens=steps, do_sample=False)
-    return logits, out[0, inputs.input_ids.shape[1]:].tolist()
 
 
 CASES = {
@@ -128,13 +66,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_match_hf(hf, fms, case):
-    processor, hf_model = hf
-    inputs = processed(processor, [image(w, h) for w, h in CASES[case]])
-    hf_logits, hf_tokens = hf_generate(hf_model, inputs)
-    fms_logits_, fms_tokens = fms_generate(fms, inputs)
-    torch.testing.assert_close(fms_logits_, hf_logits, atol=LOGITS_ATOL, rtol=0)
-    assert fms_tokens == hf_tokens
-    assert len(set(hf_tokens)) > 1, "fixture should give varied greedy output"
+    assert_greedy_matches_hf(hf, fms, [image(w, h) for w, h in CASES[case]], LOGITS_ATOL)
 
 
 def test_images_steer_the_output(hf, fms):

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from test_serve import server_env
-from test_serve_qwen2_5_vl import assert_still_serving
+from test_serve_qwen_vl import assert_still_serving
 from test_serve_vision import (FAST, QUESTION, ask, assert_batch_example_runs,
                                assert_image_chat_matches_hf, image_part, text, user, vllm_server)
 from vllm_accel.testing.tiny_mistral3 import make_tiny_mistral3

@@ -8,6 +8,7 @@ architecture."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from helpers import chat_prompt, hf_vision_greedy, noise_image, running_llm
 from vllm_accel.patches import apply_patches
 from vllm_accel.testing.fixtures import make_tiny_model
 from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
+from vllm_accel.testing.tiny_qwen3_vl import make_tiny_qwen3_vl
 
 MAX_TOKENS = 10
 ENGINE = dict(max_model_len=1024, limit_mm_per_prompt={"image": 2}, max_num_seqs=8)
@@ -123,7 +125,17 @@ MISTRAL3 = VisionArch(
     patch_before_processor=True,  # PixtralProcessor without torchvision (patch 17)
 )
 
-ARCHS = [LLAVA_NEXT, QWEN2_5_VL, MISTRAL3]
+# Qwen2.5-VL's cases and numbers hold for the tiny Qwen3-VL: its 32-pixel
+# merged patches give 196, 216, 168 and 248 patches for the same sizes (one
+# call each, budget 256), and the 300x200 image 9x6 = 54 image tokens from
+# offset 4: 24-token chunks end inside it twice (DeepStack rows split across
+# chunks too). One tower graph: every block attends within frames.
+QWEN3_VL = dataclasses.replace(
+    QWEN2_5_VL, name="qwen3_vl", make=make_tiny_qwen3_vl,
+    hf_class="Qwen3VLForConditionalGeneration", chunk_tokens=24,
+)
+
+ARCHS = [LLAVA_NEXT, QWEN2_5_VL, MISTRAL3, QWEN3_VL]
 
 
 # ---- fixtures (each needs an `arch` fixture in the module) -------------------

@@ -67,16 +67,32 @@ class Qwen2VLVideoProcessor(VideoProcessorMixin):
         )
 
 
-# (config module, config class) whose video processor is Qwen2VLVideoProcessor.
+class Qwen3VLVideoProcessor(Qwen2VLVideoProcessor):
+    """The stand-in for Qwen3-VL's video processor: its class defaults
+    (16-pixel patches, ImageNet's 0.5 mean and std, 2 fps), video refused the same way."""
+
+    size = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
+    image_mean = [0.5, 0.5, 0.5]
+    image_std = [0.5, 0.5, 0.5]
+    patch_size = 16
+    do_sample_frames = True
+    fps = 2
+
+
+# (config module, config class, stand-in) for each Qwen video processor.
 QWEN_VIDEO_CONFIGS = (
-    ("transformers.models.qwen2_vl.configuration_qwen2_vl", "Qwen2VLConfig"),
-    ("transformers.models.qwen2_5_vl.configuration_qwen2_5_vl", "Qwen2_5_VLConfig"),
+    ("transformers.models.qwen2_vl.configuration_qwen2_vl", "Qwen2VLConfig",
+     Qwen2VLVideoProcessor),
+    ("transformers.models.qwen2_5_vl.configuration_qwen2_5_vl", "Qwen2_5_VLConfig",
+     Qwen2VLVideoProcessor),
+    ("transformers.models.qwen3_vl.configuration_qwen3_vl", "Qwen3VLConfig",
+     Qwen3VLVideoProcessor),
 )
 
 
 def register() -> None:
-    """Make ``AutoVideoProcessor`` give the stand-in for Qwen2-VL and
-    Qwen2.5-VL configs, and ``ProcessorMixin`` accept it."""
+    """Make ``AutoVideoProcessor`` give the stand-ins for Qwen2-VL, Qwen2.5-VL
+    and Qwen3-VL configs, and ``ProcessorMixin`` accept them."""
     from transformers.models.auto.video_processing_auto import AutoVideoProcessor
 
     # ProcessorMixin checks a video_processor argument against
@@ -87,9 +103,8 @@ def register() -> None:
     if "VideoProcessorMixin" not in vars(transformers):
         transformers.VideoProcessorMixin = VideoProcessorMixin
 
-    for module_name, class_name in QWEN_VIDEO_CONFIGS:
+    for module_name, class_name, stand_in in QWEN_VIDEO_CONFIGS:
         config_class = getattr(importlib.import_module(module_name), class_name)
         AutoVideoProcessor.register(
-            config_class, video_processor_classes={"torchvision": Qwen2VLVideoProcessor},
-            exist_ok=True,
+            config_class, video_processor_classes={"torchvision": stand_in}, exist_ok=True,
         )

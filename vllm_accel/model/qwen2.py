@@ -22,7 +22,11 @@ Config flags cover the OLMo-style decoder of Molmo-7B-O with the same block
 The generic FMS wrapper (vllm_accel/model/fms_causal_lm.py) drives it as it
 drives FMS's own decoders: ``base_model(x, position_ids=...,
 past_key_value_states=..., use_cache=True, attn_name=...)`` with ``x`` token
-ids [1, T] or embeddings [1, T, emb_dim].
+ids [1, T] or embeddings [1, T, emb_dim]. Embeddings may be wider, [1, T,
+(1 + k) * emb_dim] (``split_layer_additions``): the first emb_dim columns are
+the input, the j-th further emb_dim columns are added to the hidden states
+after layer j (Qwen3-VL's DeepStack image features; zero where a token takes
+none, so the sum is the plain one there).
 
 Tensor parallelism goes through FMS's own strategy, as in FMS's LLaMA: each
 block passes through ``distributed_strategy.distribute_layer``, which swaps
@@ -52,7 +56,8 @@ class Qwen2Headless(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = nn.Embedding(config.src_vocab_size, config.emb_dim)
-        self.rotary = Qwen2Rotary(config.head_dim, config.rope_theta, config.mrope_section)
+        self.rotary = Qwen2Rotary(config.head_dim, config.rope_theta, config.mrope_section,
+                                  config.mrope_interleaved)
         self.layers = nn.ModuleList(
             distributed_strategy.distribute_layer(Qwen2Block(config, self.rotary), i)
             for i in range(config.nlayers))
@@ -64,10 +69,11 @@ class Qwen2Headless(nn.Module):
         (hidden [B, T, emb_dim], per-layer caches (when use_cache))."""
         if not x.is_floating_point():
             x = self.embedding(x)
+        x, additions = split_layer_additions(x, self.config.emb_dim)
         if not past_key_value_states:
             past_key_value_states = [None] * len(self.layers)
         caches = []
-        for layer, past in zip(self.layers, past_key_value_states):
+        for i, (layer, past) in enumerate(zip(self.layers, past_key_value_states)):
             out = layer(x, position_ids=position_ids, past_key_value_state=past,
                         use_cache=use_cache, **attn_kwargs)
             if use_cache:
@@ -75,7 +81,18 @@ class Qwen2Headless(nn.Module):
                 caches.append(cache)
             else:
                 x = out
+            if i < len(additions):
+                x = x + additions[i]
         return self.dec_norm(x), caches
+
+
+def split_layer_additions(x, emb_dim: int):
+    """Embeddings [B, T, (1 + k) * emb_dim] -> (the input [B, T, emb_dim],
+    k additions [B, T, emb_dim]: the j-th is added after layer j)."""
+    if x.shape[-1] % emb_dim:
+        raise ValueError(f"embeddings of width {x.shape[-1]}: not a multiple of {emb_dim}")
+    parts = x.split(emb_dim, dim=-1)
+    return parts[0], parts[1:]
 
 
 class Qwen2(nn.Module):
@@ -139,6 +156,7 @@ def qwen2_config_from_hf(text_config) -> Qwen2Config:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise ValueError(f"Qwen2: rope type {rope_type!r} is not supported")
+    head_dim = getattr(text_config, "head_dim", None)
     theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 10_000.0))
     if getattr(text_config, "use_sliding_window", False):
         raise ValueError("Qwen2: sliding-window attention is not supported")
@@ -152,6 +170,9 @@ def qwen2_config_from_hf(text_config) -> Qwen2Config:
         norm_eps=text_config.rms_norm_eps,
         rope_theta=float(theta),
         mrope_section=list(rope["mrope_section"]) if rope.get("mrope_section") else None,
+        mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+        head_size=head_dim if head_dim and head_dim * text_config.num_attention_heads
+        != text_config.hidden_size else None,
         activation_fn=text_config.hidden_act,
         tie_heads=bool(getattr(text_config, "tie_word_embeddings", False)),
         max_expected_seq_len=text_config.max_position_embeddings,
@@ -165,6 +186,7 @@ _LAYER_RENAMES = {
     "mlp.gate_proj.": "ff_sub_layer.wg.", "mlp.up_proj.": "ff_sub_layer.w1.",
     "mlp.down_proj.": "ff_sub_layer.w2.",
     "input_layernorm.": "ln.", "post_attention_layernorm.": "ff_ln.",
+    "self_attn.q_norm.": "attn.in_proj.q_norm.", "self_attn.k_norm.": "attn.in_proj.k_norm.",
 }
 
 

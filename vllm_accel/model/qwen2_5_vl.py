@@ -21,7 +21,7 @@ import torch
 from fms.distributed.strategy import DistributedStrategy, NoOpStrategy
 from fms.utils.config import ModelConfig
 
-from vllm_accel.model.ports import FmsPort
+from vllm_accel.model.ports import FmsPort, renamed
 from vllm_accel.model.qwen2 import (
     Qwen2VisionLanguageModel,
     qwen2_config_from_hf,
@@ -59,14 +59,18 @@ class Qwen2_5_VLConfig(ModelConfig):
 class Qwen2_5_VL(Qwen2VisionLanguageModel):
     """The text model our generic wrapper drives is ``language_model``; the
     caller runs ``visual`` on each image and writes its rows into the prompt
-    embeddings at the image-token positions."""
+    embeddings at the image-token positions. (Qwen3-VL's port is this class
+    with its own config and tower.)"""
+
+    config_class: type = Qwen2_5_VLConfig
+    vision_class: type = Qwen2_5_VisionTransformer
 
     def __init__(self, config: Optional[Qwen2_5_VLConfig] = None, vision_only: bool = False,
                  distributed_strategy: DistributedStrategy = NoOpStrategy, **kwargs):
         if vision_only:
-            raise NotImplementedError("Qwen2_5_VL has no vision-only mode")
-        super().__init__((config or Qwen2_5_VLConfig()).updated(**kwargs), distributed_strategy)
-        self.visual = Qwen2_5_VisionTransformer(self.config.vision_config)
+            raise NotImplementedError(f"{type(self).__name__} has no vision-only mode")
+        super().__init__((config or self.config_class()).updated(**kwargs), distributed_strategy)
+        self.visual = self.vision_class(self.config.vision_config)
 
 
 def mrope_positions(
@@ -136,15 +140,16 @@ def qwen2_5_vl_config_from_hf(hf_config) -> Qwen2_5_VLConfig:
         out_dim=v.out_hidden_size, rope_theta=float(vision_rope.get("rope_theta", 10_000.0)),
         activation_fn=v.hidden_act,
     )
-    return Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision,
-        image_token_id=hf_config.image_token_id, video_token_id=hf_config.video_token_id,
-        vision_start_token_id=hf_config.vision_start_token_id,
-        vision_end_token_id=hf_config.vision_end_token_id,
-    )
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **vision_token_ids(hf_config))
 
 
-_VISION_RENAMES = [
+def vision_token_ids(hf_config) -> dict[str, int]:
+    """The image, video and vision start/end token ids of a Qwen-VL HF config."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return {name: getattr(hf_config, name) for name in names}
+
+
+_VISION_RENAMES = (
     (r"^visual\.blocks\.", "visual.layers."),
     (r"\.norm1\.", ".ln."),
     (r"\.norm2\.", ".ff_ln."),
@@ -155,30 +160,34 @@ _VISION_RENAMES = [
     (r"^visual\.patch_embed\.proj\.", "visual.patch_embed."),
     (r"^visual\.merger\.mlp\.0\.", "visual.merger.fc1."),
     (r"^visual\.merger\.mlp\.2\.", "visual.merger.fc2."),
-]
+)
 
 
-def _hf_to_fms_names(sd: Mapping[str, Any], **_) -> dict:
-    """Hub layout (model.layers.*, model.embed_tokens, model.norm, visual.*,
-    lm_head) and transformers-5 layout (model.language_model.*,
-    model.visual.*) -> our names."""
-    out = {}
-    for name, tensor in sd.items():
-        name = re.sub(r"^model\.language_model\.", "model.", name)
-        name = re.sub(r"^model\.visual\.", "visual.", name)
-        if name.startswith("visual."):
-            for pattern, repl in _VISION_RENAMES:
-                name = re.sub(pattern, repl, name)
-            if name == "visual.patch_embed.weight":
-                tensor = tensor.flatten(1)  # Conv3d [D, C, T, P, P] -> linear [D, C*T*P*P]
-        else:
-            name = rename_hf_text_key(name, "model.", "language_model.") or name
-        out[name] = tensor
-    return out
+def qwen_vl_names(vision_renames: tuple[tuple[str, str], ...]):
+    """The checkpoint-key mapping of a Qwen-VL port whose tower's keys (after
+    ``visual.``) ``vision_renames`` rename: hub layout (model.layers.*,
+    model.embed_tokens, model.norm, visual.*, lm_head) and transformers-5
+    layout (model.language_model.*, model.visual.*) -> our names."""
+
+    def hf_to_fms_names(sd: Mapping[str, Any], **_) -> dict:
+        out = {}
+        for name, tensor in sd.items():
+            name = re.sub(r"^model\.language_model\.", "model.", name)
+            name = re.sub(r"^model\.visual\.", "visual.", name)
+            if name.startswith("visual."):
+                name = renamed(name, vision_renames)
+                if name == "visual.patch_embed.weight":
+                    tensor = tensor.flatten(1)  # Conv3d [D, C, T, P, P] -> linear [D, C*T*P*P]
+            else:
+                name = rename_hf_text_key(name, "model.", "language_model.") or name
+            out[name] = tensor
+        return out
+
+    return hf_to_fms_names
 
 
 FMS_PORT = FmsPort(
     fms_architecture=ARCHITECTURE, hf_architecture=HF_ARCHITECTURE, model_class=Qwen2_5_VL,
-    config_from_hf=qwen2_5_vl_config_from_hf, hf_to_fms_names=_hf_to_fms_names,
+    config_from_hf=qwen2_5_vl_config_from_hf, hf_to_fms_names=qwen_vl_names(_VISION_RENAMES),
     fused_prefix="language_model.", text_config_attr="text_config",
 )

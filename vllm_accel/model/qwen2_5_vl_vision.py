@@ -43,8 +43,21 @@ from vllm_accel.model.half_split_rope import rotate_halves
 from vllm_accel.model.qwen2_layers import rms_norm
 
 
+class PatchTowerShape:
+    """What a Qwen-VL tower config derives from its fields (emb_dim, nheads,
+    in_channels, temporal_patch_size, patch_size)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.emb_dim // self.nheads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
 @dataclass
-class Qwen2_5_VisionConfig(ModelConfig):
+class Qwen2_5_VisionConfig(ModelConfig, PatchTowerShape):
     depth: int = 32
     emb_dim: int = 1280
     nheads: int = 16
@@ -59,15 +72,6 @@ class Qwen2_5_VisionConfig(ModelConfig):
     norm_eps: float = 1e-6
     rope_theta: float = 10_000.0
     activation_fn: str = "silu"
-
-    @property
-    def head_dim(self) -> int:
-        return self.emb_dim // self.nheads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
 
 
 class VisionAttention(nn.Module):
@@ -193,6 +197,28 @@ class VisionLayout:
     window_ranges: torch.Tensor
 
 
+def row_spans(seg: torch.Tensor) -> torch.Tensor:
+    """Each row's run of equal segment ids as [first, last + 1): [rows, 2] int32."""
+    starts = torch.ones(len(seg), dtype=torch.bool)
+    starts[1:] = seg[1:] != seg[:-1]
+    first = torch.nonzero(starts).flatten()
+    run = torch.cumsum(starts, 0) - 1
+    last = torch.cat([first[1:], torch.tensor([len(seg)])])
+    return torch.stack([first[run], last[run]], -1).int()
+
+
+def axial_angles(head_dim: int, theta: float, rows: torch.Tensor, cols: torch.Tensor,
+                 num_pad: int) -> torch.Tensor:
+    """2-D rotary angles [patches + num_pad, head_dim / 2] float32 of patches
+    at (rows, cols): the first half of the frequencies turn with the row, the
+    second half with the column (HF's axial rope); padding gets angle 0."""
+    half = head_dim // 2  # HF: the frequencies of a head_dim/2 rope, per axis
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+    pos = torch.stack([rows, cols], dim=-1).float()  # [N_real, 2]
+    freqs = (pos[..., None] * inv_freq).flatten(1)  # [N_real, head_dim / 2]: rows then columns
+    return torch.cat([freqs, freqs.new_zeros(num_pad, freqs.shape[1])])
+
+
 def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]],
                   num_padded: int, device: torch.device | str = "cpu") -> VisionLayout:
     """grid_thw: per image (frames t, patch rows h, patch columns w), as the
@@ -239,14 +265,6 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
     def same(seg):
         return seg[:, None] == seg[None, :]
 
-    def spans(seg):  # each row's run of equal segment ids: [first, last + 1)
-        starts = torch.ones(len(seg), dtype=torch.bool)
-        starts[1:] = seg[1:] != seg[:-1]
-        first = torch.nonzero(starts).flatten()
-        run = torch.cumsum(starts, 0) - 1
-        last = torch.cat([first[1:], torch.tensor([len(seg)])])
-        return torch.stack([first[run], last[run]], -1).int()
-
     def same_in_band(seg):
         band = win * win * unit
         chunks = -(-num_padded // band)
@@ -257,13 +275,8 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
 
     frame_rows, window_rows = per_row(torch.cat(frame_seg)), per_row(torch.cat(window_seg))
 
-    # 2-D rotary: the first half of the frequencies turn with the row, the
-    # second half with the column (HF's axial rope); padding gets angle 0.
-    half = config.head_dim // 2  # HF: the frequencies of a head_dim/2 rope, per axis
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-    pos = torch.stack([torch.cat(rows), torch.cat(cols)], dim=-1).float()  # [N_real, 2]
-    freqs = (pos[..., None] * inv_freq).flatten(1)  # [N_real, head_dim / 2]: rows then columns
-    angles = torch.cat([freqs, freqs.new_zeros(num_pad, freqs.shape[1])])
+    angles = axial_angles(config.head_dim, config.rope_theta, torch.cat(rows), torch.cat(cols),
+                          num_pad)
     return VisionLayout(
         order=order.to(device),
         restore=torch.argsort(window_index).to(device),
@@ -271,8 +284,8 @@ def vision_layout(config: Qwen2_5_VisionConfig, grid_thw: Sequence[Sequence[int]
         sin=angles.sin().to(device),
         full_mask=same(frame_rows).to(device),
         window_mask=same_in_band(window_rows).to(device),
-        full_ranges=spans(frame_rows).to(device),
-        window_ranges=spans(window_rows).to(device),
+        full_ranges=row_spans(frame_rows).to(device),
+        window_ranges=row_spans(window_rows).to(device),
     )
 
 

@@ -11,7 +11,9 @@ FMS's LLaMA is close but cannot express Qwen2's attention: q/k/v projections
 *with* bias and an output projection *without*. Config flags cover the
 OLMo-style decoder of Molmo-7B-O with the same block (``attn_bias`` off,
 ``qk_norm``: RMSNorm over the whole q and k widths before rotary,
-``norm_after``: x + norm(attn(x)) instead of x + attn(norm(x))).
+``norm_after``: x + norm(attn(x)) instead of x + attn(norm(x))), and Qwen3's
+(Qwen3-VL's text model: ``attn_bias`` off, ``qk_norm_per_head``: RMSNorm over
+each head's width, ``head_size`` apart from emb_dim / nheads).
 
 Rotary embedding follows HF's "rotate half" convention, so checkpoint q/k
 weights load unpermuted (FMS's RotaryEmbedding pairs adjacent dims and needs a
@@ -19,7 +21,10 @@ weight permutation; it also cannot take multi-axis positions). With
 ``mrope_section`` set (Qwen2-VL / Qwen2.5-VL), positions are [3, B, T]
 (temporal, height, width) and each rotary frequency takes its angle from one
 axis: the first mrope_section[0] frequencies from t, the next
-mrope_section[1] from h, the rest from w. Without it, positions are [B, T].
+mrope_section[1] from h, the rest from w; interleaved (``mrope_interleaved``,
+Qwen3-VL), frequency j takes h where j % 3 == 1 and j < 3 * mrope_section[1],
+w where j % 3 == 2 and j < 3 * mrope_section[2], else t. Without it,
+positions are [B, T].
 
 Tensor parallelism: FMS's TensorParallelStrategy calls each module's
 ``to_tp``. ``Qwen2Attention.to_tp`` gives FMS's TP attention (heads split
@@ -64,6 +69,8 @@ class Qwen2Config(ModelConfig):
     # M-RoPE: rotary frequencies per position axis (t, h, w), summing to
     # head_dim // 2. None: plain 1-D RoPE.
     mrope_section: Optional[list[int]] = None
+    # Qwen3-VL's layout of those frequencies: t, h, w interleaved (see above).
+    mrope_interleaved: bool = False
     activation_fn: str = "silu"
     tie_heads: bool = False
     max_expected_seq_len: int = 32_768
@@ -73,6 +80,11 @@ class Qwen2Config(ModelConfig):
     # RMSNorm over all query heads together (and all key heads), after the
     # projection and before rotary, as OLMo (Molmo-7B-O).
     qk_norm: bool = False
+    # RMSNorm over each query and key head's width (one weight of head_dim
+    # shared by the heads), after the projection and before rotary, as Qwen3.
+    qk_norm_per_head: bool = False
+    # A head's width where it is not emb_dim // nheads (Qwen3's head_dim).
+    head_size: Optional[int] = None
     # Norms on the sublayer outputs: x + ln(attn(x)), x + ff_ln(mlp(x)) (OLMo).
     norm_after: bool = False
     # Rows of the LM head when fewer than the embedding's (None: src_vocab_size).
@@ -80,7 +92,7 @@ class Qwen2Config(ModelConfig):
 
     @property
     def head_dim(self) -> int:
-        return self.emb_dim // self.nheads
+        return self.head_size or self.emb_dim // self.nheads
 
 
 def rms_norm(dim: int, eps: float) -> LayerNormParameterized:
@@ -104,12 +116,25 @@ class Qwen2Rotary(PositionEncoder):
     on the meta device when FMS builds the model there.
     """
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: Optional[list[int]] = None):
+    def __init__(self, head_dim: int, theta: float, mrope_section: Optional[list[int]] = None,
+                 mrope_interleaved: bool = False):
         if mrope_section is not None and sum(mrope_section) != head_dim // 2:
             raise ValueError(f"mrope_section {mrope_section} must sum to head_dim/2 = {head_dim // 2}")
         self.head_dim = head_dim
         self.theta = float(theta)
         self.mrope_section = list(mrope_section) if mrope_section is not None else None
+        # Each frequency's axis (0 t, 1 h, 2 w), as Python numbers (nothing on
+        # the meta device): contiguous sections, or interleaved (Qwen3-VL).
+        self.mrope_axes: Optional[list[int]] = None
+        if mrope_section is not None:
+            if mrope_interleaved:
+                self.mrope_axes = [
+                    1 if j % 3 == 1 and j < 3 * mrope_section[1]
+                    else 2 if j % 3 == 2 and j < 3 * mrope_section[2] else 0
+                    for j in range(head_dim // 2)]
+            else:
+                self.mrope_axes = [axis % 3 for axis, size in enumerate(mrope_section)
+                                   for _ in range(size)]
 
     def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """position_ids [B, T] (or [3, B, T] with M-RoPE) -> cos, sin [B, T, head_dim]."""
@@ -121,9 +146,9 @@ class Qwen2Rotary(PositionEncoder):
         if self.mrope_section is not None and position_ids.dim() == 2:
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)  # text only: t = h = w
         freqs = position_ids.float()[..., None] * inv_freq  # [(3,) B, T, dim/2]
-        if self.mrope_section is not None:
-            chunks = freqs.split(self.mrope_section, dim=-1)
-            freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
+        if self.mrope_axes is not None:  # each frequency from its axis: a selection
+            axes = torch.tensor(self.mrope_axes, device=freqs.device)
+            freqs = torch.where(axes == 0, freqs[0], torch.where(axes == 1, freqs[1], freqs[2]))
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -182,12 +207,39 @@ class QKNormUnfusedQKV(_WholeWidthQKNorm, UnfusedQKV):
     pass
 
 
+class _PerHeadQKNorm:
+    """Mixin for FMS's QKV projections: RMSNorm over each query and key
+    head's width, one weight shared by the heads (Qwen3). FMS's own per-head
+    norm exists for its unfused projection only."""
+
+    def _add_qk_norm(self, eps: float, group=None) -> None:
+        self.q_norm, self.k_norm = (rms_norm(self.emb_kq_per_head, eps) for _ in range(2))
+
+    def forward(self, q, k, v):
+        queries, keys, values = super().forward(q, k, v)
+        head = self.emb_kq_per_head
+        return (self.q_norm(queries.unflatten(-1, (-1, head))).flatten(-2),
+                self.k_norm(keys.unflatten(-1, (-1, head))).flatten(-2), values)
+
+
+class HeadNormFusedQKV(_PerHeadQKNorm, FusedQKV):
+    pass
+
+
+class HeadNormUnfusedQKV(_PerHeadQKNorm, UnfusedQKV):
+    pass
+
+
 def qkv_projection(c: Qwen2Config, nheads: int, kvheads: int, group=None) -> nn.Module:
     """Qwen2's q/k/v projection for ``nheads``/``kvheads`` heads (this rank's,
     under tensor parallelism: ``group``)."""
     fused = c.fused_weights
-    if c.qk_norm:
-        proj = (QKNormFusedQKV if fused else QKNormUnfusedQKV)(
+    if c.qk_norm or c.qk_norm_per_head:
+        if c.qk_norm_per_head:
+            cls = HeadNormFusedQKV if fused else HeadNormUnfusedQKV
+        else:
+            cls = QKNormFusedQKV if fused else QKNormUnfusedQKV
+        proj = cls(
             c.emb_dim, nheads, kvheads, c.head_dim, c.head_dim, use_bias=c.attn_bias)
         proj._add_qk_norm(c.norm_eps, group)
         return proj
@@ -219,6 +271,8 @@ class TPQwen2Attention(TPMultiHeadAttention):
     Qwen2's projection; the q/k norm weights sharded like their heads."""
 
     def __init__(self, attn: Qwen2Attention, group):
+        if attn.config.qk_norm_per_head:  # Qwen3-VL: its table entry refuses TP
+            raise NotImplementedError("per-head q/k norms have no tensor-parallel form here")
         super().__init__(
             emb_dim=attn.emb_dim, emb_kq=attn.emb_kq_per_head, emb_v=attn.emb_v_per_head,
             nheads=attn.nheads, kvheads=attn.kvheads, use_bias=False,

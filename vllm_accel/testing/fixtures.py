@@ -28,6 +28,7 @@ ALL_ARCHS = SUPPORTED_ARCHS + VISION_ARCHS
 # vllm_accel.testing); tiny_models.make_tiny_checkpoint writes the others.
 _OWN_MAKERS = {
     "qwen2_5_vl": "tiny_qwen2_5_vl:make_tiny_qwen2_5_vl",
+    "qwen3_vl": "tiny_qwen3_vl:make_tiny_qwen3_vl",
     "gpt_bigcode": "tiny_gpt_bigcode:make_tiny_gpt_bigcode",
     "bamba": "tiny_bamba:make_tiny_bamba",
     "granitemoehybrid": "tiny_granite_hybrid:make_tiny_granite_hybrid",

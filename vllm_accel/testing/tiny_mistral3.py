@@ -32,11 +32,11 @@ import torch
 from vllm_accel.testing.tiny_models import (
     SPECIAL_TOKENS,
     SUPPRESS_SCALE,
-    WEIGHT_STD,
     _save_generation_config,
     _save_tokenizer,
     _unprintable_ids,
     build_tokenizer,
+    fill_weights,
     vision_chat_template,
 )
 
@@ -67,9 +67,6 @@ CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
-
-BIAS_STD = 0.02  # non-zero, so a bias left unloaded shows
-NORM_NOISE = 0.05  # norms = 1 + noise, so a swapped/missing norm shows
 
 # An image part renders as [IMG] (Pixtral's processors expand it).
 CHAT_TEMPLATE = vision_chat_template("[IMG]")
@@ -114,20 +111,6 @@ def _config(tokenizer):
     return cfg
 
 
-def _fill_weights(model, g: torch.Generator) -> None:
-    """Every parameter redrawn from ``g``, in name order: norms 1 + noise,
-    biases small, the rest std WEIGHT_STD (peaked logits; HF's 0.02 init
-    gives near-uniform ones)."""
-    for name, parameter in sorted(model.named_parameters()):
-        if name.endswith(".bias"):
-            value = torch.randn(parameter.shape, generator=g) * BIAS_STD
-        elif parameter.dim() == 1:  # RMSNorm weights (all Mistral3 norms)
-            value = 1.0 + NORM_NOISE * torch.randn(parameter.shape, generator=g)
-        else:
-            value = torch.randn(parameter.shape, generator=g) * WEIGHT_STD
-        parameter.copy_(value)
-
-
 def _write_json(path: pathlib.Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -149,7 +132,7 @@ def make_tiny_mistral3(out_dir: str | os.PathLike, *, seed: int = 0,
     g = torch.Generator().manual_seed(seed)
     model = Mistral3ForConditionalGeneration(_config(tokenizer)).eval()
     with torch.no_grad():
-        _fill_weights(model, g)
+        fill_weights(model, g)
         if printable_only:
             specials = (*SPECIAL_TOKENS, IMG, IMG_BREAK, IMG_END)
             model.lm_head.weight[_unprintable_ids(tokenizer, specials=specials)] *= SUPPRESS_SCALE

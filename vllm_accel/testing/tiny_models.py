@@ -323,6 +323,24 @@ def _save_tokenizer(tokenizer, out: pathlib.Path, chat_template: str) -> None:
     tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
 
 
+FILL_BIAS_STD = 0.02
+
+
+def fill_weights(model, g: torch.Generator, std_of=lambda name: WEIGHT_STD) -> None:
+    """Every parameter of an HF model redrawn from ``g``, in name order: norms
+    (1-D weights) 1 + noise, biases small (non-zero, so one left unloaded
+    shows), the rest normal with ``std_of(name)`` (WEIGHT_STD: peaked
+    logits; HF's 0.02 init gives near-uniform ones)."""
+    for name, parameter in sorted(model.named_parameters()):
+        if name.endswith(".bias"):
+            value = torch.randn(parameter.shape, generator=g) * FILL_BIAS_STD
+        elif parameter.dim() == 1:  # RMSNorm and LayerNorm weights
+            value = 1.0 + NORM_NOISE * torch.randn(parameter.shape, generator=g)
+        else:
+            value = torch.randn(parameter.shape, generator=g) * std_of(name)
+        parameter.copy_(value)
+
+
 def _save_generation_config(tokenizer, out: pathlib.Path) -> None:
     from transformers import GenerationConfig
 

@@ -232,6 +232,39 @@ def _write_json(path: pathlib.Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def write_processor_files(out: pathlib.Path, tokenizer, processor_class: str, *,
+                          patch_size: int, min_pixels: int, max_pixels: int, mean: list[float],
+                          std: list[float], video_processor_type: str | None = None) -> None:
+    """A Qwen-VL checkpoint's generation config (stop on <|im_end|> or eos),
+    Qwen2-VL image processor config (2-frame patches merged 2x2), processor
+    config and, given ``video_processor_type``, video processor config (as
+    Qwen3-VL's on the hub: without torchvision, vllm_accel's stand-in of that
+    name loads it)."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(
+        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(EOS)],
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(out)
+    shared = {"image_mean": mean, "image_std": std, "max_pixels": max_pixels,
+              "merge_size": MERGE_SIZE, "min_pixels": min_pixels, "patch_size": patch_size,
+              "processor_class": processor_class, "temporal_patch_size": TEMPORAL_PATCH_SIZE}
+    _write_json(out / "preprocessor_config.json", {
+        **shared,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "resample": 3,  # bicubic
+        "rescale_factor": 1 / 255,
+    })
+    if video_processor_type is not None:
+        _write_json(out / "video_preprocessor_config.json",
+                    {**shared, "video_processor_type": video_processor_type})
+    _write_json(out / "processor_config.json", {"processor_class": processor_class})
+
+
 def make_tiny_qwen2_5_vl(
     out_dir: str | os.PathLike, seed: int = 0, *, tie_word_embeddings: bool = True,
     printable_only: bool = True,
@@ -248,31 +281,9 @@ def make_tiny_qwen2_5_vl(
     cfg = _hf_config(tokenizer, tie_word_embeddings)
     cfg.save_pretrained(out)
 
-    from transformers import GenerationConfig
-
-    GenerationConfig(
-        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(EOS)],
-        pad_token_id=tokenizer.pad_token_id,
-    ).save_pretrained(out)
-
-    _write_json(out / "preprocessor_config.json", {
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": CLIP_MEAN,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "image_std": CLIP_STD,
-        "max_pixels": MAX_PIXELS,
-        "merge_size": MERGE_SIZE,
-        "min_pixels": MIN_PIXELS,
-        "patch_size": PATCH_SIZE,
-        "processor_class": "Qwen2_5_VLProcessor",
-        "resample": 3,  # bicubic
-        "rescale_factor": 1 / 255,
-        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
-    })
-    _write_json(out / "processor_config.json", {"processor_class": "Qwen2_5_VLProcessor"})
+    write_processor_files(out, tokenizer, "Qwen2_5_VLProcessor", patch_size=PATCH_SIZE,
+                          min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, mean=CLIP_MEAN,
+                          std=CLIP_STD)
 
     specials = (*SPECIAL_TOKENS, IMAGE_PAD, *QWEN_TOKENS)
     suppressed = _unprintable_ids(tokenizer, specials=specials) if printable_only else []

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 def dummy_embeddings(runner: AccelModelRunner, bucket: int) -> torch.Tensor:
     """Zero embeddings of a forward of ``bucket`` tokens: a vision model
     always runs on embeddings, computed before the forward."""
-    return torch.zeros(1, bucket, runner.model.hidden_size, dtype=runner.dtype,
-                       device=runner.device)
+    width = runner.vision.embedding_width(runner.model.hidden_size)
+    return torch.zeros(1, bucket, width, dtype=runner.dtype, device=runner.device)
 
 
 def prefill_filling(bucket: int, max_model_len: int, block_size: int,

@@ -40,7 +40,8 @@ class StepImages:
         self.vision = vision
         self.encoder = encoder
         self.tp_size = tp_size
-        self.device, self.dtype, self.hidden_size = device, dtype, hidden_size
+        self.device, self.dtype = device, dtype
+        self.row_width = vision.embedding_width(hidden_size)  # an encoded image's rows
         self.cache: dict[str, torch.Tensor] = {}  # image identifier -> embeddings
         self.images_scheduled = 0  # new images so far: whose turn to encode (TP)
 
@@ -74,7 +75,7 @@ class StepImages:
             if owner == rank:
                 embeds = next(mine).to(self.device, self.dtype).contiguous()
             else:
-                embeds = torch.empty((feature.mm_position.get_num_embeds(), self.hidden_size),
+                embeds = torch.empty((feature.mm_position.get_num_embeds(), self.row_width),
                                      dtype=self.dtype, device=self.device)
             self.cache[feature.identifier] = group.broadcast(embeds, src=owner)
 

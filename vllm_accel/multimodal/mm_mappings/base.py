@@ -18,6 +18,9 @@ with embeddings, plus the architecture's vision side:
   vision bucket;
 - ``rope_positions``, for models with 3-D rotary positions (M-RoPE): each
   prompt's positions, computed from its images;
+- ``layer_additions``, for models whose image rows also feed the decoder's
+  first layers (Qwen3-VL's DeepStack): the rows are that many hidden widths
+  wider, and so is every embedding the text model is fed;
 - ``unsupported_modalities``: inputs the model's processor accepts but the
   architecture's port does not (their per-prompt limit is forced to 0).
 
@@ -59,6 +62,12 @@ class VisionAdapter(ABC):
     vision_bucket_axis: tuple[tuple[str, int], ...] = ()
     # Whether the text model takes 3-D positions [3, 1, tokens] (see rope_positions).
     uses_3d_positions: bool = False
+    # Embeddings added to the decoder's hidden states after its first layers
+    # at multimodal positions: each row ``encode_items`` returns is the input
+    # embedding followed by these (after layer 0, 1, ...), and the text model
+    # takes embeddings of that width (``embedding_width``): text positions
+    # carry zeros there, which change nothing.
+    layer_additions: int = 0
     unsupported_modalities: tuple[str, ...] = ()
 
     def __init__(self, model_config: Any, fms_model: nn.Module):
@@ -86,9 +95,18 @@ class VisionAdapter(ABC):
         our ports and FMS's LlavaNext all call it ``language_model``."""
         return self.fms_model.language_model
 
+    def embedding_width(self, hidden_size: int) -> int:
+        """The width of the embeddings the text model takes (and of each
+        encoded multimodal row): the hidden size, times 1 + layer_additions."""
+        return hidden_size * (1 + self.layer_additions)
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[1, T] ids -> [1, T, hidden] raw embeddings (FMS multiplies later)."""
-        return self.text_model.base_model.embedding(input_ids)
+        """[1, T] ids -> [1, T, embedding_width] raw embeddings (FMS
+        multiplies later); zeros past the hidden size (layer_additions)."""
+        embeds = self.text_model.base_model.embedding(input_ids)
+        if self.layer_additions:
+            embeds = torch.nn.functional.pad(embeds, (0, embeds.shape[-1] * self.layer_additions))
+        return embeds
 
     def rope_positions(self, prompt_token_ids: list[int],
                        items: list[dict[str, torch.Tensor]]) -> tuple[np.ndarray, int]:

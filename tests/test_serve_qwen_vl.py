@@ -1,7 +1,7 @@
-"""`vllm serve` of the tiny Qwen2.5-VL on our platform (no torchvision in this
-environment): image chat over the OpenAI API equal to HF transformers, bad
-images and video parts answered with a 400 while the server keeps serving,
-and both vision examples pointed at a Qwen2.5-VL checkpoint."""
+"""`vllm serve` of the tiny Qwen2.5-VL and Qwen3-VL on our platform (no
+torchvision in this environment): image chat over the OpenAI API equal to HF
+transformers, bad images and video parts answered with a 400 while the
+server keeps serving, and both vision examples pointed at each checkpoint."""
 
 from __future__ import annotations
 
@@ -28,14 +28,19 @@ from test_serve_vision import (
     user,
     vllm_server,
 )
-from vllm_accel.testing.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
+from vision_cases import QWEN2_5_VL, QWEN3_VL
 
 pytestmark = pytest.mark.slow  # engines and servers: the full suite only
 
 
+@pytest.fixture(scope="module", params=[QWEN2_5_VL, QWEN3_VL], ids=lambda arch: arch.name)
+def arch(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "m")
+def qwen(arch, tmp_path_factory):
+    return arch.make(tmp_path_factory.mktemp(arch.name) / "m")
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +57,10 @@ def client(server):
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
-def test_image_chat_matches_hf(server, client):
+def test_image_chat_matches_hf(arch, server, client):
     _, model, _ = server
-    # Qwen2.5-VL's template writes no bos and its tokenizer adds none.
-    assert_image_chat_matches_hf(client, model, "Qwen2_5_VLForConditionalGeneration",
-                                 special_tokens=True)
+    # Qwen's templates write no bos and their tokenizers add none.
+    assert_image_chat_matches_hf(client, model, arch.hf_class, special_tokens=True)
 
 
 def assert_still_serving(client, model):
