@@ -28,7 +28,7 @@ from molmo_reference import (
     reference_greedy,
     vllm_processor,
 )
-from vision_cases import MISTRAL3, QWEN2_5_VL, cases, expected, hf, model_dir  # noqa: F401 (fixtures)
+from vision_cases import MISTRAL3, QWEN2_5_VL, QWEN3_VL, cases, expected, hf, model_dir  # noqa: F401 (fixtures)
 
 from helpers import chat_prompt, noise_image, running_llm, tensor_parallel_workers, vision_greedy
 from vllm_accel.testing.fixtures import make_tiny_model
@@ -154,14 +154,16 @@ def assert_killed_worker_fails_the_engine(llm, send_request) -> None:
     assert time.perf_counter() - started < 60
 
 
-@pytest.fixture(scope="module", params=[QWEN2_5_VL, MISTRAL3], ids=lambda arch: arch.name)
+@pytest.fixture(scope="module", params=[QWEN2_5_VL, MISTRAL3, QWEN3_VL],
+                ids=lambda arch: arch.name)
 def arch(request):
     return request.param
 
 
 def test_tp2_matches_hf(arch, model_dir, hf, cases, expected):  # noqa: F811
-    """Qwen2.5-VL (our port) and Mistral3 (FMS's Mistral; the Pixtral tower
-    whole on each rank): one image at each size, two images, text only: one
+    """Qwen2.5-VL and Qwen3-VL (our ports; Qwen3-VL's per-head q/k norms and
+    DeepStack rows) and Mistral3 (FMS's Mistral; the Pixtral tower whole on
+    each rank): one image at each size, two images, text only: one
     batch, in prefill chunks that end inside images; then two fresh images,
     each encoded by one rank; then (Qwen2.5-VL) a killed worker fails the
     engine."""

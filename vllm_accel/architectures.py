@@ -198,12 +198,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     ),
     # Our Qwen2 decoder configured as Qwen3's (per-head q/k norms, interleaved
     # M-RoPE) with DeepStack features added after its first layers, and the
-    # Qwen3-VL tower (model/qwen3_vl.py). Dense only; not sharded yet (the
-    # per-head q/k norms have no tensor-parallel form here).
+    # Qwen3-VL tower (model/qwen3_vl.py). Dense only.
     Architecture(
         ("Qwen3VLForConditionalGeneration",), "qwen3_vl",
         fms_port="vllm_accel.model.qwen3_vl:FMS_PORT",
-        vision_adapter=f"{_ADAPTERS}.qwen3_vl:Qwen3VLVisionAdapter",
+        vision_adapter=f"{_ADAPTERS}.qwen3_vl:Qwen3VLVisionAdapter", tensor_parallel=True,
     ),
     # FMS's own mistral3 (Mistral text, Pixtral tower); the tower runs over
     # flat patch rows, images kept apart (model/pixtral_vision.py).

@@ -268,11 +268,10 @@ class Qwen2Attention(MultiHeadAttention):
 class TPQwen2Attention(TPMultiHeadAttention):
     """This rank's heads of a Qwen2Attention: FMS's TP attention (q/k/v rows
     and bias sharded by head, output projection by column, all-reduced) with
-    Qwen2's projection; the q/k norm weights sharded like their heads."""
+    Qwen2's projection; whole-width q/k norm weights sharded like their
+    heads, per-head ones (one weight every head shares) whole on each rank."""
 
     def __init__(self, attn: Qwen2Attention, group):
-        if attn.config.qk_norm_per_head:  # Qwen3-VL: its table entry refuses TP
-            raise NotImplementedError("per-head q/k norms have no tensor-parallel form here")
         super().__init__(
             emb_dim=attn.emb_dim, emb_kq=attn.emb_kq_per_head, emb_v=attn.emb_v_per_head,
             nheads=attn.nheads, kvheads=attn.kvheads, use_bias=False,
@@ -282,11 +281,16 @@ class TPQwen2Attention(TPMultiHeadAttention):
         self.in_proj = qkv_projection(attn.config, self.nheads, self.kvheads, group)
 
     def load_weights(self, tensor_values: dict[str, torch.Tensor]):
-        if self.config.qk_norm:
+        if self.config.qk_norm or self.config.qk_norm_per_head:
             used: set[str] = set()
             for name, heads in (("q_norm", self.pre_tp_nheads), ("k_norm", self.pre_tp_kvheads)):
                 value = self._get_sd_weight(tensor_values, used, [name, "weight"])
-                self.sharded_copy(getattr(self.in_proj, name).weight, value, 0, [heads])
+                weight = getattr(self.in_proj, name).weight
+                if self.config.qk_norm_per_head:
+                    with torch.no_grad():
+                        weight.copy_(value)
+                else:
+                    self.sharded_copy(weight, value, 0, [heads])
             tensor_values = {k: v for k, v in tensor_values.items() if k not in used}
         return super().load_weights(tensor_values)
 
