@@ -84,21 +84,18 @@ def test_tp2_matches_tp1_and_hf_batch_chunked_prefix_cache(tp_llm):
     assert _prefix_cache_hits(llm) - hits >= 96
     assert prefix_outputs == hf_greedy(model_dir, [first, second], MAX_TOKENS)
 
-    # One worker, same engine options: the same tokens.
+    # One worker, same engine options: the same tokens, greedy and seeded
+    # (random sampling happens once, on the driver; the others take its tokens).
+    sampled = seeded_sample(llm)
     with running_llm(model_dir, **ENGINE_OPTIONS) as single:
         assert generate(single, prompts + [first, second]) == got + prefix_outputs
+        assert seeded_sample(single) == sampled
 
 
-def test_tp2_seeded_sampling_matches_tp1(tp_llm):
-    """Random sampling happens once, on the driver; the others take its tokens."""
-    _, model_dir, llm = tp_llm
+def seeded_sample(llm) -> list[list[int]]:
     params = SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=MAX_TOKENS)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts([4, 40], seed=10)]
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    with running_llm(model_dir, **ENGINE_OPTIONS) as single:
-        want = [list(o.outputs[0].token_ids)
-                for o in single.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_every_rank_cuts_steps_by_the_drivers_forward_times(tp_llm):
