@@ -1,5 +1,5 @@
-"""`vllm serve` of an embedder, as a user runs it: embeddings, scores and
-reranking equal to HF's, and bad requests answered with a 400 that says
+"""`vllm serve` of an embedder, as a user runs it: embeddings (through
+/v1/embeddings and /pooling), scores and reranking equal to HF's, and bad requests answered with a 400 that says
 what is allowed while the server keeps serving."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def expected(model, text):
     return hf_embedding(model, "bert", AutoTokenizer.from_pretrained(model)(text).input_ids)
 
 
-def test_embeddings_scores_and_rerank_equal_hf(server):
+def test_embeddings_pooling_scores_and_rerank_equal_hf(server):
     base, model = server
     texts = ["hello world", "The quick brown fox jumps over the lazy dog."]
     out = requests.post(f"{base}/v1/embeddings", json={"model": model, "input": texts}).json()
@@ -57,6 +57,11 @@ def test_embeddings_scores_and_rerank_equal_hf(server):
     hf = [expected(model, t) for t in texts]
     for got, want in zip(vectors, hf):
         assert torch.allclose(got, want, atol=TOL, rtol=0)
+
+    pooled = requests.post(f"{base}/pooling", json={"model": model, "input": texts,
+                                                    "task": "embed"}).json()
+    for got, want in zip(pooled["data"], hf):
+        assert torch.allclose(torch.tensor(got["data"]), want, atol=TOL, rtol=0)
 
     query, docs = "a fox and a dog", texts
     cosines = [F.cosine_similarity(expected(model, query), d, dim=0).item() for d in hf]
