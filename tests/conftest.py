@@ -49,3 +49,12 @@ def with_bfloat16(monkeypatch):
         monkeypatch.setattr(kernel, "dtypes", kernel.dtypes | {torch.bfloat16})
         return kernel
     return on
+
+
+@pytest.fixture()
+def client(server):
+    """An OpenAI client of the module's ``server`` fixture (base URL, model, log)."""
+    import openai
+
+    base, _, _ = server
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)

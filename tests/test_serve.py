@@ -54,12 +54,6 @@ def server(tiny_models, tmp_path_factory):
             proc.kill()
 
 
-@pytest.fixture()
-def client(server):
-    base, _, _ = server
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-
-
 def test_log_names_our_platform(server):
     _, _, log = server
     assert "vllm-accel platform active: device backend 'cpu'" in log.read_text()

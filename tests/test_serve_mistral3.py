@@ -8,15 +8,13 @@ checkpoint."""
 from __future__ import annotations
 
 import base64
-import json
 
 import openai
 import pytest
 
-from test_serve import server_env
-from test_serve_qwen_vl import assert_still_serving
-from test_serve_vision import (FAST, QUESTION, ask, assert_batch_example_runs,
-                               assert_image_chat_matches_hf, image_part, text, user, vllm_server)
+from test_serve_vision import (QUESTION, ask, assert_batch_example_runs,
+                               assert_image_chat_matches_hf, assert_still_serving, image_part,
+                               text, two_image_server, user)
 from vllm_accel.testing.tiny_mistral3 import make_tiny_mistral3
 
 pytestmark = pytest.mark.slow  # engines and servers: the full suite only
@@ -29,16 +27,8 @@ def mistral3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(mistral3, tmp_path_factory):
-    with vllm_server(mistral3, tmp_path_factory.mktemp("serve-mistral3"), "--dtype", "float32",
-                     "--max-model-len", "2048", "--limit-mm-per-prompt",
-                     json.dumps({"image": 2}), env=server_env(**FAST)) as (base, log):
-        yield base, str(mistral3), log
-
-
-@pytest.fixture()
-def client(server):
-    base, _, _ = server
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    with two_image_server(mistral3, tmp_path_factory.mktemp("serve-mistral3")) as served:
+        yield served
 
 
 def test_image_chat_matches_hf(server, client):

@@ -35,12 +35,6 @@ def server(molmo, tmp_path_factory):
         yield base, str(molmo), log
 
 
-@pytest.fixture()
-def client(server):
-    base, _, _ = server
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-
-
 def test_image_chat_equals_the_offline_engine(server, client, molmo, tmp_path, monkeypatch):
     from vllm import SamplingParams
 

@@ -6,7 +6,6 @@ server keeps serving, and both vision examples pointed at each checkpoint."""
 from __future__ import annotations
 
 import base64
-import json
 import subprocess
 import sys
 
@@ -17,16 +16,16 @@ from test_serve import server_env
 from test_serve_vision import (
     EXAMPLES,
     FAST,
-    GOOD_URL,
     QUESTION,
     answer_line,
     ask,
     assert_batch_example_runs,
     assert_image_chat_matches_hf,
+    assert_still_serving,
     image_part,
     text,
+    two_image_server,
     user,
-    vllm_server,
 )
 from vision_cases import QWEN2_5_VL, QWEN3_VL
 
@@ -45,27 +44,14 @@ def qwen(arch, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(qwen, tmp_path_factory):
-    with vllm_server(qwen, tmp_path_factory.mktemp("serve-qwen"), "--dtype", "float32",
-                     "--max-model-len", "2048", "--limit-mm-per-prompt",
-                     json.dumps({"image": 2}), env=server_env(**FAST)) as (base, log):
-        yield base, str(qwen), log
-
-
-@pytest.fixture()
-def client(server):
-    base, _, _ = server
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    with two_image_server(qwen, tmp_path_factory.mktemp("serve-qwen")) as served:
+        yield served
 
 
 def test_image_chat_matches_hf(arch, server, client):
     _, model, _ = server
     # Qwen's templates write no bos and their tokenizers add none.
     assert_image_chat_matches_hf(client, model, arch.hf_class, special_tokens=True)
-
-
-def assert_still_serving(client, model):
-    reply = ask(client, model, user(image_part(GOOD_URL), text(QUESTION)))
-    assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
 
 
 def test_video_part_is_a_400_saying_video_is_not_supported(server, client):

@@ -131,6 +131,16 @@ def vllm_server(model, workdir: Path, *args: str, env: dict):
         end_process_group(proc, time.time() + 30)
 
 
+@contextlib.contextmanager
+def two_image_server(model, workdir: Path):
+    """`vllm serve` of a tiny vision checkpoint as the family tests serve it
+    (float32, eager, two images a prompt): yields (base URL, model, log)."""
+    with vllm_server(model, workdir, "--dtype", "float32", "--max-model-len", "2048",
+                     "--limit-mm-per-prompt", json.dumps({"image": 2}),
+                     env=server_env(**FAST)) as (base, log):
+        yield base, str(model), log
+
+
 def finished(launched, name: str) -> str:
     """The output of an example run, once it has exited successfully."""
     proc, log = launched[name]
@@ -149,12 +159,6 @@ def server(launched, llava):
     base = f"http://127.0.0.1:{launched['port']}"
     wait_until_serving(proc, base, log)
     return base, str(llava), log
-
-
-@pytest.fixture()
-def client(server):
-    base, _, _ = server
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
 def ask(client, model, messages, max_tokens=8, **extra):
