@@ -221,7 +221,7 @@ def decode_steps(llm, prompts) -> dict:
         return time.perf_counter() - started
 
     out = {}
-    for batch in (1, 32):
+    for batch in (1, min(32, len(prompts))):  # --num-prompts may hold fewer
         seconds(batch, 8)
         steps = [(seconds(batch, 264) - seconds(batch, 8)) / 256 for _ in range(3)]
         out[f"batch_{batch}_s"] = summary(steps)

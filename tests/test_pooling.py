@@ -201,9 +201,9 @@ def test_encoder_steps_cut_into_full_forwards_of_whole_prompts():
 
 
 @pytest.mark.parametrize("kind", ["bert", "roberta"])
-def test_a_gpu_forwards_mask_equals_the_cpus_spans(kind, encoders):
-    """On a GPU a packed forward's prompts are kept apart by one mask
-    (``FmsEncoder.attention``); on the cpu by their spans: the same states."""
+def test_a_packed_forward_by_one_mask_equals_attention_by_spans(kind, encoders):
+    """A GPU keeps a packed forward's prompts apart by one mask
+    (``FmsEncoder.masked_attention``), the cpu by their spans: the same states."""
     import numpy as np
     from transformers import AutoConfig
 
@@ -217,11 +217,10 @@ def test_a_gpu_forwards_mask_equals_the_cpus_spans(kind, encoders):
     ids = np.arange(4, 4 + 2 * 20).reshape(2, 20)
     step = pack_encoder_step(ids, np.array([20, 7]), [None, None], lambda n: 32)
     inputs = (step.input_ids, step.positions, step.token_types, step.ranges)
+    assert span_mask(step.ranges, 32)[0, 0].sum(-1).tolist() == [20] * 20 + [7] * 7 + [1] * 5
     with torch.no_grad():
         by_spans = encoder(*inputs)[0, :step.num_tokens]
-        mask = span_mask(step.ranges, 32)
-        assert mask[0, 0].sum(-1).tolist() == [20] * 20 + [7] * 7 + [1] * 5
-        encoder.attention = lambda ranges: {"attn_name": encoder.attn_name, "mask": mask}
+        encoder.attention = encoder.masked_attention  # what a GPU's ranges choose
         by_mask = encoder(*inputs)[0, :step.num_tokens]
     assert torch.allclose(by_mask, by_spans, atol=1e-5, rtol=0)
 

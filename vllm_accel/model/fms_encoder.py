@@ -140,8 +140,12 @@ class FmsEncoder(nn.Module):
         spans read back to the host."""
         if ranges.device.type == "cpu":
             return {"attn_name": self.attn_name, "ranges": ranges}
-        mask = span_attention.span_mask(ranges, ranges.shape[1])
-        return {"attn_name": self.attn_name, "mask": mask}
+        return self.masked_attention(ranges)
+
+    def masked_attention(self, ranges: torch.Tensor) -> dict:
+        """``attention`` by one mask over the forward (a GPU's)."""
+        return {"attn_name": self.attn_name,
+                "mask": span_attention.span_mask(ranges, ranges.shape[1])}
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled states [requests, hidden] -> class logits [requests, labels]."""
