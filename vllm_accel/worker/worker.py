@@ -32,6 +32,7 @@ from vllm_accel.patches import (
     keep_large_buffers_mapped,
     probe_cpu_vector_isa,
     set_worker_threads,
+    tune_gpu_reductions,
 )
 from vllm_accel.settings import env_var_name, load_settings
 from vllm_accel.worker.cuda import capture_graphs, profile_peak_memory
@@ -98,6 +99,8 @@ class AccelWorker(WorkerBase):
             keep_large_buffers_mapped()  # patches.py, 14
         if inductor and self.backend.device == "cpu":
             probe_cpu_vector_isa()  # outside the compile cache (patches.py, 13)
+        if inductor and self.backend.device == "cuda":
+            tune_gpu_reductions()  # one-row matmuls as tuned reductions (patches.py, 18)
         logger.info(
             "vllm-accel worker (rank %d of %d) on device backend '%s', compile backend "
             "'%s', %d torch threads",
