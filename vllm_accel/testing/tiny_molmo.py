@@ -234,11 +234,15 @@ def _text_state_dict(cfg: dict, seed: int, suppressed: list[int]) -> dict[str, t
     return sd
 
 
-def _vision_state_dict(seed: int, vision: str) -> dict[str, torch.Tensor]:
-    """model.vision_backbone.* (ViT, 2x2 attention pooling, projector,
-    pad_embed) in the hub's key layout, with their own generator."""
+def _vision_state_dict(seed: int, vision: str, text_dim: int = HIDDEN,
+                       projector_dim: int = INTERMEDIATE // 2,
+                       vb: dict | None = None) -> dict[str, torch.Tensor]:
+    """model.vision_backbone.* (ViT, 2x2 attention pooling, projector into
+    ``text_dim`` through ``projector_dim``, pad_embed) in the hub's key
+    layout, with their own generator; ``vb``: the backbone (default: the
+    size's)."""
     g = torch.Generator().manual_seed(seed + VISION_SEED_OFFSET)
-    vb = VISION_SIZES[vision][0]
+    vb = vb or VISION_SIZES[vision][0]
     width, mlp = vb["image_emb_dim"], vb["image_mlp_dim"]
     pixels = vb["image_patch_size"] ** 2 * 3
     # Wider layers get smaller weights, so activations keep the small ViT's scale.
@@ -275,9 +279,9 @@ def _vision_state_dict(seed: int, vision: str) -> dict[str, torch.Tensor]:
         linear(sd, v + "image_pooling_2d." + proj, width, features)
     linear(sd, v + "image_pooling_2d.wo", width, width)
     gate_std, up_std, down_std = PROJECTOR_STD
-    linear(sd, v + "image_projector.w1", INTERMEDIATE // 2, width, bias=False, std=gate_std)
-    linear(sd, v + "image_projector.w3", INTERMEDIATE // 2, width, bias=False, std=up_std)
-    linear(sd, v + "image_projector.w2", HIDDEN, INTERMEDIATE // 2, bias=False, std=down_std)
+    linear(sd, v + "image_projector.w1", projector_dim, width, bias=False, std=gate_std)
+    linear(sd, v + "image_projector.w3", projector_dim, width, bias=False, std=up_std)
+    linear(sd, v + "image_projector.w2", text_dim, projector_dim, bias=False, std=down_std)
     sd[v + "pad_embed"] = normal(2, features)
     return sd
 
