@@ -314,6 +314,14 @@ def _processor_files(out: pathlib.Path, vision: str) -> None:
         shutil.copyfile(REMOTE_CODE_DIR / name, out / name)
 
 
+def suppressed_ids(tokenizer) -> list[int]:
+    """Head rows to shrink: special, padding and non-printable byte tokens."""
+    eos = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    specials = (ENDOFTEXT, *IMAGE_TOKENS, *tokenizer.all_special_tokens,
+                *(tokenizer.convert_ids_to_tokens(i) for i in range(eos + 1, EMBEDDING_SIZE)))
+    return [i for i in _unprintable_ids(tokenizer, specials=tuple(specials)) if i < EMBEDDING_SIZE]
+
+
 def make_tiny_molmo(
     out_dir: str | os.PathLike, seed: int = 0, decoder: str = "qwen2",
     *, printable_only: bool = True, vision: str = "small",
@@ -342,13 +350,7 @@ def make_tiny_molmo(
     })
     _processor_files(out, vision)
 
-    suppressed = []
-    if printable_only:
-        specials = (ENDOFTEXT, *IMAGE_TOKENS, *tokenizer.all_special_tokens,
-                    *(tokenizer.convert_ids_to_tokens(i) for i in range(eos + 1, EMBEDDING_SIZE)))
-        suppressed = [i for i in _unprintable_ids(tokenizer, specials=tuple(specials))
-                      if i < EMBEDDING_SIZE]
-    sd = _text_state_dict(cfg, seed, suppressed)
+    sd = _text_state_dict(cfg, seed, suppressed_ids(tokenizer) if printable_only else [])
     sd.update(_vision_state_dict(seed, vision))
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

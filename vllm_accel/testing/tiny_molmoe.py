@@ -38,7 +38,6 @@ from vllm_accel.testing.tiny_models import (
     SUPPRESS_SCALE,
     WEIGHT_STD,
     _save_tokenizer,
-    _unprintable_ids,
     _write_json,
 )
 from vllm_accel.testing import tiny_molmo
@@ -47,7 +46,6 @@ from vllm_accel.testing.tiny_molmo import (
     CHAT_TEMPLATE,
     EMBEDDING_SIZE,
     ENDOFTEXT,
-    IMAGE_TOKENS,
     REMOTE_CODE_DIR,
     VISION_SIZES,
     VIT_LAYERS,
@@ -176,12 +174,7 @@ def make_tiny_molmoe(
     tiny_molmo._processor_files(out, vision)
     shutil.copyfile(REMOTE_CODE_DIR / "config_molmoe.py", out / "config_molmoe.py")
 
-    suppressed = []
-    if printable_only:
-        specials = (ENDOFTEXT, *IMAGE_TOKENS, *tokenizer.all_special_tokens,
-                    *(tokenizer.convert_ids_to_tokens(i) for i in range(eos + 1, EMBEDDING_SIZE)))
-        suppressed = [i for i in _unprintable_ids(tokenizer, specials=tuple(specials))
-                      if i < text.embedding_size]
+    suppressed = tiny_molmo.suppressed_ids(tokenizer) if printable_only else []
     sd = _text_state_dict(text, seed, suppressed, dtype)
     vision_sd = tiny_molmo._vision_state_dict(seed, vision, text.d_model, text.expert_width, vb)
     sd.update((k, v.to(dtype)) for k, v in vision_sd.items())
