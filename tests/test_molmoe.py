@@ -129,6 +129,16 @@ def test_settings_the_port_does_not_compute_are_refused_naming_them(ckpt, settin
         molmoe_config_from_hf(_config(ckpt, **{setting: value}))
 
 
+def test_a_setting_the_config_lacks_means_olmo_default(ckpt):
+    from vllm_accel.model.molmoe import molmoe_config_from_hf
+
+    config = _config(ckpt)
+    del config.rope_impl  # OLMo's default: rotary on interleaved pairs
+    with pytest.raises(ValueError, match=r"with rope_impl='cockatoo': it computes "
+                       r"rope_impl='llama' \(MolmoE-1B-0924's\) only"):
+        molmoe_config_from_hf(config)
+
+
 def test_a_text_olmo_checkpoint_is_refused(ckpt):
     from vllm_accel.model.molmoe import molmoe_config_from_hf
 

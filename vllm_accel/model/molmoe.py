@@ -56,36 +56,37 @@ ARCHITECTURE = "molmoe"
 HF_ARCHITECTURE = "OLMoForCausalLM"
 _NAME = f"MolmoE ({HF_ARCHITECTURE})"
 
-# Settings whose published MolmoE-1B-0924 values (first) are all the port
-# computes; a key the config lacks counts as its published value.
+# Settings whose published MolmoE-1B-0924 values (the first allowed) are all
+# the port computes, and what a config without the key means (OLMo's
+# defaults: the hub's config class writes every key out).
 _ONLY = (
-    ("rope", (True,)),
-    ("alibi", (False,)),
-    ("rope_impl", ("llama",)),  # "cockatoo": rotary on interleaved pairs
-    ("layer_norm_type", ("rms",)),
-    ("layer_norm_with_affine", (True,)),
-    ("attention_layer_norm_with_affine", (True,)),
-    ("bias_for_layer_norm", (False, None)),
-    ("activation_type", ("swiglu",)),
-    ("include_bias", (False,)),
-    ("qkv_bias", (False,)),
-    ("clip_qkv", (None,)),
-    ("multi_query_attention", (None, False)),
-    ("moe_shared_expert", (False,)),
-    ("moe_interleave", (False,)),  # dense blocks between the MoE ones
-    ("moe_dropless", (True,)),  # else capacity-limited experts drop tokens
-    ("weight_tying", (False,)),
-    ("scale_logits", (False,)),
-    ("normalize_input_embeds", (False,)),
-    ("attn_logit_softcapping", (None,)),
-    ("final_logit_softcapping", (None,)),
-    ("image_model_type", ("openai",)),
-    ("image_pooling_2d", ("attention-meanq",)),
-    ("image_projector", ("mlp",)),
-    ("image_padding_embed", ("pad_and_partial_pad",)),
-    ("image_pooling_h", (2,)),
-    ("image_pooling_w", (2,)),
-    ("use_cls_feature", (False,)),
+    ("rope", (True,), False),
+    ("alibi", (False,), False),
+    ("rope_impl", ("llama",), "cockatoo"),  # "cockatoo": rotary on interleaved pairs
+    ("layer_norm_type", ("rms",), "default"),
+    ("layer_norm_with_affine", (True,), True),
+    ("attention_layer_norm_with_affine", (True,), True),
+    ("bias_for_layer_norm", (False, None), None),
+    ("activation_type", ("swiglu",), "swiglu"),
+    ("include_bias", (False,), True),
+    ("qkv_bias", (False,), False),
+    ("clip_qkv", (None,), None),
+    ("multi_query_attention", (None, False), None),
+    ("moe_shared_expert", (False,), False),
+    ("moe_interleave", (False,), False),  # dense blocks between the MoE ones
+    ("moe_dropless", (True,), True),  # else capacity-limited experts drop tokens
+    ("weight_tying", (False,), True),
+    ("scale_logits", (False,), False),
+    ("normalize_input_embeds", (False,), False),
+    ("attn_logit_softcapping", (None,), None),
+    ("final_logit_softcapping", (None,), None),
+    ("image_model_type", ("openai",), "openai"),  # in vision_backbone
+    ("image_pooling_2d", ("attention-meanq",), "attention"),
+    ("image_projector", ("mlp",), "mlp"),
+    ("image_padding_embed", ("pad_and_partial_pad",), None),
+    ("image_pooling_h", (2,), 2),
+    ("image_pooling_w", (2,), 2),
+    ("use_cls_feature", (False,), False),
 )
 
 
@@ -106,10 +107,9 @@ def _vision_backbone(hf_config) -> dict:
 
 
 def _check(hf_config, vb: dict) -> None:
-    for setting, allowed in _ONLY:
-        source = vb if setting == "image_model_type" else hf_config
-        value = (source.get(setting, allowed[0]) if isinstance(source, dict)
-                 else getattr(source, setting, allowed[0]))
+    for setting, allowed, absent in _ONLY:
+        value = (vb.get(setting, absent) if setting == "image_model_type"
+                 else getattr(hf_config, setting, absent))
         if value not in allowed:
             raise _refuse(setting, value, allowed[0])
     heads = hf_config.n_heads
@@ -158,7 +158,7 @@ def molmoe_config_from_hf(hf_config) -> MolmoConfig:
         max_expected_seq_len=(getattr(hf_config, "max_position_embeddings", None)
                               or hf_config.max_sequence_length),
         attn_bias=False,
-        qk_norm=bool(hf_config.attention_layer_norm),
+        qk_norm=bool(getattr(hf_config, "attention_layer_norm", False)),
         norm_after=bool(getattr(hf_config, "norm_after", False)),
         num_experts=hf_config.moe_num_experts,
         top_k_experts=hf_config.moe_top_k,

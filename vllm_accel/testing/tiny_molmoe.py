@@ -84,6 +84,7 @@ def _config(text: TextWidths, vision: str, vision_backbone: dict, eos: int) -> d
         "auto_map": {"AutoConfig": "config_molmoe.MolmoConfig"},
         "model_type": "molmo",
         "activation_type": "swiglu", "additional_vocab_size": ADDITIONAL_VOCAB, "alibi": False,
+        "attn_logit_softcapping": None, "final_logit_softcapping": None,
         "attention_layer_norm": True, "attention_layer_norm_with_affine": True,
         "bias_for_layer_norm": False, "block_type": "moe", "clip_qkv": None,
         "d_model": text.d_model, "embedding_size": text.embedding_size, "head_dim": None,
