@@ -71,14 +71,15 @@ def test_bad_samples_are_classified_before_the_engine(tmp_path):
     assert "missing.png" in samples[1].detail
 
 
-def run_script(model: Path, samples: Path, output: Path) -> subprocess.CompletedProcess:
+def run_script(model: Path, samples: Path, output: Path, *options: str,
+               **env_vars: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, VLLM_PLUGINS="accel", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_ACCEL_COMPILE_BACKEND="eager", VLLM_SKIP_WARMUP="1",
-               VLLM_ACCEL_KVCACHE_SPACE="0.25")
+               VLLM_ACCEL_KVCACHE_SPACE="0.25", **env_vars)
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(model), "--input", str(samples),
          "--output", str(output), "--limit-mm-per-prompt", '{"image": 2}',
-         "--max-model-len", "1024", "--max-tokens", "4"],
+         "--max-model-len", "1024", "--max-tokens", "4", *options],
         env=env, cwd=samples.parent, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -120,3 +121,22 @@ def test_batch_eval_isolates_bad_samples(tmp_path):
              for line in (tmp_path / "good_out.jsonl").read_text().splitlines()]
     assert [r["answer"] for r in results if r["error"] is None] == alone
     assert len(set(alone)) == len(alone)  # all different: the order check means something
+
+
+def test_batch_eval_molmoe(tmp_path):
+    """MolmoE (remote code, --trust-remote-code) as the Molmo evaluation runs
+    it: one image, two images and text answered in input order; a missing
+    image and too many images fail alone."""
+    from vllm_accel.testing.tiny_molmoe import make_tiny_molmoe
+
+    model = make_tiny_molmoe(tmp_path / "molmoe")
+    write_images(tmp_path)
+    picked = [CASES[i] for i in (0, 1, 3, 4, 10)]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(c) + "\n" for c, _ in picked))
+    run_script(model, tmp_path / "samples.jsonl", tmp_path / "out.jsonl", "--trust-remote-code",
+               HF_HOME=str(tmp_path / "hf"))
+    results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [(r["index"], r["error"]) for r in results] == \
+        [(i, error) for i, (_, error) in enumerate(picked)]
+    answers = [r["answer"] for r in results if r["error"] is None]
+    assert len(answers) == 3 and all(isinstance(a, str) and a.strip() for a in answers), results

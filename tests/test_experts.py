@@ -1,7 +1,8 @@
 """Mixture-of-experts layers (model/experts.py): ``Experts`` in place of FMS's
 MOEFeedForward equals a naive reference (each token through its top-k
 experts, one by one) in float32 and bfloat16 at several token counts, in
-every form (our kernel, oneDNN, torch, dense); with biases and the clamped
+every form (our kernel, oneDNN, torch, dense), the top-k weights
+renormalized or kept as the softmax gave them; with biases and the clamped
 SwiGLU, equals transformers' own GPT-OSS MoE block; skips a bucket's padding
 rows; compiles whole; and replaces only the MoE layers it computes exactly
 (served end to end: test_generation.py, test_tensor_parallel.py)."""
@@ -38,16 +39,19 @@ def fms_moe(dtype: torch.dtype, seed: int = 0, **kwargs) -> MOEFeedForward:
     return moe.to(dtype).eval()
 
 
-def reference(moe: MOEFeedForward, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+def reference(moe: MOEFeedForward, x: torch.Tensor, logits: torch.Tensor,
+              renormalize: bool = True) -> torch.Tensor:
     """Each token, one by one, through its top-k experts (float32; the
     router's logits as given): HF's routing, softmax over all experts, the
-    top k renormalized."""
+    top k renormalized (or not: OLMoE's norm_topk_prob=false)."""
     w13, w2 = moe.cond_ffn.w13.float(), moe.cond_ffn.w2.float()
     out = torch.zeros(x.shape[0], HIDDEN)
     for t, row in enumerate(x.float()):
         probs = F.softmax(logits[t].float(), dim=-1)
         weights, ids = probs.topk(TOP_K)
-        for weight, e in zip(weights / weights.sum(), ids.tolist()):
+        if renormalize:
+            weights = weights / weights.sum()
+        for weight, e in zip(weights, ids.tolist()):
             gate, up = (w13[e] @ row).split(INTERMEDIATE)
             out[t] += weight * (w2[e] @ (F.silu(gate) * up))
     return out
@@ -92,6 +96,25 @@ def test_experts_equal_a_per_token_reference(forms, form, dtype):
             expected = reference(moe, x[0], moe.gate(x[0]))
         assert out.shape == x.shape and out.dtype == dtype
         assert close(out[0], expected, dtype), (tokens, (out[0].float() - expected).abs().max())
+
+
+@pytest.mark.parametrize("form", [KERNEL, ONEDNN, TORCH, DENSE])
+def test_experts_keep_the_softmax_weights_when_the_layer_says_so(forms, form):
+    """RoutedFeedForward(renormalize=False): Experts in every form, and the
+    layer's own (dense) forward, equal the reference without renormalizing,
+    which differs from the renormalized one by far more than the tolerance."""
+    if not runnable(form, torch.float32, forms):
+        pytest.skip(f"{form} runs no float32 here")
+    moe = experts.RoutedFeedForward(EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, renormalize=False)
+    moe.load_state_dict(fms_moe(torch.float32).state_dict())
+    layer = Experts(moe, form, forms)
+    assert not layer.renormalize
+    x = torch.randn(1, 16, HIDDEN, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected = reference(moe, x[0], moe.gate(x[0]), renormalize=False)
+        assert close(layer(x)[0], expected, torch.float32)
+        assert close(moe(x)[0], expected, torch.float32)
+        assert not close(reference(moe, x[0], moe.gate(x[0])), expected, torch.float32)
 
 
 def test_topk_first_routing_takes_the_softmax_of_the_top_logits():

@@ -1,11 +1,13 @@
 """Tensor parallelism for the vision families with our FMS ports (Qwen2.5-VL;
-Molmo with the 7B-D and 7B-O decoders) and FMS's own Mistral3, sharded by
-FMS's own TensorParallelStrategy over two gloo ranks.
+Molmo with the 7B-D and 7B-O decoders; MolmoE, whose experts FMS's strategy
+shards by their inner width) and FMS's own Mistral3, sharded by FMS's own
+TensorParallelStrategy over two gloo ranks.
 
 Model level: each rank loads its shard with ``load_fms_model(tp_group=...)``;
 the sharded decoder's logits equal the whole decoder's. Engine level (two
 workers of vLLM's executor): greedy tokens equal HF transformers'
-(Qwen2.5-VL, Mistral3) or vLLM's own Molmo's (as test_molmo.py) for one image, two
+(Qwen2.5-VL, Mistral3), vLLM's own Molmo's (as test_molmo.py) or MolmoE's
+oracle (as test_molmoe.py) for one image, two
 images, a prefill chunk ending inside an image, text only, all as one batch;
 each image is encoded on one rank only (counters summed over the ranks)."""
 
@@ -26,13 +28,16 @@ from molmo_reference import (
     image,
     isolate_remote_code_cache,
     reference_greedy,
+    vllm_config,
     vllm_processor,
 )
+from molmoe_reference import olmoe_decoder, vision_backbone
 from vision_cases import MISTRAL3, QWEN2_5_VL, QWEN3_VL, cases, expected, hf, model_dir  # noqa: F401 (fixtures)
 
 from helpers import chat_prompt, noise_image, running_llm, tensor_parallel_workers, vision_greedy
 from vllm_accel.testing.fixtures import make_tiny_model
-from vllm_accel.testing.tiny_molmo import make_tiny_molmo
+from vllm_accel.testing.tiny_molmo import EMBEDDING_SIZE, make_tiny_molmo
+from vllm_accel.testing.tiny_molmoe import TextWidths, make_tiny_molmoe
 
 pytestmark = pytest.mark.slow  # engines and servers: the full suite only
 
@@ -48,6 +53,7 @@ def checkpoints(tmp_path_factory):
         "qwen2_5_vl": make_tiny_model("qwen2_5_vl", root / "qwen2_5_vl"),
         "molmo_7b_d": make_tiny_molmo(root / "molmo_d", decoder="qwen2"),
         "molmo_7b_o": make_tiny_molmo(root / "molmo_o", decoder="olmo"),
+        "molmoe": make_tiny_molmoe(root / "molmoe"),
     }
 
 
@@ -55,7 +61,8 @@ def checkpoints(tmp_path_factory):
 
 
 def _decoder_logits(path: str, embeds: torch.Tensor, tp_group=None):
-    """(logits of the decoder fed ``embeds``, this rank's KV heads, MLP width)."""
+    """(logits of the decoder fed ``embeds``, this rank's KV heads, MLP
+    width: an expert's with experts)."""
     from transformers import AutoConfig
 
     from vllm_accel.model.fms_causal_lm import load_fms_model
@@ -67,7 +74,9 @@ def _decoder_logits(path: str, embeds: torch.Tensor, tp_group=None):
     layer = decoder.base_model.layers[0]
     with torch.no_grad():
         logits = decoder(embeds)
-    return logits, layer.attn.kvheads, layer.ff_sub_layer.hidden_dim
+    ff = layer.ff_sub_layer
+    width = ff.cond_ffn.intermediate_size if hasattr(ff, "cond_ffn") else ff.hidden_dim
+    return logits, layer.attn.kvheads, width
 
 
 def _rank_main(rank: int, port: int, path: str, embeds: torch.Tensor, results) -> None:
@@ -89,7 +98,7 @@ def _rank_main(rank: int, port: int, path: str, embeds: torch.Tensor, results) -
 
 
 # Qwen2.5-VL's sharded decoder is checked through the engine (test_tp2_matches_hf).
-@pytest.mark.parametrize("name", ["molmo_7b_d", "molmo_7b_o"])
+@pytest.mark.parametrize("name", ["molmo_7b_d", "molmo_7b_o", "molmoe"])
 def test_sharded_decoder_equals_whole(checkpoints, name):
     path = str(checkpoints[name])
     torch.manual_seed(0)
@@ -229,6 +238,34 @@ def test_molmo_tp2_matches_vllm_molmo(checkpoints, molmo_expected, name):
         assert got == [tuple(want) for want in molmo_expected[name]]
         fresh = [(molmo_prompt("Compare them."), [image(80, 80, 101), image(112, 40, 102)])]
         assert_each_image_encoded_once(llm, lambda: molmo_greedy(llm, fresh, 2))
+
+
+@pytest.fixture(scope="module")
+def molmoe_expected(checkpoints):
+    """MolmoE's oracle (molmoe_reference.py) on each case."""
+    from molmoe_reference import reference_greedy as molmoe_reference_greedy
+
+    path = checkpoints["molmoe"]
+    processor, tokenizer = vllm_processor(vllm_config(path))
+    reference = (olmoe_decoder(path), vision_backbone(path), processor, tokenizer, EMBEDDING_SIZE)
+    return [tuple(molmoe_reference_greedy(reference, p, imgs, MAX_TOKENS)) for p, imgs in MOLMO_CASES]
+
+
+def test_molmoe_tp2_matches_its_oracle(checkpoints, molmoe_expected):
+    """MolmoE: heads and each expert's inner width split over the ranks (the
+    router whole on each), experts as the engine runs them: one batch in
+    32-token chunks ending inside images equals the oracle; two fresh images
+    encoded by one rank each."""
+    with tp_engine(checkpoints["molmoe"], max_num_batched_tokens=32,
+                   trust_remote_code=True) as llm:
+        assert llm.collective_rpc(_expert_widths) == [TextWidths().expert_width // TP] * TP
+        assert molmo_greedy(llm, MOLMO_CASES) == molmoe_expected
+        fresh = [(molmo_prompt("Compare them."), [image(80, 80, 103), image(112, 40, 104)])]
+        assert_each_image_encoded_once(llm, lambda: molmo_greedy(llm, fresh, 2))
+
+
+def _expert_widths(worker) -> int:
+    return worker.model_runner.model.fms_model.base_model.layers[0].ff_sub_layer.intermediate
 
 
 def _served_image(url: str):

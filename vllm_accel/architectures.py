@@ -216,6 +216,15 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         vision_adapter=f"{_ADAPTERS}.molmo:MolmoVisionAdapter", tensor_parallel=True,
         remote_code=True,
     ),
+    # MolmoE-1B: Molmo's vision side and processor, an OLMoE decoder (our
+    # Qwen2 decoder with experts, model/molmoe.py). Its remote config says
+    # model_type "molmo" as Molmo's does: "molmoe" names only our fixture.
+    Architecture(
+        ("OLMoForCausalLM",), "molmoe",
+        fms_port="vllm_accel.model.molmoe:FMS_PORT",
+        vision_adapter=f"{_ADAPTERS}.molmo:MolmoVisionAdapter", tensor_parallel=True,
+        remote_code=True,
+    ),
 )
 
 
@@ -228,13 +237,18 @@ MISSING_LAYER_KINDS: dict[str, str] = {
 }
 
 
+def by_hf_names(hf_names: list[str] | None) -> Architecture | None:
+    """The entry for a config's ``architectures``, or None."""
+    return next((arch for name in hf_names or [] for arch in ARCHITECTURES
+                 if name in arch.hf_names), None)
+
+
 def find_architecture(hf_names: list[str] | None) -> Architecture:
     """The entry for a config's ``architectures``, or fail naming what is
     missing (a layer kind, for an architecture FMS maps) and what is supported."""
-    for name in hf_names or []:
-        for arch in ARCHITECTURES:
-            if name in arch.hf_names:
-                return arch
+    arch = by_hf_names(hf_names)
+    if arch is not None:
+        return arch
     supported = sorted(name for arch in ARCHITECTURES for name in arch.hf_names)
     missing = next((MISSING_LAYER_KINDS[n] for n in hf_names or [] if n in MISSING_LAYER_KINDS),
                    None)

@@ -111,8 +111,8 @@ def _molmo_kv_heads_fallback() -> None:
 
     class MolmoModelArchConfigConvertor(module.ModelArchConfigConvertorBase):
         def get_total_num_kv_heads(self) -> int:
-            config = self.hf_text_config
-            return config.num_key_value_heads or config.num_attention_heads
+            config = self.hf_text_config  # MolmoE's (OLMo keys) has no num_key_value_heads
+            return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
     module.MODEL_ARCH_CONFIG_CONVERTORS["molmo"] = MolmoModelArchConfigConvertor
 

@@ -82,7 +82,8 @@ all. None edits a file on disk; each is idempotent.
    ``ModelArchConfigConvertor`` returns that None as the KV head count and
    ``ModelConfig`` fails validation before any platform hook runs (its own
    Molmo model reads ``num_key_value_heads or num_attention_heads``). A
-   convertor for ``model_type`` "molmo" with that same fallback is added to
+   convertor for ``model_type`` "molmo" with that same fallback (MolmoE's
+   config, "molmo" too, has no such key: multi-head) is added to
    ``MODEL_ARCH_CONFIG_CONVERTORS`` when that module is imported (or now, if
    it already is); a convertor vLLM registers itself for "molmo" is kept.
 

@@ -17,7 +17,10 @@ arguments: the first call fails.
 them under TP) and computes:
 
 - the routing in the graph, with static shapes: logits [tokens, experts],
-  softmax in float32 (as HF's classes do), top-k, renormalized weights;
+  softmax in float32 (as HF's classes do), top-k, the k weights renormalized
+  to sum to one, or kept as the softmax over all experts gave them where the
+  layer is a ``RoutedFeedForward`` built with ``renormalize=False`` (OLMoE's
+  ``norm_topk_prob=false``: FMS's own layer always renormalizes);
 - on the cpu device, the experts as one opaque op (``vllm_accel::experts``):
   the routed (token, expert) pairs sorted by expert, each expert multiplying
   only its own rows, with its weights packed once at load as the linear
@@ -178,6 +181,44 @@ def dense_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: tor
     return (y.float() * routing.t().unsqueeze(-1)).sum(0).to(x.dtype)
 
 
+def route(logits: torch.Tensor, top_k: int, topk_first: bool = False,
+          renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, experts] -> (expert ids [tokens, k], their
+    weights [tokens, k] float32): the softmax of the top-k logits
+    (``topk_first``), else the top k of the softmax over all experts,
+    renormalized to sum to one or not."""
+    logits = logits.float()
+    if topk_first:
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return ids, F.softmax(top, dim=-1)
+    weights, ids = torch.topk(F.softmax(logits, dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+class RoutedFeedForward(MOEFeedForward):
+    """FMS's MoE layer with the routing choice FMS's layer lacks: ``renormalize``
+    False keeps the top-k weights as the softmax over all experts gave them.
+    FMS's strategy shards it as FMS's own (its ``cond_ffn``). Its own forward
+    computes every expert densely (correct, slow); the loader replaces it by
+    ``Experts``."""
+
+    def __init__(self, num_experts: int, top_k: int, dim: int, intermediate_size: int,
+                 renormalize: bool = True):
+        super().__init__(num_experts, top_k, dim, intermediate_size)
+        self.renormalize = renormalize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.dim)
+        ids, weights = route(self.gate(rows), self.num_activated_experts,
+                             renormalize=self.renormalize)
+        out = dense_experts(rows, ids, weights, self.cond_ffn.w13, self.cond_ffn.w2)
+        if isinstance(self.cond_ffn, TPModule):
+            out = reduce_from_tensor_model_parallel_region(out, self.cond_ffn.group)
+        return out.view(x.shape)
+
+
 def supported(moe: nn.Module) -> bool:
     """An FMS MoE layer ``Experts`` computes exactly: FMS's own expert module,
     or its TP form for experts without biases (it loads no biases)."""
@@ -220,6 +261,7 @@ class Experts(nn.Module):
         self.num_experts = cond.num_experts
         self.top_k = moe.num_activated_experts
         self.topk_first = bool(moe.topk_first)
+        self.renormalize = getattr(moe, "renormalize", True)  # FMS's own layer: always
         self.intermediate = cond.intermediate_size  # this rank's slice under TP
         self.group = cond.group if isinstance(cond, TPModule) else None
         self.form = form
@@ -261,12 +303,7 @@ class Experts(nn.Module):
     def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [tokens, hidden] -> (expert ids [tokens, k], their weights
         [tokens, k] float32)."""
-        logits = self.gate(rows).float()
-        if self.topk_first:  # softmax over the top-k logits
-            top, ids = torch.topk(logits, self.top_k, dim=-1)
-            return ids, F.softmax(top, dim=-1)
-        weights, ids = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
-        return ids, weights / weights.sum(dim=-1, keepdim=True)
+        return route(self.gate(rows), self.top_k, self.topk_first, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.hidden)
@@ -290,7 +327,8 @@ class Experts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden}, "
                 f"intermediate={self.intermediate}, form={self.form}, "
-                f"biased={self.biased}, swiglu_limit={self.swiglu_limit}, "
+                f"renormalize={self.renormalize}, biased={self.biased}, "
+                f"swiglu_limit={self.swiglu_limit}, "
                 f"tensor_parallel={self.group is not None}")
 
 

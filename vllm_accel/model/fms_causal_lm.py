@@ -118,6 +118,8 @@ class FmsCausalLM(nn.Module):
         self.hidden_size: int = getattr(config, "emb_dim", None) or config.dim  # FMS names vary
         # FMS shards the head for some architectures (a TP module), not for these.
         self.head_replicated: bool = not isinstance(fms_model.head, TPModule)
+        # The logits' columns: the head's rows (Molmo's exceed vocab_size).
+        self.logits_width: int = fms_model.head.out_features
         # Granite divides its logits by this; other models have no such field.
         self.logits_scaling: float = float(getattr(config, "logits_scaling", 1.0))
 

@@ -6,6 +6,7 @@ GatedLinearUnit, LayerNormParameterized as RMSNorm).
       ln, ff_ln      RMSNorm
       attn           Qwen2Attention   q/k/v projection (with bias), rotary, output (no bias)
       ff_sub_layer   Qwen2MLP         gated SiLU MLP of exact inner width
+                     (or experts: RoutedFeedForward, MolmoE's OLMoE decoder)
 
 FMS's LLaMA is close but cannot express Qwen2's attention: q/k/v projections
 *with* bias and an output projection *without*. Config flags cover the
@@ -55,6 +56,8 @@ from fms.modules.positions import PositionEncoder
 from fms.utils.activation import str_to_activation
 from fms.utils.config import ModelConfig
 
+from vllm_accel.model.experts import RoutedFeedForward
+
 
 @dataclass
 class Qwen2Config(ModelConfig):
@@ -89,6 +92,12 @@ class Qwen2Config(ModelConfig):
     norm_after: bool = False
     # Rows of the LM head when fewer than the embedding's (None: src_vocab_size).
     head_vocab_size: Optional[int] = None
+    # Experts in place of the MLP (0: the dense MLP), hidden_dim wide each:
+    # every token through its top_k_experts, their softmax weights
+    # renormalized over the k or kept (experts.RoutedFeedForward).
+    num_experts: int = 0
+    top_k_experts: int = 0
+    renormalize_experts: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -329,7 +338,9 @@ class Qwen2Block(nn.Module):
         self.ff_ln = rms_norm(config.emb_dim, config.norm_eps)
         self.attn = Qwen2Attention(config, rotary)
         self.norm_after = config.norm_after
-        self.ff_sub_layer = Qwen2MLP(config)
+        c = config
+        self.ff_sub_layer = Qwen2MLP(c) if not c.num_experts else RoutedFeedForward(
+            c.num_experts, c.top_k_experts, c.emb_dim, c.hidden_dim, c.renormalize_experts)
 
     def forward(self, x, position_ids=None, past_key_value_state=None, use_cache=False,
                 **attn_kwargs):

@@ -1,10 +1,11 @@
-"""What vLLM's model registry must know of architectures FMS serves and vLLM
-has no class for (MPNet's embedders).
+"""What vLLM's model registry must know of architectures we serve and vLLM
+has no class for (MPNet's embedders, MolmoE).
 
 vLLM resolves a checkpoint's ``architectures`` through its registry before any
 platform sees the model: the class it finds says whether the model pools or
-generates and how it attends. Our runner never builds these classes (it runs
-FMS's models), so each only declares that interface.
+generates and how it attends, and (a multimodal class) which processor
+expands its prompts. Our runner never builds these classes (it runs FMS's
+models), so each only declares that interface.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from vllm.model_executor.models.interfaces_base import attn_type, default_poolin
 
 # HF architecture -> the class below that declares it.
 ENCODER_EMBEDDERS = {"MPNetModel": "FmsEncoderEmbedder", "MPNetForMaskedLM": "FmsEncoderEmbedder"}
+# HF architecture -> vLLM's own class whose interface and processing it shares:
+# MolmoE-1B ("OLMoForCausalLM") has Molmo's processor and prompt layout.
+VLLM_CLASSES = {"OLMoForCausalLM": "vllm.model_executor.models.molmo:MolmoForCausalLM"}
 
 
 @attn_type("encoder_only")
@@ -42,3 +46,5 @@ def register_with_vllm() -> None:
 
     for arch, class_name in ENCODER_EMBEDDERS.items():
         ModelRegistry.register_model(arch, f"{__name__}:{class_name}")
+    for arch, path in VLLM_CLASSES.items():
+        ModelRegistry.register_model(arch, path)

@@ -35,6 +35,7 @@ _OWN_MAKERS = {
     "granite_swa": "tiny_granite_swa:make_tiny_granite_swa",
     "gpt_oss": "tiny_gpt_oss:make_tiny_gpt_oss",
     "molmo": "tiny_molmo:make_tiny_molmo",
+    "molmoe": "tiny_molmoe:make_tiny_molmoe",
     "mistral3": "tiny_mistral3:make_tiny_mistral3",
 }
 

@@ -234,11 +234,15 @@ def _text_state_dict(cfg: dict, seed: int, suppressed: list[int]) -> dict[str, t
     return sd
 
 
-def _vision_state_dict(seed: int, vision: str) -> dict[str, torch.Tensor]:
-    """model.vision_backbone.* (ViT, 2x2 attention pooling, projector,
-    pad_embed) in the hub's key layout, with their own generator."""
+def _vision_state_dict(seed: int, vision: str, text_dim: int = HIDDEN,
+                       projector_dim: int = INTERMEDIATE // 2,
+                       vb: dict | None = None) -> dict[str, torch.Tensor]:
+    """model.vision_backbone.* (ViT, 2x2 attention pooling, projector into
+    ``text_dim`` through ``projector_dim``, pad_embed) in the hub's key
+    layout, with their own generator; ``vb``: the backbone (default: the
+    size's)."""
     g = torch.Generator().manual_seed(seed + VISION_SEED_OFFSET)
-    vb = VISION_SIZES[vision][0]
+    vb = vb or VISION_SIZES[vision][0]
     width, mlp = vb["image_emb_dim"], vb["image_mlp_dim"]
     pixels = vb["image_patch_size"] ** 2 * 3
     # Wider layers get smaller weights, so activations keep the small ViT's scale.
@@ -275,9 +279,9 @@ def _vision_state_dict(seed: int, vision: str) -> dict[str, torch.Tensor]:
         linear(sd, v + "image_pooling_2d." + proj, width, features)
     linear(sd, v + "image_pooling_2d.wo", width, width)
     gate_std, up_std, down_std = PROJECTOR_STD
-    linear(sd, v + "image_projector.w1", INTERMEDIATE // 2, width, bias=False, std=gate_std)
-    linear(sd, v + "image_projector.w3", INTERMEDIATE // 2, width, bias=False, std=up_std)
-    linear(sd, v + "image_projector.w2", HIDDEN, INTERMEDIATE // 2, bias=False, std=down_std)
+    linear(sd, v + "image_projector.w1", projector_dim, width, bias=False, std=gate_std)
+    linear(sd, v + "image_projector.w3", projector_dim, width, bias=False, std=up_std)
+    linear(sd, v + "image_projector.w2", text_dim, projector_dim, bias=False, std=down_std)
     sd[v + "pad_embed"] = normal(2, features)
     return sd
 
@@ -310,6 +314,14 @@ def _processor_files(out: pathlib.Path, vision: str) -> None:
         shutil.copyfile(REMOTE_CODE_DIR / name, out / name)
 
 
+def suppressed_ids(tokenizer) -> list[int]:
+    """Head rows to shrink: special, padding and non-printable byte tokens."""
+    eos = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    specials = (ENDOFTEXT, *IMAGE_TOKENS, *tokenizer.all_special_tokens,
+                *(tokenizer.convert_ids_to_tokens(i) for i in range(eos + 1, EMBEDDING_SIZE)))
+    return [i for i in _unprintable_ids(tokenizer, specials=tuple(specials)) if i < EMBEDDING_SIZE]
+
+
 def make_tiny_molmo(
     out_dir: str | os.PathLike, seed: int = 0, decoder: str = "qwen2",
     *, printable_only: bool = True, vision: str = "small",
@@ -338,13 +350,7 @@ def make_tiny_molmo(
     })
     _processor_files(out, vision)
 
-    suppressed = []
-    if printable_only:
-        specials = (ENDOFTEXT, *IMAGE_TOKENS, *tokenizer.all_special_tokens,
-                    *(tokenizer.convert_ids_to_tokens(i) for i in range(eos + 1, EMBEDDING_SIZE)))
-        suppressed = [i for i in _unprintable_ids(tokenizer, specials=tuple(specials))
-                      if i < EMBEDDING_SIZE]
-    sd = _text_state_dict(cfg, seed, suppressed)
+    sd = _text_state_dict(cfg, seed, suppressed_ids(tokenizer) if printable_only else [])
     sd.update(_vision_state_dict(seed, vision))
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -20,14 +20,18 @@ logger = get_logger(__name__)
 
 class CompileStats:
     def __init__(self) -> None:
-        self._start = self._seen = dynamo_graph_count()
-        self._start_hits = inductor_cache_counts()
-        self._start_saved = saved_graphs.counts()
+        self.restart()
         self.warmup_graphs = 0
         self.runtime_compiles = 0
         self.warmed_up = False
         self.cache_dir: Path | None = None
         self.saved_graphs_dir: Path | None = None
+
+    def restart(self) -> None:
+        """Count from now (before warmup): what compiled before is not ours."""
+        self._start = self._seen = dynamo_graph_count()
+        self._start_hits = inductor_cache_counts()
+        self._start_saved = saved_graphs.counts()
 
     @property
     def graphs_compiled(self) -> int:

@@ -1,8 +1,9 @@
 """Multimodal mappings: each vision-language architecture's vision adapter
 (``base.VisionAdapter`` is the contract with the runner), one module each.
 
-Which adapter serves which HF ``model_type`` is a field of the architecture
-table (``vllm_accel/architectures.py``); nothing is imported here, so an
+Which adapter serves which architecture is a field of the architecture
+table (``vllm_accel/architectures.py``), found by the config's
+``architectures`` (else its ``model_type``); nothing is imported here, so an
 adapter module (and FMS, torch, vLLM behind it) loads only when its model is
 served. Adding an architecture = one module in this package + its table entry.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm_accel.architectures import by_model_type, load_object
+from vllm_accel.architectures import by_hf_names, by_model_type, load_object
 
 if TYPE_CHECKING:
     from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
@@ -19,7 +20,9 @@ if TYPE_CHECKING:
 
 def vision_adapter_class(hf_config: Any) -> type[VisionAdapter] | None:
     """The vision adapter for this HF config, or None for a text-only model."""
-    arch = by_model_type(getattr(hf_config, "model_type", None))
+    # By architecture first: model_type may be shared (MolmoE's is Molmo's).
+    arch = (by_hf_names(getattr(hf_config, "architectures", None))
+            or by_model_type(getattr(hf_config, "model_type", None)))
     if arch is None or arch.vision_adapter is None:
         return None
     from vllm_accel.multimodal.mm_mappings.base import VisionAdapter
