@@ -273,13 +273,15 @@ def test_vision_parity_two_images_and_a_chunk_inside_an_image(vision, tmp_path):
         assert runner.compile_stats.runtime_compiles == 0
 
 
-def test_molmo_on_cuda_equals_the_cpu_backend(tmp_path):
+@pytest.mark.parametrize("arch", ["molmo", "molmoe"])
+def test_molmo_on_cuda_equals_the_cpu_backend(arch, tmp_path):
     """Molmo is not in transformers: the cpu backend's output (checked against
-    vLLM's own Molmo in test_molmo.py) is the reference here."""
+    vLLM's own Molmo in test_molmo.py, MolmoE's against OLMoE's decoder in
+    test_molmoe.py) is the reference here."""
     import os
 
     os.environ["HF_HOME"] = str(tmp_path / "hf")  # remote code copies land here
-    path = make_tiny_model("molmo", tmp_path / "molmo")
+    path = make_tiny_model(arch, tmp_path / arch)
     prompts = [{"prompt": "User: Describe this. Assistant:",
                 "multi_modal_data": {"image": [noise_image(112, 80)]}},
                {"prompt": "User: Tell me a story. Assistant:"}]
