@@ -1,9 +1,11 @@
 """`vllm serve` of an embedder, as a user runs it: embeddings (through
-/v1/embeddings and /pooling), scores and reranking equal to HF's, and bad requests answered with a 400 that says
+/v1/embeddings and /pooling), scores and reranking, a classifier's
+probabilities through /classify, equal to HF's, and bad requests answered with a 400 that says
 what is allowed while the server keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 
 import pytest
@@ -21,9 +23,10 @@ pytestmark = pytest.mark.slow  # a server: the full suite only
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = make_tiny_encoder("bert", tmp_path_factory.mktemp("bert"))
+@contextlib.contextmanager
+def serving(kind, tmp_path_factory):
+    """(base URL, model dir) of `vllm serve` on a tiny ``kind`` encoder."""
+    model = make_tiny_encoder(kind, tmp_path_factory.mktemp(kind))
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [VLLM, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
@@ -41,6 +44,12 @@ def server(tmp_path_factory):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serving("bert", tmp_path_factory) as served:
+        yield served
 
 
 def expected(model, text):
@@ -86,3 +95,20 @@ def test_bad_requests_get_a_400_naming_what_is_allowed_and_serving_goes_on(serve
     assert "maximum context length is 128" in too_long.json()["error"]["message"]
     ok = requests.post(f"{base}/v1/embeddings", json={"model": model, "input": "hello world"})
     assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64
+
+
+def test_classify_gives_hf_probabilities(tmp_path_factory):
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    texts = ["hello world", "The quick brown fox jumps over the lazy dog."]
+    with serving("bert_classifier", tmp_path_factory) as (base, model):
+        out = requests.post(f"{base}/classify", json={"model": model, "input": texts})
+        assert out.status_code == 200, out.text
+        data = out.json()["data"]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    hf = BertForSequenceClassification.from_pretrained(model).eval()
+    for text, got in zip(texts, data):
+        with torch.no_grad():
+            want = hf(**tokenizer(text, return_tensors="pt")).logits[0].softmax(-1)
+        assert torch.allclose(torch.tensor(got["probs"]), want, atol=TOL, rtol=0)
+        assert got["label"] == hf.config.id2label[int(want.argmax())]

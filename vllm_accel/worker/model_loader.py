@@ -75,10 +75,10 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
         raise ValueError(
             f"vllm-accel tensor parallelism needs the LM head replicated on every "
             f"rank; {type(loaded.model.fms_model).__name__}'s is sharded.")
-    if not encoder_family and loaded.model.logits_width != model_config.get_vocab_size():
+    if not encoder_family:
         # vLLM's sampler ranks logprobs over the logits' columns (the head's
-        # rows, more than vocab_size for some models; the runner compiled it
-        # for vocab_size): its graph for them now, not counted as ours.
+        # rows: more than vocab_size for some models): its graph for them
+        # now, not counted as ours.
         compile_sampler_logprob_ranks(loaded.model.logits_width)
         compile_stats.restart()
     compile_backend = backend.compile_backend if backend.compiles else None

@@ -31,8 +31,7 @@ from vllm.v1.worker.gpu_input_batch import InputBatch
 from vllm_accel.architectures import find_architecture, layer_windows
 from vllm_accel.buckets import (context_buckets, fit_bucket, plan_forwards, token_buckets,
                                 token_count_costs)
-from vllm_accel.compat import (SplitKvScratch, compile_sampler_logprob_ranks,
-                               mamba2_state_dtypes)
+from vllm_accel.compat import SplitKvScratch, mamba2_state_dtypes
 from vllm_accel.devices import DeviceBackend
 from vllm_accel.forward_context import ForwardContext, set_forward_context
 from vllm_accel.kernels import NO_KERNELS, CpuKernels
@@ -123,7 +122,6 @@ class AccelModelRunner:
         self.images: StepImages | None = None
         # The KV cache: groups, tensors, layouts (each layer's window and kind).
         self.kv_cache = KvCacheGroups([0], {})
-        compile_sampler_logprob_ranks(self.model_config.get_vocab_size())  # before counting ours
         self.compile_stats = CompileStats()
         self._new_input_batch([self.block_size], [self.max_blocks_per_req])
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
