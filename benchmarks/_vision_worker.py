@@ -112,10 +112,10 @@ def main():
     model_type = AutoConfig.from_pretrained(a.model, trust_remote_code=True).model_type
     remote_code = model_type == "molmo"  # its processor ships with the checkpoint
     processor = AutoProcessor.from_pretrained(a.model, trust_remote_code=remote_code)
-    # Qwen2.5-VL also takes videos; without torchvision none can be processed, and
-    # vLLM would size its budget with a dummy video unless the limit is 0.
+    # Qwen2.5-VL and Qwen3-VL also take videos; without torchvision none can be
+    # processed, and vLLM would size its budget with a dummy video unless the limit is 0.
     limits = {"image": 1}
-    if model_type == "qwen2_5_vl":
+    if model_type in ("qwen2_5_vl", "qwen3_vl"):
         limits["video"] = 0
     if a.reference == "hf":
         return run_hf(a, processor)

