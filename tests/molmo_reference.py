@@ -243,22 +243,28 @@ def molmo_checkpoint(tmp_path_factory):
     return make_tiny_molmo(tmp_path_factory.mktemp("molmo") / "m")
 
 
+def processed_prompt(processor, tokenizer, text: str, images: list):
+    """(prompt ids, the images' processed items) as vLLM's Molmo processing
+    gives them; a text-only prompt is only tokenized (vLLM runs no multimodal
+    processing for it: no bos added)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not images:
+        return ids, []
+    out = processor(ids, processor.info.parse_mm_data({"image": images}))
+    return out["prompt_token_ids"], list(out["mm_kwargs"]["image"])
+
+
 def reference_greedy(reference, text, images, max_tokens: int):
     """(prompt ids, generated ids, logprob of each generated token, per-step
     logits [steps, vocab]) from vLLM's own Molmo, full recompute each step."""
     from vllm.multimodal.inputs import MultiModalKwargsItems
 
     model, processor, tokenizer = reference
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if images:
-        out = processor(ids, processor.info.parse_mm_data({"image": images}))
-        prompt_ids = torch.tensor(out["prompt_token_ids"])
-    else:  # vLLM runs no multimodal processing for a text-only prompt (no bos added)
-        prompt_ids = torch.tensor(ids)
+    ids, items = processed_prompt(processor, tokenizer, text, images)
+    prompt_ids = torch.tensor(ids)
     with torch.no_grad(), plain_causal_attention():
         embeds = []
-        if images:
-            items = list(out["mm_kwargs"]["image"])
+        if items:
             embeds = list(model.embed_multimodal(**MultiModalKwargsItems({"image": items})
                                                  .get_data()))
         prompt_embeds = model.embed_input_ids(prompt_ids, embeds,

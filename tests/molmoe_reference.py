@@ -10,7 +10,7 @@ modeling code needs megablocks: nothing else could say what MolmoE computes.
 from __future__ import annotations
 
 import torch
-from molmo_reference import IM_PATCH, ENDOFTEXT
+from molmo_reference import ENDOFTEXT, IM_PATCH, processed_prompt
 from port_helpers import image_embeddings, load_hf_vision_weights
 from safetensors.torch import load_file
 
@@ -105,16 +105,13 @@ def reference_greedy(reference, text: str, images: list, max_tokens: int):
     (olmoe decoder, our vision backbone, vLLM's processor, its tokenizer,
     the head's rows)."""
     decoder, backbone, processor, tokenizer, head_rows = reference
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids, items = processed_prompt(processor, tokenizer, text, images)
     features = []
-    if images:  # vLLM processes no text-only prompt (no bos added)
-        out = processor(ids, processor.info.parse_mm_data({"image": images}))
-        ids = out["prompt_token_ids"]
-        for item in out["mm_kwargs"]["image"]:
-            data = {key: value.data for key, value in item.items()}
-            with torch.no_grad():
-                features.append(image_embeddings(
-                    backbone, data["images"], data["image_masks"], data["image_input_idx"]))
+    for item in items:
+        data = {key: value.data for key, value in item.items()}
+        with torch.no_grad():
+            features.append(image_embeddings(
+                backbone, data["images"], data["image_masks"], data["image_input_idx"]))
     prompt = torch.tensor(ids)
     with torch.no_grad():
         embeds = decoder.model.embed_tokens(prompt)

@@ -150,11 +150,13 @@ all. None edits a file on disk; each is idempotent.
 
 18. ``tune_gpu_reductions`` (the worker, inductor on cuda): inductor's
    ``coordinate_descent_tuning`` unless the user set
-   ``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING``. With it, inductor writes a
-   one-row matmul (a batch-1 decode's linear layers) as a reduction kernel of
-   its own, fused with its neighbours and tuned, rather than calling cuBLAS's
-   GEMV: gpt-fast's path, 8.5 % off the 1.1B batch-1 step on an H100
-   (benchmarks/README.md). Graphs with more rows keep cuBLAS.
+   ``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING``. With it, inductor decomposes
+   a matmul with one row known at compile time (a batch-1 decode's linear
+   layers) into a product and a sum it generates as a Triton reduction, which
+   it may fuse with neighbouring ops, rather than calling cuBLAS; and it tunes
+   the block sizes of every Triton kernel it generates. gpt-fast's path: 8.5 %
+   off the 1.1B batch-1 step on an H100 (benchmarks/README.md). Graphs with
+   more rows keep cuBLAS for their matmuls.
 
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so

@@ -338,9 +338,12 @@ class Qwen2Block(nn.Module):
         self.ff_ln = rms_norm(config.emb_dim, config.norm_eps)
         self.attn = Qwen2Attention(config, rotary)
         self.norm_after = config.norm_after
-        c = config
-        self.ff_sub_layer = Qwen2MLP(c) if not c.num_experts else RoutedFeedForward(
-            c.num_experts, c.top_k_experts, c.emb_dim, c.hidden_dim, c.renormalize_experts)
+        if config.num_experts:
+            self.ff_sub_layer = RoutedFeedForward(
+                config.num_experts, config.top_k_experts, config.emb_dim, config.hidden_dim,
+                config.renormalize_experts)
+        else:
+            self.ff_sub_layer = Qwen2MLP(config)
 
     def forward(self, x, position_ids=None, past_key_value_state=None, use_cache=False,
                 **attn_kwargs):

@@ -322,6 +322,24 @@ def suppressed_ids(tokenizer) -> list[int]:
     return [i for i in _unprintable_ids(tokenizer, specials=tuple(specials)) if i < EMBEDDING_SIZE]
 
 
+def start_checkpoint(out_dir: str | os.PathLike, vision: str):
+    """(directory, tokenizer): ``out_dir`` made, with what Molmo and MolmoE
+    checkpoints share written into it: the tokenizer, the generation config
+    and the processor's files for ``vision``."""
+    if vision not in VISION_SIZES:
+        raise ValueError(f"unsupported vision {vision!r}; choose from {list(VISION_SIZES)}")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_molmo_tokenizer()
+    _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
+    eos = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    _write_json(out / "generation_config.json", {
+        "eos_token_id": eos, "pad_token_id": eos, "bos_token_id": None,
+    })
+    _processor_files(out, vision)
+    return out, tokenizer
+
+
 def make_tiny_molmo(
     out_dir: str | os.PathLike, seed: int = 0, decoder: str = "qwen2",
     *, printable_only: bool = True, vision: str = "small",
@@ -335,21 +353,9 @@ def make_tiny_molmo(
     """
     if decoder not in DECODERS:
         raise ValueError(f"unsupported decoder {decoder!r}; choose from {DECODERS}")
-    if vision not in VISION_SIZES:
-        raise ValueError(f"unsupported vision {vision!r}; choose from {list(VISION_SIZES)}")
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = build_molmo_tokenizer()
-    _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
+    out, tokenizer = start_checkpoint(out_dir, vision)
     cfg = _config(decoder, tokenizer, vision)
     _write_json(out / "config.json", cfg)
-    eos = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    _write_json(out / "generation_config.json", {
-        "eos_token_id": eos, "pad_token_id": eos, "bos_token_id": None,
-    })
-    _processor_files(out, vision)
-
     sd = _text_state_dict(cfg, seed, suppressed_ids(tokenizer) if printable_only else [])
     sd.update(_vision_state_dict(seed, vision))
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})

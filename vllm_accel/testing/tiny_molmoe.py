@@ -37,19 +37,16 @@ from vllm_accel.testing.tiny_models import (
     NORM_NOISE,
     SUPPRESS_SCALE,
     WEIGHT_STD,
-    _save_tokenizer,
     _write_json,
 )
 from vllm_accel.testing import tiny_molmo
 from vllm_accel.testing.tiny_molmo import (
     ADDITIONAL_VOCAB,
-    CHAT_TEMPLATE,
     EMBEDDING_SIZE,
     ENDOFTEXT,
     REMOTE_CODE_DIR,
     VISION_SIZES,
     VIT_LAYERS,
-    build_molmo_tokenizer,
 )
 
 
@@ -158,21 +155,12 @@ def make_tiny_molmoe(
     (Molmo-7B's), ``vit_layers`` its depth where cut; ``dtype``: of the saved
     weights. ``printable_only``: see ``tiny_molmo.make_tiny_molmo``.
     """
-    if vision not in VISION_SIZES:
-        raise ValueError(f"unsupported vision {vision!r}; choose from {list(VISION_SIZES)}")
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_molmo_tokenizer()
-    _save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
+    out, tokenizer = tiny_molmo.start_checkpoint(out_dir, vision)
     eos = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     vb = dict(VISION_SIZES[vision][0])
     if vit_layers is not None:
         vb["image_num_layers"] = vit_layers
     _write_json(out / "config.json", _config(text, vision, vb, eos))
-    _write_json(out / "generation_config.json", {
-        "eos_token_id": eos, "pad_token_id": eos, "bos_token_id": None,
-    })
-    tiny_molmo._processor_files(out, vision)
     shutil.copyfile(REMOTE_CODE_DIR / "config_molmoe.py", out / "config_molmoe.py")
 
     suppressed = tiny_molmo.suppressed_ids(tokenizer) if printable_only else []
