@@ -31,6 +31,19 @@ _MISTRAL3_VISION = dict(
     num_hidden_layers=24, patch_size=14, image_size=1540, num_channels=3, hidden_act="silu",
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
+_QWEN3_VL_TEXT = dict(
+    model_type="qwen3_vl_text", hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, num_hidden_layers=36, vocab_size=151936,
+    rms_norm_eps=1e-6, max_position_embeddings=262144, attention_bias=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
+                     "mrope_section": [24, 20, 20]},
+    tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+_QWEN3_VL_VISION = dict(
+    model_type="qwen3_vl", depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+    in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+    out_hidden_size=2560, num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh",
+    deepstack_visual_indexes=[5, 11, 17])
+
 # model -> (HF config class name, the published fields, the depth cut)
 CONFIGS = {
     "mistral3": ("Mistral3Config", dict(
@@ -40,6 +53,15 @@ CONFIGS = {
         tie_word_embeddings=False),
         dict(text_config={**_MISTRAL3_TEXT, "num_hidden_layers": 2},
              vision_config={**_MISTRAL3_VISION, "num_hidden_layers": 2})),
+    # Qwen3-VL-4B-Instruct: Qwen3 text (head_dim 128 over 2,560, q/k norms,
+    # interleaved M-RoPE), a 24-block tower with DeepStack from blocks 5, 11, 17.
+    "qwen3_vl_4b": ("Qwen3VLConfig", dict(
+        architectures=["Qwen3VLForConditionalGeneration"], text_config=_QWEN3_VL_TEXT,
+        vision_config=_QWEN3_VL_VISION, image_token_id=151655, video_token_id=151656,
+        vision_start_token_id=151652, vision_end_token_id=151653, tie_word_embeddings=True),
+        dict(text_config={**_QWEN3_VL_TEXT, "num_hidden_layers": 3},
+             vision_config={**_QWEN3_VL_VISION, "depth": 3,
+                            "deepstack_visual_indexes": [0, 1, 2]})),
     # Mixtral-8x7B-v0.1
     "mixtral": ("MixtralConfig", dict(
         architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
@@ -177,11 +199,8 @@ def write_checkpoint(name: str, out: Path, dtype, layers: int | None = None) -> 
             cut["layer_types"] = cut["layer_types"][:layers]
     config = getattr(transformers, config_class)(**{**fields, **cut})
     vision = hasattr(config, "vision_config")
-    if vision:  # the tiny tokenizer with Pixtral's image tokens: vLLM's processor needs them
-        from vllm_accel.testing import tiny_mistral3
-
-        tokenizer, template = tiny_mistral3._tokenizer(), tiny_mistral3.CHAT_TEMPLATE
-        config.image_token_index = tokenizer.convert_tokens_to_ids(tiny_mistral3.IMG)
+    if vision:  # a tiny tokenizer with the family's image tokens: vLLM's processor needs them
+        tokenizer, template = _vision_tokenizer(config)
     else:
         tokenizer, template = build_tokenizer(), CHAT_TEMPLATE
     torch.manual_seed(0)
@@ -189,8 +208,38 @@ def write_checkpoint(name: str, out: Path, dtype, layers: int | None = None) -> 
     model.save_pretrained(out)
     _save_tokenizer(tokenizer, out, template)  # ids are sent directly
     if vision:
-        _write_pixtral_processor(out, config)
+        _write_processor(out, config, tokenizer)
     return out
+
+
+def _vision_tokenizer(config):
+    """The tiny fixture's tokenizer and chat template for this family, its
+    image token ids written into ``config``."""
+    from vllm_accel.testing import tiny_mistral3, tiny_qwen2_5_vl
+
+    if config.model_type == "mistral3":
+        tokenizer = tiny_mistral3._tokenizer()
+        config.image_token_index = tokenizer.convert_tokens_to_ids(tiny_mistral3.IMG)
+        return tokenizer, tiny_mistral3.CHAT_TEMPLATE
+    tokenizer, q = tiny_qwen2_5_vl._tokenizer(), tiny_qwen2_5_vl
+    ids = tokenizer.convert_tokens_to_ids
+    config.image_token_id, config.video_token_id = ids(q.IMAGE_PAD), ids(q.VIDEO_PAD)
+    config.vision_start_token_id = ids(q.VISION_START)
+    config.vision_end_token_id = ids(q.VISION_END)
+    return tokenizer, q.CHAT_TEMPLATE
+
+
+def _write_processor(out: Path, config, tokenizer) -> None:
+    if config.model_type == "mistral3":
+        _write_pixtral_processor(out, config)
+        return
+    from vllm_accel.testing.tiny_qwen2_5_vl import write_processor_files
+
+    # Qwen3-VL-4B's image processor: 16-pixel patches, 2x2 merged, 256 to
+    # 16,384 x 1,024 pixels.
+    write_processor_files(out, tokenizer, "Qwen3VLProcessor", patch_size=16,
+                          min_pixels=65536, max_pixels=16777216, mean=[0.5] * 3,
+                          std=[0.5] * 3, video_processor_type="Qwen3VLVideoProcessor")
 
 
 def _auto_class(config):

@@ -42,7 +42,8 @@ def hf_config(ckpt):
 
 def _model_config(hf_config, ckpt):
     """What an adapter reads of vLLM's ModelConfig."""
-    return SimpleNamespace(hf_config=hf_config, model=str(ckpt), trust_remote_code=False)
+    return SimpleNamespace(hf_config=hf_config, model=str(ckpt), trust_remote_code=False,
+                           max_model_len=2048)
 
 
 def _fms_model(ckpt):

@@ -118,3 +118,26 @@ def test_fixture_is_deterministic(model_dir, tmp_path):
     for name in ("model.safetensors", "config.json", "preprocessor_config.json",
                  "video_preprocessor_config.json", "tokenizer.json"):
         assert (again / name).read_bytes() == (model_dir / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("max_model_len,largest", [(4096, 256), (40, 160)])
+def test_vision_buckets_stop_at_what_max_model_len_admits(model_dir, fms, max_model_len,
+                                                          largest):
+    """The tiny processor's largest image is 256 patches (64 tokens); a
+    40-token model admits no image past 160 patches, so warmup compiles no
+    bucket beyond it (real checkpoints allow 4096x4096 images: 65,536
+    patches, minutes of warmup for images no prompt could hold)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from vllm_accel.multimodal.mm_mappings import vision_adapter_class
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_config = SimpleNamespace(hf_config=hf_config, model=str(model_dir),
+                                   trust_remote_code=False, max_model_len=max_model_len)
+    adapter = vision_adapter_class(hf_config)(model_config, fms)
+    buckets = adapter.vision_buckets()
+    assert buckets[-1] == largest
+    (width, height), = adapter.warmup_image_sizes(buckets[-1:])
+    assert (width // 32) * (height // 32) * 4 <= largest

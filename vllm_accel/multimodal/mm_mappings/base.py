@@ -76,6 +76,8 @@ class VisionAdapter(ABC):
         self.fms_model = fms_model
         self.model_dir = model_config.model  # the checkpoint, with its processor files
         self.trust_remote_code = model_config.trust_remote_code  # the user's consent
+        # A prompt never outgrows this, so neither does any image it holds.
+        self.max_model_len = model_config.max_model_len
 
     # ---- text side ------------------------------------------------------
 

@@ -81,8 +81,11 @@ class Mistral3VisionAdapter(VisionAdapter):
         return self.image_processor.size["longest_edge"] // self.patch_size
 
     def vision_buckets(self) -> list[int]:
+        # At most the largest image, and no more patches than a prompt of
+        # max_model_len tokens can hold (a token per merged 2x2, and breaks).
         side = self._longest_side() // self.merge * self.merge
-        return exponential_buckets(self.vision_bucket_multiple, side * side)
+        unit = self.vision_bucket_multiple
+        return exponential_buckets(unit, min(side * side, self.max_model_len * unit))
 
     def warmup_image_sizes(self, buckets: list[int]) -> list[tuple[int, int]]:
         """Per bucket an image the processor keeps as it is (sides multiples of

@@ -89,12 +89,15 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
     # ---- buckets and warmup ----------------------------------------------
 
     def _patch_limits(self) -> tuple[int, int]:
-        """Patches of the smallest and the largest image the processor makes."""
+        """Patches of the smallest and the largest image the processor makes,
+        the largest no more than a prompt of max_model_len tokens can hold
+        (an image is a token per ``unit`` patches)."""
         processor = self.image_processor
         size, patch = processor.size, processor.patch_size
         unit = self.vision_bucket_multiple
         smallest = max(unit, size["shortest_edge"] // (patch * patch) // unit * unit)
-        return smallest, size["longest_edge"] // (patch * patch) // unit * unit
+        largest = min(size["longest_edge"] // (patch * patch), self.max_model_len * unit)
+        return smallest, largest // unit * unit
 
     def vision_buckets(self) -> list[int]:
         return exponential_buckets(*self._patch_limits())
