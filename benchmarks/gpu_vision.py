@@ -1,11 +1,13 @@
-"""Qwen3-VL on the cuda backend beside HF transformers' own class, one GPU,
-one process (run on the accelerator host).
+"""A vision-language model on the cuda backend beside HF transformers' own
+class, one GPU, one process (run on the accelerator host).
 
-    python benchmarks/gpu_vision.py [--text-layers 36] [--vision-layers 24] [--rounds 3]
-                                    [--num-prompts 32] [--output-len 64] [--out results.json]
+    python benchmarks/gpu_vision.py [--arch qwen3_vl|mistral3] [--text-layers N]
+                                    [--vision-layers N] [--rounds 3] [--num-prompts 32]
+                                    [--output-len 64] [--out results.json]
 
-- The model: Qwen3-VL-4B-Instruct's published widths (scripts/real_widths.py's
-  entry; random weights, bfloat16), at full depth unless cut.
+- The model: a published config's widths (scripts/real_widths.py's entry:
+  Qwen3-VL-4B-Instruct, Mistral-Small-3.1-24B; random weights, bfloat16), at
+  full depth unless cut (two 24B models do not fit one 80 GB GPU: cut it).
 - Throughput: --num-prompts chat prompts of one image each (random noise;
   sizes in turn from --sizes), --output-len tokens out, never stopping early.
   HF: one batched ``generate`` (its processor pads the prompts on the left);
@@ -39,27 +41,33 @@ MIN_TIMED_S = 10.0
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself
 
 
-def write_model(out: Path, text_layers: int, vision_layers: int) -> Path:
-    """Qwen3-VL-4B's widths, random bfloat16 weights made on the GPU, with
-    the fixture tokenizer and the published image processor settings."""
+# --arch -> (real_widths.py's entry, the tower's depth field)
+ARCHES = {"qwen3_vl": ("qwen3_vl_4b", "depth"), "mistral3": ("mistral3", "num_hidden_layers")}
+
+
+def write_model(out: Path, arch: str, text_layers: int, vision_layers: int) -> Path:
+    """A published config's widths (real_widths.py), random bfloat16 weights
+    made on the GPU, with the fixture tokenizer and the published image
+    processor settings."""
     import transformers
-    from real_widths import CONFIGS, _vision_tokenizer, _write_processor
+    from real_widths import CONFIGS, _auto_class, _vision_tokenizer, _write_processor
 
     from vllm_accel.testing.tiny_models import _save_tokenizer
 
-    _, fields, _ = CONFIGS["qwen3_vl_4b"]
-    vision = dict(fields["vision_config"], depth=vision_layers)
-    # DeepStack taps as published where the tower keeps them, else its first blocks.
-    taps = [i for i in vision["deepstack_visual_indexes"] if i < vision_layers]
-    vision["deepstack_visual_indexes"] = taps or list(range(min(3, vision_layers)))
-    config = transformers.Qwen3VLConfig(**{
+    entry, depth_field = ARCHES[arch]
+    config_class, fields, _ = CONFIGS[entry]
+    vision = dict(fields["vision_config"], **{depth_field: vision_layers})
+    if "deepstack_visual_indexes" in vision:
+        # DeepStack taps as published where the tower keeps them, else its first blocks.
+        taps = [i for i in vision["deepstack_visual_indexes"] if i < vision_layers]
+        vision["deepstack_visual_indexes"] = taps or list(range(min(3, vision_layers)))
+    config = getattr(transformers, config_class)(**{
         **fields, "vision_config": vision,
         "text_config": dict(fields["text_config"], num_hidden_layers=text_layers)})
     tokenizer, template = _vision_tokenizer(config)
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        model = transformers.Qwen3VLForConditionalGeneration._from_config(
-            config, dtype=torch.bfloat16)
+        model = _auto_class(config).from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out)
     del model
     if DEVICE == "cuda":
@@ -157,8 +165,10 @@ def ttft(run_ttft, case) -> dict:
 def main() -> None:
     global DEVICE, MIN_TIMED_S
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--text-layers", type=int, default=36)
-    parser.add_argument("--vision-layers", type=int, default=24)
+    parser.add_argument("--arch", choices=sorted(ARCHES), default="qwen3_vl")
+    parser.add_argument("--text-layers", type=int, default=None,
+                        help="default: the published depth")
+    parser.add_argument("--vision-layers", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
@@ -170,12 +180,18 @@ def main() -> None:
     args = parser.parse_args()
     DEVICE, MIN_TIMED_S = args.device, args.min_seconds
 
+    from real_widths import CONFIGS
+
     from vllm_accel.patches import apply_patches
 
-    apply_patches()  # the stand-in video processor (no torchvision)
+    apply_patches()  # the stand-in video processor, PixtralProcessor (no torchvision)
     root = Path(tempfile.mkdtemp(prefix="gpu-vision-"))
     started = time.perf_counter()
-    model_dir = write_model(root / "qwen3_vl", args.text_layers, args.vision_layers)
+    entry, depth_field = ARCHES[args.arch]
+    fields = CONFIGS[entry][1]
+    args.text_layers = args.text_layers or fields["text_config"]["num_hidden_layers"]
+    args.vision_layers = args.vision_layers or fields["vision_config"][depth_field]
+    model_dir = write_model(root / args.arch, args.arch, args.text_layers, args.vision_layers)
     print(f"model written in {time.perf_counter() - started:.1f} s", flush=True)
     from transformers import AutoProcessor
 
