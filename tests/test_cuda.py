@@ -311,16 +311,18 @@ def test_cpu_backend_on_a_cuda_host(tmp_path):
 
 @pytest.mark.parametrize("kind", ["bert", "qwen3_embedder"])
 def test_embeddings_on_cuda_equal_hf(kind, tmp_path):
-    """An encoder (span attention, no KV cache) and a decoder embedder
-    (paged attention, CUDA graphs), a batch of mixed lengths."""
+    """An encoder (no KV cache; prompts of 3-106 tokens packed in blocks of
+    256, two a forward: a mask a block) and a decoder embedder (paged
+    attention, CUDA graphs), a batch of mixed lengths."""
     from test_pooling import TEXTS, TOL, embed, hf_embedding, token_ids
     from vllm_accel.testing.tiny_encoders import make_tiny_encoder
 
     model_dir = make_tiny_encoder(kind, tmp_path / kind)
-    with running_llm(model_dir, additional_config=CUDA, runner="pooling", max_model_len=512,
-                     max_num_seqs=8, **GPU_SHARE) as llm:
+    max_model_len = 128 if kind == "bert" else 512
+    with running_llm(model_dir, additional_config=CUDA, runner="pooling",
+                     max_model_len=max_model_len, max_num_seqs=8, **GPU_SHARE) as llm:
         runner = model_runner(llm)
-        prompts = token_ids(llm, TEXTS)
+        prompts = token_ids(llm, TEXTS) * (3 if kind == "bert" else 1)
         got = embed(llm, prompts) + embed(llm, prompts[:1])
         assert runner.compile_stats.runtime_compiles == 0
     for p, vector in zip(prompts + prompts[:1], got):

@@ -173,11 +173,19 @@ def test_an_encoder_needs_a_token_bucket_that_holds_its_longest_prompt(encoders)
             pass
 
 
-def test_an_encoder_on_a_gpu_runs_a_whole_step_in_one_forward():
-    from vllm_accel.worker.pooling import encoder_token_buckets
+def test_an_encoder_on_a_gpu_runs_a_whole_step_in_blocks_of_whole_prompts():
+    from vllm_accel.worker.pooling import (blocks_per_forward, encoder_block,
+                                           encoder_token_buckets)
 
     assert encoder_token_buckets("", 4096, 512, large_forwards=False)[-1] == 512
-    assert encoder_token_buckets("", 4096, 512, large_forwards=True)[-1] == 4096
+    gpu = encoder_token_buckets("", 4096, 512, large_forwards=True)
+    assert gpu[-4:] == [512, 1024, 2048, 4096] and encoder_block(gpu, 512, True) == 512
+    gpu = encoder_token_buckets("", 4096, 300, large_forwards=True)
+    assert gpu[-4:] == [384, 768, 1536, 3072] and encoder_block(gpu, 300, True) == 384
+    assert encoder_block([1, 64, 1024], 512, large_forwards=False) == 1024  # the cpu's
+    assert blocks_per_forward(7, [1, 2, 4, 8]) == [4, 2, 1]
+    assert blocks_per_forward(19, [1, 2, 4, 8]) == [8, 8, 2, 1]
+    assert blocks_per_forward(7, [1, 3]) == [3, 3, 1]  # a bucket spec's
     assert encoder_token_buckets("1,64,1024", 4096, 512, large_forwards=True)[-1] == 1024
     with pytest.raises(ValueError, match="VLLM_ACCEL_TOKEN_BUCKETS='1,64'"):
         encoder_token_buckets("1,64", 4096, 512, large_forwards=True)
@@ -200,29 +208,80 @@ def test_encoder_steps_cut_into_full_forwards_of_whole_prompts():
     assert len(cut) <= -(-counts.sum() // 512) + 1  # all but one forward nearly full
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta"])
-def test_a_packed_forward_by_one_mask_equals_attention_by_spans(kind, encoders):
-    """A GPU keeps a packed forward's prompts apart by one mask
-    (``FmsEncoder.masked_attention``), the cpu by their spans: the same states."""
+@pytest.mark.parametrize("kind", ["bert", "roberta", "mpnet"])
+def test_a_packed_forward_by_one_mask_a_block_equals_attention_by_spans(kind, encoders):
+    """A GPU keeps a packed forward's prompts apart by one mask a block of
+    whole prompts (``FmsEncoder.masked_attention``; MPNet: its position bias
+    a block), the cpu by their spans: the same states, in one block or in
+    three (HF's class, one prompt at a time, for the block forward)."""
     import numpy as np
     from transformers import AutoConfig
 
     from vllm_accel.kernels.span_attention import span_mask
     from vllm_accel.model.fms_encoder import load_fms_encoder
-    from vllm_accel.worker.pooling import pack_encoder_step
+    from vllm_accel.worker.pooling import EncoderStep, pack_encoder_step
 
     model_dir = encoders(kind)
     encoder = load_fms_encoder(str(model_dir), AutoConfig.from_pretrained(model_dir), kind,
                                torch.float32)
-    ids = np.arange(4, 4 + 2 * 20).reshape(2, 20)
-    step = pack_encoder_step(ids, np.array([20, 7]), [None, None], lambda n: 32)
+    ids = np.arange(4, 4 + 4 * 20).reshape(4, 20)
+    step = pack_encoder_step(ids[:2], np.array([20, 7]), [None, None], lambda n: 32)
     inputs = (step.input_ids, step.positions, step.token_types, step.ranges)
     assert span_mask(step.ranges, 32)[0, 0].sum(-1).tolist() == [20] * 20 + [7] * 7 + [1] * 5
+    # Blocks of 32: [20, 7], [20], [13, 9]; the second block is mostly padding.
+    lengths = [[20, 7], [20], [13, 9]]
+    blocks = EncoderStep.of_blocks([
+        pack_encoder_step(ids[:len(n)], np.array(n), [None] * len(n), lambda n: 32)
+        for n in lengths])
+    assert blocks.ranges.shape == (3, 32, 2) and blocks.input_ids.shape == (1, 96)
+    assert blocks.live.tolist() == [*range(27), *range(32, 52), *range(64, 86)]
+    block_inputs = (blocks.input_ids, blocks.positions, blocks.token_types, blocks.ranges)
     with torch.no_grad():
         by_spans = encoder(*inputs)[0, :step.num_tokens]
-        encoder.attention = encoder.masked_attention  # what a GPU's ranges choose
+        if kind != "mpnet":  # MPNet attends by its position bias everywhere
+            encoder.attention = encoder.masked_attention  # what a GPU's ranges choose
         by_mask = encoder(*inputs)[0, :step.num_tokens]
+        by_blocks = encoder(*block_inputs)[0, torch.from_numpy(blocks.live)]
     assert torch.allclose(by_mask, by_spans, atol=1e-5, rtol=0)
+    prompts = [ids[row, :count].tolist() for n in lengths for row, count in enumerate(n)]
+    want = torch.cat([hf_hidden(model_dir, kind, p) for p in prompts])
+    assert torch.allclose(by_blocks, want, atol=1e-4, rtol=0)
+
+
+def test_a_step_in_forwards_of_blocks_gives_each_prompt_hfs_states(encoders):
+    """``encode_step`` as a GPU runs it (buckets past the longest prompt's
+    hold 2, 4, ... blocks of whole prompts), here on the cpu: 9 prompts
+    in 6 blocks of 32 tokens, forwards of 4 and 2 blocks, each prompt's
+    states HF's, in batch order."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from transformers import AutoConfig
+
+    from vllm_accel.forward_context import ForwardContext
+    from vllm_accel.model.fms_encoder import load_fms_encoder
+    from vllm_accel.worker.pooling import encode_step, encoder_token_buckets
+
+    model_dir = encoders("bert")
+    encoder = load_fms_encoder(str(model_dir), AutoConfig.from_pretrained(model_dir), "bert",
+                               torch.float32)
+    counts = np.array([30, 5, 17, 12, 28, 9, 31, 20, 25])
+    ids = np.random.default_rng(0).integers(4, 90, (len(counts), 32))
+    forwards = []
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(token_ids_cpu=ids,
+                                    get_pooling_params=lambda: [PoolingParams()] * len(counts)),
+        token_buckets=encoder_token_buckets("", 128, 32, large_forwards=True),
+        max_model_len=32, device="cpu", encoder=encoder, forward_context=ForwardContext,
+        backend=SimpleNamespace(prefers_large_forwards=True),
+        compile_stats=SimpleNamespace(after_step=forwards.append))
+    assert runner.token_buckets[-3:] == [32, 64, 128]
+    with torch.no_grad():
+        hidden = encode_step(runner, counts)
+    assert forwards == ["a forward of 128 tokens", "a forward of 64 tokens"]
+    want = torch.cat([hf_hidden(model_dir, "bert", ids[row, :n].tolist())
+                      for row, n in enumerate(counts)])
+    assert torch.allclose(hidden, want, atol=1e-4, rtol=0)
 
 
 def test_a_generate_request_to_an_embedder_fails_and_it_keeps_serving(encoders):

@@ -215,16 +215,20 @@ def _fms_store(keys, values, key_cache, value_cache, **_):
 def _fms_compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **attn_kwargs):
     """FMS's layout: [batch, tokens, heads, dim] in and out. With ``ranges``
     (a tower's images packed in one call: Pixtral's) each row attends to
-    its span of keys, on any device; with ``position_bias`` (MPNet's, -inf
-    outside each row's span: [batch, heads, tokens, keys]) by torch's SDPA
-    with that bias added to the scores."""
+    its span of keys, on any device; with ``block_mask`` (bool) or
+    ``position_bias`` (MPNet's, -inf outside each row's span), both
+    [blocks, 1 or heads, tokens a block, tokens a block], one batch entry's
+    tokens attend within blocks of that many, by torch's SDPA with the mask
+    or with the bias added to the scores."""
     scale = scale_factor if scale_factor is not None else query.shape[-1] ** -0.5
-    bias = attn_kwargs.get("position_bias")
-    if bias is not None:
+    mask = attn_kwargs.get("position_bias", attn_kwargs.get("block_mask"))
+    if mask is not None:
+        blocks = mask.shape[0]
         out = F.scaled_dot_product_attention(
-            *(t.transpose(1, 2) for t in (query, keys, values)), attn_mask=bias, scale=scale,
-            enable_gqa=nheads != kvheads)
-        return out.transpose(1, 2)
+            *(t.reshape(blocks, -1, *t.shape[2:]).transpose(1, 2)
+              for t in (query, keys, values)),
+            attn_mask=mask, scale=scale, enable_gqa=nheads != kvheads)
+        return out.transpose(1, 2).reshape(query.shape)
     ranges = attn_kwargs.get("ranges")
     if ranges is not None:
         return attend(query, keys, values, scale, ranges)

@@ -134,18 +134,20 @@ class FmsEncoder(nn.Module):
         return model.enc_norm(x)
 
     def attention(self, ranges: torch.Tensor) -> dict:
-        """The blocks' attention arguments: each token attends to its span.
-        On the cpu by the spans (the span kernel, or SDPA span by span); on
-        a GPU by one mask, built once a forward: one SDPA launch a layer, no
-        spans read back to the host."""
-        if ranges.device.type == "cpu":
+        """The blocks' attention arguments: each token attends to its span
+        (``ranges`` [blocks, tokens a block, 2]: the forward's tokens in
+        blocks of whole prompts, spans within their block). On the cpu, in
+        one block, by the spans (the span kernel, or SDPA span by span);
+        else by one mask a block, built once a forward: one SDPA launch a
+        layer, no spans read back to the host, no work across blocks."""
+        if ranges.device.type == "cpu" and ranges.shape[0] == 1:
             return {"attn_name": self.attn_name, "ranges": ranges}
         return self.masked_attention(ranges)
 
     def masked_attention(self, ranges: torch.Tensor) -> dict:
-        """``attention`` by one mask over the forward (a GPU's)."""
+        """``attention`` by one mask a block (a GPU's)."""
         return {"attn_name": self.attn_name,
-                "mask": span_attention.span_mask(ranges, ranges.shape[1])}
+                "block_mask": span_attention.span_mask(ranges, ranges.shape[1])}
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled states [requests, hidden] -> class logits [requests, labels]."""
@@ -175,8 +177,9 @@ class FmsMpnetEncoder(FmsEncoder):
         return model.enc_norm(x)
 
     def attention(self, ranges: torch.Tensor) -> dict:
-        """The position bias [1, heads, tokens, tokens] within each token's
-        span, -inf outside it (the blocks' attention adds it to the scores)."""
+        """The position bias [blocks, heads, tokens, tokens] within each
+        token's span, -inf outside it (the blocks' attention adds it to the
+        scores)."""
         tokens = ranges.shape[1]
         buckets = self._distance_buckets.get(tokens)
         if buckets is None:
@@ -186,6 +189,6 @@ class FmsMpnetEncoder(FmsEncoder):
                 num_buckets=self.headless.config.relative_attention_num_buckets)
             self._distance_buckets[tokens] = buckets
         bias = self.headless.relative_attention_bias(buckets).permute(2, 0, 1)
-        outside = ~span_attention.span_mask(ranges, tokens)[0]
-        mask = bias.masked_fill(outside, float("-inf"))
-        return {"attn_name": self.attn_name, "position_bias": mask[None].contiguous()}
+        outside = ~span_attention.span_mask(ranges, tokens)
+        mask = torch.where(outside, float("-inf"), bias)
+        return {"attn_name": self.attn_name, "position_bias": mask.contiguous()}

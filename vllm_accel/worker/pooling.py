@@ -10,9 +10,10 @@ embedder may prefill in chunks; vLLM's pooling cursor says which are done).
 
 Decoder embedders run the decoder's usual forwards over the paged KV
 cache. Encoder-only models (``model/fms_encoder.py``) keep no KV cache: each
-step's prompts are packed into forwards of whole prompts (``encoder_forwards``),
+step's prompts are packed into blocks of whole prompts (``encoder_forwards``),
 each padded to a token bucket (``pack_encoder_step``), each prompt attending
-only to itself.
+only to itself. On a GPU a forward holds 2, 4, ... such blocks side by side
+(``encode_step``), attention computed within each block.
 """
 
 from __future__ import annotations
@@ -80,16 +81,33 @@ class PoolingHead:
 def encoder_token_buckets(spec: str, max_step: int, max_model_len: int,
                           large_forwards: bool) -> list[int]:
     """An encoder's token buckets. A prompt runs whole in one forward, so
-    the largest holds max_model_len; where fewer, larger forwards win over
-    padding less (``DeviceBackend.prefers_large_forwards``), a whole step."""
-    whole = max_step if large_forwards and not spec else max_model_len
-    buckets = token_buckets(spec, max_step, whole)
+    the largest holds max_model_len. Where fewer, larger forwards win over
+    padding less (``DeviceBackend.prefers_large_forwards``), doublings of
+    that one up to a whole step: forwards of 2, 4, ... blocks of whole
+    prompts, each block attending within itself (``encoder_block``)."""
+    buckets = token_buckets(spec, max_step, max_model_len)
     if buckets[-1] < max_model_len:
         raise ValueError(
             f"{env_var_name('token_buckets')}={spec!r}: an encoder runs each prompt in one "
             f"forward, so the largest token bucket must be at least "
             f"max_model_len={max_model_len}; add one or lower max_model_len")
+    if large_forwards and not spec:
+        block = encoder_block(buckets, max_model_len, large_forwards)
+        buckets = [b for b in buckets if b <= block]
+        while buckets[-1] * 2 <= max_step:
+            buckets.append(buckets[-1] * 2)
     return buckets
+
+
+def encoder_block(buckets: list[int], max_model_len: int, large_forwards: bool) -> int:
+    """Tokens in a block of whole prompts. Where large forwards win, the
+    smallest bucket that holds the longest prompt (the larger buckets hold
+    2, 4, ... blocks); on the cpu the largest bucket (a forward is one
+    block: its padded rows would cost compute, and attention by spans does
+    no work across prompts)."""
+    if not large_forwards:
+        return buckets[-1]
+    return next(b for b in buckets if b >= max_model_len)
 
 
 def batch_order(first_tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -102,17 +120,28 @@ def batch_order(first_tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray) 
 
 @dataclass
 class EncoderStep:
-    """A step of an encoder-only model: its prompts packed in batch order,
-    padded to ``bucket`` tokens. Each token's span [first, end) is its
-    prompt's (a padding token's: itself); positions restart per prompt;
-    token type 1 where the request's pair range says (a cross-encoder's
-    second text)."""
+    """A forward of an encoder-only model: its prompts packed in the order
+    given, in one block padded to ``bucket`` tokens or in blocks of
+    ``block`` tokens, each padded at its end. Each token's span [first,
+    end) is its prompt's (a padding token's: itself); positions restart per
+    prompt; token type 1 where the request's pair range says (a
+    cross-encoder's second text)."""
 
     input_ids: torch.Tensor  # [1, bucket]
     positions: torch.Tensor  # [1, bucket]
     token_types: torch.Tensor  # [1, bucket]
-    ranges: torch.Tensor  # [1, bucket, 2] int32
+    ranges: torch.Tensor  # [blocks, bucket / blocks, 2] int32, within each block
     num_tokens: int
+    live: np.ndarray  # where the prompts' tokens are, in order
+
+    @classmethod
+    def of_blocks(cls, blocks: list[EncoderStep]) -> EncoderStep:
+        """One forward of ``blocks`` (each padded to the same size) side by side."""
+        size = blocks[0].input_ids.shape[1]
+        live = np.concatenate([b.live + i * size for i, b in enumerate(blocks)])
+        return cls(*(torch.cat([getattr(b, name) for b in blocks], 1)
+                     for name in ("input_ids", "positions", "token_types")),
+                   torch.cat([b.ranges for b in blocks]), len(live), live)
 
 
 def pack_encoder_step(token_ids: np.ndarray, num_scheduled: np.ndarray,
@@ -140,7 +169,7 @@ def pack_encoder_step(token_ids: np.ndarray, num_scheduled: np.ndarray,
         start = end
     as_tensor = torch.from_numpy
     return EncoderStep(as_tensor(ids)[None], as_tensor(positions)[None],
-                       as_tensor(types)[None], as_tensor(ranges)[None], total)
+                       as_tensor(types)[None], as_tensor(ranges)[None], total, np.arange(total))
 
 
 def token_type_ranges(batch: InputBatch) -> list[tuple[int, int] | None]:
@@ -172,25 +201,52 @@ def encoder_forwards(counts: np.ndarray, largest: int) -> list[np.ndarray]:
     return [np.array(rows) for rows in forwards]
 
 
+def blocks_per_forward(blocks: int, sizes: list[int]) -> list[int]:
+    """``blocks`` blocks cut into forwards of ``sizes`` blocks (those a
+    token bucket holds exactly; 1 among them), the largest that fits first."""
+    cut = []
+    while blocks:
+        size = max(s for s in sizes if s <= blocks)
+        cut.append(size)
+        blocks -= size
+    return cut
+
+
 def encode_step(runner: AccelModelRunner, num_scheduled: np.ndarray) -> torch.Tensor:
     """An encoder-only model's step: its prompts' hidden states [tokens, hidden]
-    in batch order, from forwards of at most the largest token bucket."""
+    in batch order. Prompts are packed into blocks of whole prompts, blocks
+    into forwards (one block padded to a bucket, or 2, 4, ... blocks of
+    ``encoder_block`` tokens: the larger buckets)."""
     batch = runner.input_batch
     type_ranges = token_type_ranges(batch)
-    forwards = encoder_forwards(num_scheduled, runner.token_buckets[-1])
-    hidden = []
-    for rows in forwards:
-        step = pack_encoder_step(batch.token_ids_cpu[rows], num_scheduled[rows],
-                                 [type_ranges[row] for row in rows],
-                                 lambda n: fit_bucket(runner.token_buckets, n, "tokens",
-                                                      env_var_name("token_buckets")))
+    block = encoder_block(runner.token_buckets, runner.max_model_len,
+                          runner.backend.prefers_large_forwards)
+    blocks = encoder_forwards(num_scheduled, block)
+    hidden, first = [], 0
+
+    def pack(rows: np.ndarray, bucket_for) -> EncoderStep:
+        return pack_encoder_step(batch.token_ids_cpu[rows], num_scheduled[rows],
+                                 [type_ranges[row] for row in rows], bucket_for)
+
+    sizes = [b // block for b in runner.token_buckets if b >= block and b % block == 0]
+    for size in blocks_per_forward(len(blocks), sizes):
+        group, first = blocks[first:first + size], first + size
+        if size == 1:
+            step = pack(group[0], lambda n: fit_bucket(runner.token_buckets, n, "tokens",
+                                                       env_var_name("token_buckets")))
+        else:
+            step = EncoderStep.of_blocks([pack(rows, lambda n: block) for rows in group])
         inputs = [t.to(runner.device, non_blocking=True) for t in
                   (step.input_ids, step.positions, step.token_types, step.ranges)]
         bucket = inputs[0].shape[1]
-        with set_forward_context(runner.forward_context().padded(bucket, step.num_tokens)):
-            hidden.append(runner.encoder(*inputs)[0, :step.num_tokens])
+        # Padding rows last, or not only last (blocks): nothing to skip.
+        live = step.num_tokens if size == 1 else bucket
+        with set_forward_context(runner.forward_context().padded(bucket, live)):
+            out = runner.encoder(*inputs)[0]
+        hidden.append(out[:step.num_tokens] if size == 1
+                      else out[torch.from_numpy(step.live).to(runner.device)])
         runner.compile_stats.after_step(f"a forward of {bucket} tokens")
-    rows = np.concatenate(forwards)
+    rows = np.concatenate(blocks)
     if len(rows) == 1 or (rows[1:] > rows[:-1]).all():
         return torch.cat(hidden)  # already in batch order
     counts = num_scheduled[rows]
