@@ -194,15 +194,15 @@ def test_an_encoder_on_a_gpu_runs_a_whole_step_in_blocks_of_whole_prompts():
 def test_encoder_steps_cut_into_full_forwards_of_whole_prompts():
     import numpy as np
 
-    from vllm_accel.worker.pooling import encoder_forwards
+    from vllm_accel.worker.pooling import encoder_blocks
 
     counts = np.array([10, 20, 5, 32, 1])
-    cut = [f.tolist() for f in encoder_forwards(counts, 32)]
+    cut = [f.tolist() for f in encoder_blocks(counts, 32)]
     assert cut == [[3], [1, 0, 4], [2]]  # longest first, each into the first forward it fits
-    assert [f.tolist() for f in encoder_forwards(counts, 1000)] == [[3, 1, 0, 2, 4]]
+    assert [f.tolist() for f in encoder_blocks(counts, 1000)] == [[3, 1, 0, 2, 4]]
     rng = np.random.default_rng(0)
     counts = rng.integers(8, 257, 128)
-    cut = encoder_forwards(counts, 512)
+    cut = encoder_blocks(counts, 512)
     assert sorted(np.concatenate(cut).tolist()) == list(range(128))
     assert all(counts[f].sum() <= 512 for f in cut)
     assert len(cut) <= -(-counts.sum() // 512) + 1  # all but one forward nearly full

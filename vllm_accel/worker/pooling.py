@@ -10,7 +10,7 @@ embedder may prefill in chunks; vLLM's pooling cursor says which are done).
 
 Decoder embedders run the decoder's usual forwards over the paged KV
 cache. Encoder-only models (``model/fms_encoder.py``) keep no KV cache: each
-step's prompts are packed into blocks of whole prompts (``encoder_forwards``),
+step's prompts are packed into blocks of whole prompts (``encoder_blocks``),
 each padded to a token bucket (``pack_encoder_step``), each prompt attending
 only to itself. On a GPU a forward holds 2, 4, ... such blocks side by side
 (``encode_step``), attention computed within each block.
@@ -182,23 +182,23 @@ def token_type_ranges(batch: InputBatch) -> list[tuple[int, int] | None]:
     return ranges
 
 
-def encoder_forwards(counts: np.ndarray, largest: int) -> list[np.ndarray]:
-    """The step's requests (batch rows) cut into forwards of whole prompts,
+def encoder_blocks(counts: np.ndarray, largest: int) -> list[np.ndarray]:
+    """The step's requests (batch rows) cut into blocks of whole prompts,
     each at most ``largest`` tokens (a prompt attends to all of itself, so it
     is never cut): first fit, longest first, which pads far less than
     cutting in batch order."""
-    forwards: list[list[int]] = []
+    blocks: list[list[int]] = []
     room: list[int] = []
     for row in np.argsort(-counts, kind="stable").tolist():
         count = int(counts[row])
         fits = next((i for i, free in enumerate(room) if count <= free), None)
         if fits is None:
-            forwards.append([row])
+            blocks.append([row])
             room.append(largest - count)
         else:
-            forwards[fits].append(row)
+            blocks[fits].append(row)
             room[fits] -= count
-    return [np.array(rows) for rows in forwards]
+    return [np.array(rows) for rows in blocks]
 
 
 def blocks_per_forward(blocks: int, sizes: list[int]) -> list[int]:
@@ -221,7 +221,7 @@ def encode_step(runner: AccelModelRunner, num_scheduled: np.ndarray) -> torch.Te
     type_ranges = token_type_ranges(batch)
     block = encoder_block(runner.token_buckets, runner.max_model_len,
                           runner.backend.prefers_large_forwards)
-    blocks = encoder_forwards(num_scheduled, block)
+    blocks = encoder_blocks(num_scheduled, block)
     hidden, first = [], 0
 
     def pack(rows: np.ndarray, bucket_for) -> EncoderStep:
