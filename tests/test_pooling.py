@@ -284,6 +284,25 @@ def test_a_step_in_forwards_of_blocks_gives_each_prompt_hfs_states(encoders):
     assert torch.allclose(hidden, want, atol=1e-4, rtol=0)
 
 
+def test_an_engine_with_a_gpus_blocks_compiles_nothing_after_warmup(encoders, monkeypatch):
+    """The engine as a GPU runs an encoder (buckets past the 256-token block
+    hold 2 and 4 blocks, a graph each), here on the cpu: warmup compiles
+    every forward a step can make, and the embeddings are HF's."""
+    from vllm_accel.devices import DeviceBackend
+
+    monkeypatch.setattr(DeviceBackend, "prefers_large_forwards", property(lambda self: True))
+    model_dir = encoders("bert")
+    with running_llm(model_dir, max_model_len=128, max_num_seqs=8,
+                     additional_config={"accel": {"bucket_graphs": "per_bucket"}}) as llm:
+        runner = model_runner(llm)
+        assert runner.token_buckets[-3:] == [256, 512, 1024]
+        prompts = token_ids(llm, TEXTS) * 3  # 3-106 tokens: steps of 2 blocks
+        got = embed(llm, prompts)
+        assert runner.compile_stats.runtime_compiles == 0
+    for p, vector in zip(prompts, got):
+        assert torch.allclose(vector, hf_embedding(model_dir, "bert", p), atol=TOL, rtol=0)
+
+
 def test_a_generate_request_to_an_embedder_fails_and_it_keeps_serving(encoders):
     from vllm import SamplingParams
 
