@@ -2,14 +2,17 @@
 
 Each entry below is a published config.json's fields (random weights, written
 offline by HF's own class, fewer layers). The engine loads the checkpoint and
-generates greedily from token ids; HF's own class generates from the same
-ids, and the script prints how many leading tokens agree (bfloat16 and random
-weights: near ties may part them, so agreement is reported, not required).
+generates greedily from token ids (a vision model also from a chat prompt
+with one noise image, ``--image``); HF's own class generates from the same
+inputs, and the script prints how many leading tokens agree (bfloat16 and
+random weights: near ties may part them, so agreement is reported, not
+required).
 Embedders (``EMBEDDERS``) embed instead: the cosine of each embedding to
 HF's, pooled as the checkpoint's sentence-transformers files say.
 
     .venv/bin/python scripts/real_widths.py [--models mixtral,...] [--device cpu|cuda]
                                             [--dtype bfloat16|float32] [--tokens 8]
+                                            [--image 448x336]
 """
 
 from __future__ import annotations
@@ -269,7 +272,26 @@ def _write_pixtral_processor(out: Path, config) -> None:
         "image_std": [0.26862954, 0.26130258, 0.27577711]}))
 
 
+def image_prompt(path: Path, size: tuple[int, int]) -> tuple:
+    """(chat text, a noise image of ``size``) for a vision checkpoint: its
+    processor's chat template with one image and a question."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from vllm_accel.patches import apply_patches
+
+    apply_patches()  # the processors' torchvision stand-ins
+    processor = AutoProcessor.from_pretrained(path)
+    content = [{"type": "image"}, {"type": "text", "text": "What is in this image?"}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}],
+                                         add_generation_prompt=True, tokenize=False)
+    pixels = np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return text, Image.fromarray(pixels)
+
+
 def engine_tokens(path: Path, prompts, tokens: int, dtype: str, device: str) -> tuple:
+    """``prompts``: token ids, or (chat text, image) pairs."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -278,8 +300,9 @@ def engine_tokens(path: Path, prompts, tokens: int, dtype: str, device: str) -> 
               additional_config={"accel": {"device": device}})
     start_s = time.perf_counter() - started
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                        use_tqdm=False)
+    requests = [{"prompt": p[0], "multi_modal_data": {"image": p[1]}} if isinstance(p, tuple)
+                else TokensPrompt(prompt_token_ids=p) for p in prompts]
+    outs = llm.generate(requests, params, use_tqdm=False)
     llm.llm_engine.engine_core.shutdown()
     return [list(o.outputs[0].token_ids) for o in outs], start_s
 
@@ -292,12 +315,19 @@ def hf_tokens(path: Path, prompts, tokens: int, dtype, device: str) -> list[list
     model = model_class.from_pretrained(path, dtype=dtype).to(device).eval()
     out = []
     for prompt in prompts:
-        ids = torch.tensor([prompt], device=device)
+        if isinstance(prompt, tuple):  # (chat text, image)
+            from transformers import AutoProcessor
+
+            inputs = AutoProcessor.from_pretrained(path)(
+                text=[prompt[0]], images=[prompt[1]], return_tensors="pt").to(device)
+            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        else:
+            ids = torch.tensor([prompt], device=device)
+            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         with torch.no_grad():
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                       max_new_tokens=tokens, min_new_tokens=tokens,
+            generated = model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens,
                                        do_sample=False, pad_token_id=0)
-        out.append(generated[0, len(prompt):].tolist())
+        out.append(generated[0, inputs["input_ids"].shape[1]:].tolist())
     return out
 
 
@@ -310,6 +340,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--layers", type=int, help="the depth cut (default: each entry's)")
+    parser.add_argument("--image", default="448x336",
+                        help="WxH of a noise image a third prompt of a vision model holds")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     results = {}
@@ -329,6 +361,9 @@ def main() -> None:
             vocab = fields.get("text_config", fields)["vocab_size"]
             gen = torch.Generator().manual_seed(1)
             prompts = torch.randint(1000, vocab - 1, (2, 40), generator=gen).tolist()
+            if "vision_config" in fields:
+                size = tuple(int(v) for v in args.image.split("x"))
+                prompts.append(image_prompt(path, size))
             try:
                 ours, start_s = engine_tokens(path, prompts, args.tokens, args.dtype,
                                               args.device)
