@@ -12,9 +12,9 @@ class, one GPU, one process (run on the accelerator host).
   sizes in turn from --sizes), --output-len tokens out, never stopping early.
   HF: one batched ``generate`` (its processor pads the prompts on the left);
   vllm-accel: ``LLM.generate`` with CUDA graphs and async scheduling, prefix
-  caching off (the same images come again; HF has no cache). Each timed run
-  repeats until it lasts >= 10 s; rounds alternate HF / vllm-accel; medians
-  with min-max.
+  and processor caches off (the same images come again; HF caches neither).
+  Each timed run repeats until it lasts >= 10 s; rounds alternate HF /
+  vllm-accel; medians with min-max.
 - Time to first token: one image (--ttft-size) and a question, one token
   out, median over >= 10 s of requests, each backend in turn.
 - Agreement: the first batch's tokens, ours against HF's (bfloat16 near
@@ -46,34 +46,22 @@ ARCHES = {"qwen3_vl": ("qwen3_vl_4b", "depth"), "mistral3": ("mistral3", "num_hi
 
 
 def write_model(out: Path, arch: str, text_layers: int, vision_layers: int) -> Path:
-    """A published config's widths (real_widths.py), random bfloat16 weights
-    made on the GPU, with the fixture tokenizer and the published image
-    processor settings."""
-    import transformers
-    from real_widths import CONFIGS, _auto_class, _vision_tokenizer, _write_processor
-
-    from vllm_accel.testing.tiny_models import _save_tokenizer
+    """real_widths.py's checkpoint of ``arch`` at this depth, random
+    bfloat16 weights made on the GPU."""
+    from real_widths import CONFIGS, write_checkpoint
 
     entry, depth_field = ARCHES[arch]
-    config_class, fields, _ = CONFIGS[entry]
+    fields = CONFIGS[entry][1]
     vision = dict(fields["vision_config"], **{depth_field: vision_layers})
     if "deepstack_visual_indexes" in vision:
         # DeepStack taps as published where the tower keeps them, else its first blocks.
         taps = [i for i in vision["deepstack_visual_indexes"] if i < vision_layers]
         vision["deepstack_visual_indexes"] = taps or list(range(min(3, vision_layers)))
-    config = getattr(transformers, config_class)(**{
-        **fields, "vision_config": vision,
-        "text_config": dict(fields["text_config"], num_hidden_layers=text_layers)})
-    tokenizer, template = _vision_tokenizer(config)
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = _auto_class(config).from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    del model
+    cut = {"vision_config": vision,
+           "text_config": dict(fields["text_config"], num_hidden_layers=text_layers)}
+    write_checkpoint(entry, out, torch.bfloat16, cut=cut, device=DEVICE)
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
-    _save_tokenizer(tokenizer, out, template)
-    _write_processor(out, config, tokenizer)
     return out
 
 
@@ -213,7 +201,8 @@ def main() -> None:
         hf_tps.append(tokens / timed(hf_batch))  # the engine is up, idle
         accel_tps.append(tokens / timed(accel_batch))
     results = {
-        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "torch": torch.__version__,
         "shape": {"text_layers": args.text_layers, "vision_layers": args.vision_layers},
         "workload": vars(args), "engine_start_s": start_s,
         "accel_output_tok_s": summary(accel_tps), "hf_output_tok_s": summary(hf_tps),

@@ -189,13 +189,18 @@ def embedder_agreement(name: str, path: Path, prompts, dtype_name: str, device: 
             "cosine_to_hf": [round(c, 5) for c in cosines.tolist()]}
 
 
-def write_checkpoint(name: str, out: Path, dtype, layers: int | None = None) -> Path:
+def write_checkpoint(name: str, out: Path, dtype, layers: int | None = None,
+                     cut: dict | None = None, device: str = "cpu") -> Path:
+    """Entry ``name``'s checkpoint in ``out``: its depth cut, or ``layers``
+    deep, or the fields of ``cut`` in place of the entry's; the weights made
+    on ``device``."""
     import torch
     import transformers
 
     from vllm_accel.testing.tiny_models import CHAT_TEMPLATE, _save_tokenizer, build_tokenizer
 
-    config_class, fields, cut = CONFIGS[name]
+    config_class, fields, entry_cut = CONFIGS[name]
+    cut = entry_cut if cut is None else cut
     if layers is not None:  # a deeper or shallower cut (Mamba2 layer kinds stay as listed)
         cut = {**cut, "num_hidden_layers": layers}
         if "layer_types" in cut:
@@ -207,8 +212,10 @@ def write_checkpoint(name: str, out: Path, dtype, layers: int | None = None) -> 
     else:
         tokenizer, template = build_tokenizer(), CHAT_TEMPLATE
     torch.manual_seed(0)
-    model = _auto_class(config).from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = _auto_class(config).from_config(config, dtype=dtype)
     model.save_pretrained(out)
+    del model
     _save_tokenizer(tokenizer, out, template)  # ids are sent directly
     if vision:
         _write_processor(out, config, tokenizer)
@@ -238,8 +245,8 @@ def _write_processor(out: Path, config, tokenizer) -> None:
         return
     from vllm_accel.testing.tiny_qwen2_5_vl import write_processor_files
 
-    # Qwen3-VL-4B's image processor: 16-pixel patches, 2x2 merged, 256 to
-    # 16,384 x 1,024 pixels.
+    # Qwen3-VL-4B's image processor: 16-pixel patches, 2x2 merged, from
+    # 256x256 up to 4096x4096 pixels.
     write_processor_files(out, tokenizer, "Qwen3VLProcessor", patch_size=16,
                           min_pixels=65536, max_pixels=16777216, mean=[0.5] * 3,
                           std=[0.5] * 3, video_processor_type="Qwen3VLVideoProcessor")

@@ -312,8 +312,8 @@ def test_cpu_backend_on_a_cuda_host(tmp_path):
 @pytest.mark.parametrize("kind", ["bert", "qwen3_embedder"])
 def test_embeddings_on_cuda_equal_hf(kind, tmp_path):
     """An encoder (no KV cache; prompts of 3-106 tokens packed in blocks of
-    256, two a forward: a mask a block) and a decoder embedder (paged
-    attention, CUDA graphs), a batch of mixed lengths."""
+    256, a step's first forward holding two: a mask a block) and a decoder
+    embedder (paged attention, CUDA graphs), a batch of mixed lengths."""
     from test_pooling import TEXTS, TOL, embed, hf_embedding, token_ids
     from vllm_accel.testing.tiny_encoders import make_tiny_encoder
 

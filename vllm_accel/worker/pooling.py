@@ -131,7 +131,6 @@ class EncoderStep:
     positions: torch.Tensor  # [1, bucket]
     token_types: torch.Tensor  # [1, bucket]
     ranges: torch.Tensor  # [blocks, bucket / blocks, 2] int32, within each block
-    num_tokens: int
     live: np.ndarray  # where the prompts' tokens are, in order
 
     @classmethod
@@ -141,7 +140,7 @@ class EncoderStep:
         live = np.concatenate([b.live + i * size for i, b in enumerate(blocks)])
         return cls(*(torch.cat([getattr(b, name) for b in blocks], 1)
                      for name in ("input_ids", "positions", "token_types")),
-                   torch.cat([b.ranges for b in blocks]), len(live), live)
+                   torch.cat([b.ranges for b in blocks]), live)
 
 
 def pack_encoder_step(token_ids: np.ndarray, num_scheduled: np.ndarray,
@@ -169,7 +168,7 @@ def pack_encoder_step(token_ids: np.ndarray, num_scheduled: np.ndarray,
         start = end
     as_tensor = torch.from_numpy
     return EncoderStep(as_tensor(ids)[None], as_tensor(positions)[None],
-                       as_tensor(types)[None], as_tensor(ranges)[None], total, np.arange(total))
+                       as_tensor(types)[None], as_tensor(ranges)[None], np.arange(total))
 
 
 def token_type_ranges(batch: InputBatch) -> list[tuple[int, int] | None]:
@@ -238,12 +237,12 @@ def encode_step(runner: AccelModelRunner, num_scheduled: np.ndarray) -> torch.Te
             step = EncoderStep.of_blocks([pack(rows, lambda n: block) for rows in group])
         inputs = [t.to(runner.device, non_blocking=True) for t in
                   (step.input_ids, step.positions, step.token_types, step.ranges)]
-        bucket = inputs[0].shape[1]
-        # Padding rows last, or not only last (blocks): nothing to skip.
-        live = step.num_tokens if size == 1 else bucket
-        with set_forward_context(runner.forward_context().padded(bucket, live)):
+        bucket, tokens = inputs[0].shape[1], len(step.live)
+        # Padding rows last (one block), or between blocks: nothing to skip.
+        live_rows = tokens if size == 1 else bucket
+        with set_forward_context(runner.forward_context().padded(bucket, live_rows)):
             out = runner.encoder(*inputs)[0]
-        hidden.append(out[:step.num_tokens] if size == 1
+        hidden.append(out[:tokens] if size == 1
                       else out[torch.from_numpy(step.live).to(runner.device)])
         runner.compile_stats.after_step(f"a forward of {bucket} tokens")
     rows = np.concatenate(blocks)
