@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from vllm_accel.forward_context import ForwardContext, set_forward_context
-from vllm_accel.model.mamba2 import PagedMamba2, RecurrentLayout, chunked_scan
+from vllm_accel.model import mamba2
+from vllm_accel.model.mamba2 import PagedMamba2, RecurrentLayout
+from vllm_accel.model.ssd_scan import chunked_scan
 
 HEADS, HEAD_DIM, GROUPS, STATE, KERNEL, CHUNK, EMB = 8, 16, 2, 16, 4, 8, 64
 
@@ -78,11 +80,15 @@ def _layout(segments, blocks, has_state, num_decodes=0):
                            torch.tensor(has_state), torch.tensor([blocks]))
 
 
-def test_packed_requests_continue_their_own_states_and_padding_touches_nothing():
+@pytest.mark.parametrize("row_by_row", [True, False], ids=["cpu_decode", "gpu_decode"])
+def test_packed_requests_continue_their_own_states_and_padding_touches_nothing(
+        row_by_row, monkeypatch):
     """Two prompts packed in one forward (with padding rows), each from a zero
     state; then one chunk each, then decodes (one of a new one-token prompt):
     every token's output equals FMS's mixer over that request's whole
-    sequence, and no other block's bytes change."""
+    sequence, and no other block's bytes change. The decodes' update as the
+    cpu runs it (a request at a time) and as a GPU does (the batch at once)."""
+    monkeypatch.setattr(mamba2, "ROW_BY_ROW_DEVICES", ("cpu",) if row_by_row else ())
     ssm = _fms_ssm()
     mixer = PagedMamba2(ssm)
     pages = Pages(mixer)

@@ -23,12 +23,9 @@ forward's ``RecurrentLayout`` from the forward context:
   no segment, so they read and write nothing (their outputs are zeros).
 
 Memory: vLLM's hybrid KV cache manager overlays attention and Mamba layers
-(one layer of each KV cache group shares a region of the cache; a block id
-belongs to one group at a time), each block a page of the same size. The
-runner keeps a region as two tensors of half a page per block
-(worker/kv_cache.py): an attention layer's keys and its values
-(``[num_blocks, block_size, kv_heads, head_dim]`` each, the layout the
-attention op reads), so block ``b`` is row ``b`` of both: a recurrent
+(a block id belongs to one KV cache group at a time), each block a page of
+the same size, kept as two tensors of half a page per block
+(worker/kv_cache.py: an attention layer's keys and values). A recurrent
 layer's state for block ``b`` is row ``b`` of the first followed by row
 ``b`` of the second, the SSM state first, then the convolution's inputs.
 """
@@ -36,7 +33,7 @@ layer's state for block ``b`` is row ``b`` of the first followed by row
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +41,7 @@ from torch import nn
 
 from vllm_accel.forward_context import get_forward_context
 from vllm_accel.kernels import ops
+from vllm_accel.model.ssd_scan import chunked_scan
 
 
 @dataclass
@@ -60,12 +58,20 @@ class RecurrentLayout:
     num_decodes: int
     starts: list[int]
     ends: list[int]
-    has_state: torch.Tensor  # [segments] bool
-    state_blocks: torch.Tensor  # [groups, segments] int64
+    has_state: torch.Tensor  # [segments] bool, on the host
+    state_blocks: torch.Tensor  # [groups, segments] int64, on the host
+    _copies: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def tokens(self) -> int:
         return self.ends[-1] if self.ends else 0
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(has_state, state_blocks) on ``device``: copied once a forward,
+        not once a layer."""
+        if device not in self._copies:
+            self._copies[device] = (self.has_state.to(device), self.state_blocks.to(device))
+        return self._copies[device]
 
 
 @dataclass(frozen=True)
@@ -124,10 +130,9 @@ def _words(rows: torch.Tensor) -> torch.Tensor:
 
 
 class _States:
-    """Some blocks' states, their bytes read into one buffer: ``ssm``
-    [n, heads, head_dim, state] and ``conv`` [n, conv_dim, kernel - 1] are
-    views of it in their dtypes, changed in place and written back by
-    ``write``."""
+    """Some blocks' states read into one buffer, ``ssm`` [n, heads,
+    head_dim, state] and ``conv`` [n, conv_dim, kernel - 1] views of it,
+    changed in place and written back by ``write``."""
 
     def __init__(self, first: torch.Tensor, second: torch.Tensor, blocks: torch.Tensor,
                  shapes: StateShapes):
@@ -143,9 +148,10 @@ class _States:
         self.conv = raw[:, start:start + shapes.conv_bytes].view(shapes.conv_dtype).view(
             n, *shapes.conv_shape)
 
-    def clear(self, keep: torch.Tensor) -> None:
-        """Zero the states of the rows not in ``keep`` (requests that start here)."""
-        if not bool(keep.all()):
+    def clear(self, keep: torch.Tensor, keep_host: torch.Tensor) -> None:
+        """Zero the states of the rows not in ``keep`` (requests that start
+        here); ``keep_host``, its host copy, says whether any is (no sync)."""
+        if not bool(keep_host.all()):
             self.ssm.masked_fill_(~keep[:, None, None, None], 0)
             self.conv.masked_fill_(~keep[:, None, None], 0)
 
@@ -156,8 +162,7 @@ class _States:
             self._copy(self.second[:, :total - half], self.raw[:, half:])
 
     def _gather(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
-        """``rows`` = the blocks' rows of ``pages`` (into the buffer: no
-        copy through a buffer of each part)."""
+        """``rows`` = the blocks' rows of ``pages``, straight into the buffer."""
         pages, rows = _same_width(pages, rows)
         torch.index_select(pages, 0, self.blocks, out=rows)
 
@@ -174,63 +179,9 @@ def _same_width(pages: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, 
     return pages, rows
 
 
-def segment_sum(x: torch.Tensor) -> torch.Tensor:
-    """[..., T] -> [..., T, T]: out[..., i, j] = x[j+1] + ... + x[i] for
-    i >= j, -inf above the diagonal (HF transformers' stable segment sum)."""
-    size = x.size(-1)
-    x = x[..., None].expand(*x.size(), size)
-    below = torch.tril(torch.ones(size, size, device=x.device, dtype=torch.bool), diagonal=-1)
-    sums = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
-    on_or_below = torch.tril(torch.ones(size, size, device=x.device, dtype=torch.bool))
-    return sums.masked_fill(~on_or_below, -torch.inf)
-
-
-def chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                 C: torch.Tensor, chunk: int, state: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mamba2's SSD over one sequence, in chunks of ``chunk`` tokens (float32).
-
-    x [L, heads, head_dim]; dt [L, heads] (after softplus); A [heads];
-    B, C [L, heads, state] (groups repeated per head); state [heads,
-    head_dim, state]: the state before the first token. Returns y [L, heads,
-    head_dim] (without the D skip) and the state after the last token."""
-    length, heads, head_dim = x.shape
-    # A chunk is only a blocking of the same sums: a sequence shorter than
-    # one is one chunk of its own length (padded to the model's chunk, the
-    # within-chunk products grow with its square).
-    chunk = min(chunk, length)
-    pad = (chunk - length % chunk) % chunk
-    x = x * dt[..., None]
-    A = A * dt  # [L, heads]
-    if pad:
-        x, A, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (x, A, B, C))
-    chunks = (length + pad) // chunk
-    x = x.view(chunks, chunk, heads, head_dim)
-    B = B.reshape(chunks, chunk, heads, -1)
-    C = C.reshape(chunks, chunk, heads, -1)
-    A = A.view(chunks, chunk, heads).permute(2, 0, 1)  # [heads, chunks, chunk]
-    A_cumsum = torch.cumsum(A, dim=-1)
-
-    # Within each chunk: attention-like, masked by the decay between positions.
-    decay = torch.exp(segment_sum(A))  # [heads, chunks, l, s]
-    scores = torch.einsum("clhn,cshn->clsh", C, B) * decay.permute(1, 2, 3, 0)
-    y = torch.einsum("clsh,cshp->clhp", scores, x)
-
-    # Each chunk's own contribution to the state at its end.
-    decay_to_end = torch.exp(A_cumsum[..., -1:] - A_cumsum)  # [heads, chunks, chunk]
-    B_decayed = B * decay_to_end.permute(1, 2, 0)[..., None]
-    states = torch.einsum("clhn,clhp->chpn", B_decayed, x)
-
-    # Across chunks: the state at each chunk's start (from the initial state on).
-    states = torch.cat([state[None].to(states.dtype), states], dim=0)  # [chunks + 1, ...]
-    decay_chunks = torch.exp(segment_sum(F.pad(A_cumsum[..., -1], (1, 0))))  # [h, c+1, c+1]
-    states = torch.einsum("hiz,zhpn->ihpn", decay_chunks, states)
-    states, final = states[:-1], states[-1]
-
-    # The state at each chunk's start, seen by its tokens.
-    y = y + torch.einsum("clhn,chpn->clhp", C, states) \
-        * torch.exp(A_cumsum).permute(1, 2, 0)[..., None]
-    return y.reshape(-1, heads, head_dim)[:length], final
+# Devices where the decode step updates and reads out one request's state at
+# a time (cache locality); elsewhere the whole batch at once.
+ROW_BY_ROW_DEVICES = ("cpu",)
 
 
 def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor,
@@ -247,8 +198,8 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
     conv_dim, kernel = conv_weight.shape
     shapes = StateShapes(heads, head_dim, state_size, conv_dim, kernel, ssm_dtype, conv_dtype)
     # The layout is built on the host; a GPU's pages need it on the GPU.
-    blocks = layout.state_blocks[int(group)].to(first.device)
-    has_state = layout.has_state.to(first.device)
+    has_state, blocks = layout.on(first.device)
+    blocks = blocks[int(group)]
     A = -torch.exp(A_log.float())
     out = torch.zeros(xbc.shape[1], heads * head_dim, dtype=torch.float32, device=xbc.device)
     width = conv_dim - 2 * groups * state_size  # x's part of xbc (heads * head_dim)
@@ -267,7 +218,7 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
     n = layout.num_decodes
     if n:  # one recurrence step each, in one batch
         states = _States(first, second, blocks[:n], shapes)
-        states.clear(has_state[:n])
+        states.clear(has_state[:n], layout.has_state[:n])
         window = torch.cat([states.conv.to(xbc.dtype), xbc[0, :n, :, None]],
                            dim=-1)  # [n, conv_dim, kernel]
         conv_out = (window * conv_weight).sum(-1)
@@ -276,16 +227,21 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
         x, B, C = split(F.silu(conv_out))
         step = time_steps(slice(0, n))
         # state * exp(dt A) + (dt x) B, in place where the state is float32;
-        # then y = state . C. Row by row: a request's state (heads x head_dim
-        # x state floats) is still in cache when it is read out (a batched
-        # read-out after the batched update ran ~2.5x slower).
+        # then y = state . C.
         ssm = states.ssm if ssm_dtype == torch.float32 else states.ssm.float()
         decay, step_x = torch.exp(step * A), step[..., None] * x
-        y = torch.empty(n, heads, head_dim, dtype=torch.float32, device=xbc.device)
-        for row in range(n):
-            state = ssm[row].mul_(decay[row, :, None, None]).addcmul_(
-                step_x[row, :, :, None], B[row, :, None, :])
-            torch.sum(state * C[row, :, None, :], dim=-1, out=y[row])
+        if xbc.device.type in ROW_BY_ROW_DEVICES:
+            # A request's state (heads x head_dim x state floats) is still in
+            # cache when it is read out (a batched read-out after the batched
+            # update ran ~2.5x slower on the cpu).
+            y = torch.empty(n, heads, head_dim, dtype=torch.float32, device=xbc.device)
+            for row in range(n):
+                state = ssm[row].mul_(decay[row, :, None, None]).addcmul_(
+                    step_x[row, :, :, None], B[row, :, None, :])
+                torch.sum(state * C[row, :, None, :], dim=-1, out=y[row])
+        else:  # a GPU: four launches, not four a request
+            ssm.mul_(decay[..., None, None]).addcmul_(step_x[..., None], B[:, :, None, :])
+            y = (ssm * C[:, :, None, :]).sum(-1)
         out[:n] = (y + D.float()[:, None] * x).reshape(n, -1)
         if ssm is not states.ssm:
             states.ssm.copy_(ssm)
@@ -295,7 +251,7 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
     for i in range(n, len(layout.starts)):  # each prefill chunk: a chunked scan
         rows = slice(layout.starts[i], layout.ends[i])
         states = _States(first, second, blocks[i:i + 1], shapes)
-        states.clear(has_state[i:i + 1])
+        states.clear(has_state[i:i + 1], layout.has_state[i:i + 1])
         inputs = torch.cat([states.conv[0].to(xbc.dtype), xbc[0, rows].transpose(0, 1)],
                            dim=-1)
         conv_out = F.conv1d(inputs[None], conv_weight[:, None, :], conv_bias,
