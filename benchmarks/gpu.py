@@ -181,20 +181,28 @@ def engine_batch(llm, prompts: list[list[int]]):
 
 def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path,
                variants: list[str]) -> dict:
+    started = time.perf_counter()
     run_hf = hf_batch(model, prompts)
+    # Progress lines: a run cut by its time limit still says where it was.
+    print(f"HF loaded and ran one batch in {time.perf_counter() - started:.1f} s", flush=True)
     results = {}
     tokens = NUM_PROMPTS * OUTPUT_LEN
     for name, graphs, async_scheduling in VARIANTS:
         if name not in variants:
             continue
+        started = time.perf_counter()
         llm = engine(model, cache, graphs, async_scheduling, enable_prefix_caching=False)
         run_accel = engine_batch(llm, prompts)
+        print(f"{name}: engine started and ran one batch in "
+              f"{time.perf_counter() - started:.1f} s", flush=True)
         hf_tps, accel_tps = [], []
-        for _ in range(rounds):
+        for round_ in range(rounds):
             seconds, _ = timed(run_hf)  # the engine is up, idle
             hf_tps.append(tokens / seconds)
             seconds, _ = timed(run_accel)
             accel_tps.append(tokens / seconds)
+            print(f"{name} round {round_ + 1}: output tok/s HF {hf_tps[-1]:.0f}, "
+                  f"vllm-accel {accel_tps[-1]:.0f}", flush=True)
         results[name] = {
             "accel_output_tok_s": summary(accel_tps), "hf_output_tok_s": summary(hf_tps),
             "ratio_median": statistics.median(accel_tps) / statistics.median(hf_tps),

@@ -192,14 +192,19 @@ def main() -> None:
 
     llm, start_s, accel_batch, accel_ttft, accel_out = accel_side(
         model_dir, cases, args.output_len, root / "compile-cache")
+    print(f"engine started in {start_s:.1f} s", flush=True)  # a cut run still says where
+    started = time.perf_counter()
     hf_batch, hf_ttft, hf_out = hf_side(model_dir, cases, args.output_len)
+    print(f"HF loaded and ran one batch in {time.perf_counter() - started:.1f} s", flush=True)
     agree = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
              for x, y in zip(accel_out["tokens"], hf_out["tokens"])]
     tokens = args.num_prompts * args.output_len
     hf_tps, accel_tps = [], []
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         hf_tps.append(tokens / timed(hf_batch))  # the engine is up, idle
         accel_tps.append(tokens / timed(accel_batch))
+        print(f"round {round_ + 1}: output tok/s HF {hf_tps[-1]:.0f}, "
+              f"vllm-accel {accel_tps[-1]:.0f}", flush=True)
     results = {
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
         "torch": torch.__version__,
