@@ -199,7 +199,7 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
     shapes = StateShapes(heads, head_dim, state_size, conv_dim, kernel, ssm_dtype, conv_dtype)
     # The layout is built on the host; a GPU's pages need it on the GPU.
     has_state, blocks = layout.on(first.device)
-    blocks = blocks[int(group)]
+    blocks = blocks.index_select(0, group)[0]  # ``group`` is on the device: no sync
     A = -torch.exp(A_log.float())
     out = torch.zeros(xbc.shape[1], heads * head_dim, dtype=torch.float32, device=xbc.device)
     width = conv_dim - 2 * groups * state_size  # x's part of xbc (heads * head_dim)
