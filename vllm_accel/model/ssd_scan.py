@@ -1,6 +1,6 @@
-"""Mamba2's SSD scan over one sequence: the chunked algorithm of the Mamba2
-paper, as HF transformers' reference ``torch_forward`` computes it (its
-oracle in tests/test_mamba2.py), from any state."""
+"""Mamba2's SSD scan over one sequence from any state: the chunked algorithm
+of the Mamba2 paper, as HF transformers' ``mamba2_chunk_scan`` computes it
+(Bamba's reference, the oracle in tests/test_mamba2.py)."""
 
 from __future__ import annotations
 
