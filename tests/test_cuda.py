@@ -209,6 +209,36 @@ def test_mixed_traffic_compiles_nothing_after_warmup(tmp_path):
         assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
 
 
+def test_no_triton_kernel_compiles_while_serving(tmp_path):
+    """vLLM's sampler JIT-compiles its Triton top-k/top-p kernels per mode
+    (top-k, top-p, both), batch 1 apart, and top-p alone per split count;
+    start-up compiles them all (``cuda.compile_sampling_kernels``). Counted
+    by Triton's own compile hook, installed after start-up (in a process
+    that has compiled them before, nothing would be counted either way)."""
+    from triton import knobs
+    from vllm import SamplingParams
+
+    model = make_tiny_model("llama", tmp_path / "llama")
+    with running_llm(model, additional_config=CUDA, max_num_seqs=8, **GPU_SHARE) as llm:
+        compiled, hook = [], knobs.runtime.jit_post_compile_hook
+
+        def count(**kwargs):
+            compiled.append(getattr(kwargs.get("fn"), "name", "?"))
+            return hook(**kwargs) if hook is not None else None
+
+        knobs.runtime.jit_post_compile_hook = count
+        try:
+            for params in (SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4),
+                           SamplingParams(temperature=0.8, top_k=7, max_tokens=4),
+                           SamplingParams(temperature=0.8, top_k=7, top_p=0.5, max_tokens=4)):
+                for prompts in (PROMPTS[:1], PROMPTS[:3]):
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+        finally:
+            knobs.runtime.jit_post_compile_hook = hook
+        assert compiled == []
+
+
 def test_graphs_off_or_async_scheduling_off_give_the_same_tokens(tmp_path):
     from vllm import SamplingParams
 

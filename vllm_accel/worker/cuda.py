@@ -1,15 +1,20 @@
 """The cuda device's start-up work for the runner: the memory profile that
-sizes the KV cache, and capturing the CUDA graphs of its forwards
-(cuda_graphs.py).
+sizes the KV cache, capturing the CUDA graphs of its forwards
+(cuda_graphs.py), and compiling vLLM's Triton sampling kernels before serving.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from vllm.config import VllmConfig
+from vllm.triton_utils import HAS_TRITON
+from vllm.utils.jit_monitor import activate as activate_jit_monitor
 
+from vllm_accel.log import get_logger
 from vllm_accel.model.paged_attention import TableShape
 from vllm_accel.worker.cuda_graphs import ForwardGraphs
 from vllm_accel.worker.in_flight import NO_TOKENS_IN_FLIGHT
@@ -18,6 +23,8 @@ from vllm_accel.worker.step_layout import StepLayout, pack_step
 
 if TYPE_CHECKING:
     from vllm_accel.worker.model_runner import AccelModelRunner
+
+logger = get_logger(__name__)
 
 
 def dummy_embeddings(runner: AccelModelRunner, bucket: int) -> torch.Tensor:
@@ -107,3 +114,31 @@ def capture_graphs(runner: AccelModelRunner) -> ForwardGraphs:
     return graphs
 
 
+@torch.inference_mode()
+def compile_sampling_kernels(runner: AccelModelRunner, vllm_config: VllmConfig) -> None:
+    """Run vLLM's Triton top-k/top-p masking once for every variant serving
+    can ask for, so no request waits on its JIT compile: top-k, top-p and
+    both; batch 1 apart; and top-p alone at up to 64 requests splits each
+    row by the batch size (a variant per split count). vLLM's own warmup
+    registry picks the split variants by platform (``is_cuda_alike``), not by
+    device as the sampler does, so it misses them here. Then vLLM's JIT
+    monitor reports any later compile (--jit-monitor-mode)."""
+    if not HAS_TRITON or runner.model is None:
+        return
+    from vllm.v1.sample.ops.topk_topp_triton import _SPLIT_MAX_BATCH, apply_top_k_top_p_triton
+
+    started = time.perf_counter()
+    batch_sizes = sorted({*range(1, min(runner.max_num_reqs, _SPLIT_MAX_BATCH) + 1),
+                          runner.max_num_reqs})
+    for n in batch_sizes:
+        logits = torch.randn(n, runner.model.logits_width, device=runner.device)
+        k = torch.full((n,), 5, dtype=torch.int32, device=runner.device)
+        p = torch.full((n,), 0.9, device=runner.device)
+        for top_k, top_p in ((k, None), (None, p), (k, p)):
+            apply_top_k_top_p_triton(logits.clone(), top_k, top_p)
+    torch.cuda.synchronize(runner.device)
+    logger.info("vllm_accel sampling kernels compiled for batch sizes 1-%d in %.1f s",
+                runner.max_num_reqs, time.perf_counter() - started)
+    observability = vllm_config.observability_config
+    activate_jit_monitor(mode=observability.jit_monitor_mode,
+                         verbose=observability.jit_monitor_verbose)

@@ -35,7 +35,7 @@ from vllm_accel.patches import (
     tune_gpu_reductions,
 )
 from vllm_accel.settings import env_var_name, load_settings
-from vllm_accel.worker.cuda import capture_graphs, profile_peak_memory
+from vllm_accel.worker.cuda import capture_graphs, compile_sampling_kernels, profile_peak_memory
 from vllm_accel.worker.model_runner import AccelModelRunner
 from vllm_accel.worker.warmup import measure_forward_costs, warm_up
 
@@ -215,6 +215,8 @@ class AccelWorker(WorkerBase):
                             time.perf_counter() - captured)
             if self.settings.forward_plan == "measured":  # opt-in: see settings.py
                 measure_forward_costs(self.model_runner)
+            if self.backend.device == "cuda":
+                compile_sampling_kernels(self.model_runner, self.vllm_config)
         # Warmup sampled with seeds: start serving from the configured seed.
         set_random_seed(self.model_config.seed)
         warmup_s = time.perf_counter() - started
