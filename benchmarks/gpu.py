@@ -60,6 +60,7 @@ MEDIUM_SHAPES = ("moe100m", "hybrid100m")
 SHAPE = SHAPES["1b"]  # main() sets the chosen one
 NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 64, 128, 64
 MIN_TIMED_S = 10.0
+TOKEN_BUCKETS = ""  # --token-buckets ("": the product's default)
 
 
 def make_medium_model(out: Path, shape: str) -> Path:
@@ -108,7 +109,7 @@ def engine(model: Path, cache: Path, graphs: bool, async_scheduling: str = "auto
 
     config = {"accel": {"device": "cuda", "compile_backend": "inductor",
                         "cuda_graphs": graphs, "async_scheduling": async_scheduling,
-                        "compile_cache_dir": str(cache)}}
+                        "compile_cache_dir": str(cache), "token_buckets": TOKEN_BUCKETS}}
     options = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=NUM_PROMPTS,
                    gpu_memory_utilization=0.35, seed=0, additional_config=config)
     options.update(kwargs)
@@ -582,7 +583,7 @@ def hf_static_compiled(model: Path, prompts: list[list[int]]) -> dict:
 
 
 def main() -> None:
-    global SHAPE, OUTPUT_LEN, NUM_PROMPTS
+    global SHAPE, OUTPUT_LEN, NUM_PROMPTS, TOKEN_BUCKETS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="gpu_results.json")
@@ -599,12 +600,17 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(v[0] for v in VARIANTS),
                         help="throughput variants: CUDA graphs or not, async scheduling "
                              "(on) or not (_sync)")
+    parser.add_argument("--token-buckets", default="",
+                        help="the engine's token buckets (default: the product's); the "
+                             "throughput and decode-step parts use only 1, the batch and "
+                             "the largest, so '1,16,512' with --num-prompts 16 measures "
+                             "the same graphs and cuts a cold start's compiles")
     parser.add_argument("--in-process", action="store_true",
                         help="engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
                              "no overlap of vLLM's output processing with the engine's steps")
     args = parser.parse_args()
     SHAPE, OUTPUT_LEN = dict(SHAPES.get(args.shape, {})), args.output_len
-    NUM_PROMPTS = args.num_prompts
+    NUM_PROMPTS, TOKEN_BUCKETS = args.num_prompts, args.token_buckets
     parts = args.parts.split(",")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
