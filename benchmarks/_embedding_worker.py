@@ -1,6 +1,8 @@
 """One backend's side of benchmarks/embedding.py: embed a batch of mixed-length
 sentences, print one JSON line (sentences/s over a timed run of at least
---min-seconds, after one untimed batch). Runs inside the backend's own Python."""
+--min-seconds, after one untimed batch). Runs inside the backend's own Python.
+--profile: one batch under torch's profiler instead (the GPU's kernels by
+time; vLLM's engine core in this process so that the profiler sees it)."""
 import argparse
 import json
 import random
@@ -16,6 +18,23 @@ def sentences(vocab: int, count: int, shortest: int, longest: int, seed: int):
             for _ in range(count)]
 
 
+def profile(encode, batch) -> None:
+    """One batch under torch's profiler: wall time, GPU busy time, top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        encode(batch)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    print(f"profile: one batch {wall * 1e3:.1f} ms wall, GPU kernels {busy / 1e3:.1f} ms")
+    print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=70))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -28,7 +47,11 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--min-seconds", type=float, default=10.0)
     p.add_argument("--hf", action="store_true", help="HF's class on the GPU instead of vLLM")
+    p.add_argument("--profile", action="store_true")
     a = p.parse_args()
+    if a.profile:
+        import os
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     import torch
     if a.hf:
@@ -49,6 +72,8 @@ def main():
                 sentences(vocab, a.sentences, a.shortest, a.longest, number)]
 
     llm.embed(batch(0), use_tqdm=False)  # untimed
+    if a.profile:
+        return profile(lambda prompts: llm.embed(prompts, use_tqdm=False), batch(1))
     done = tokens = 0
     elapsed = 0.0
     number = 1
@@ -100,6 +125,8 @@ def run_hf(a):
 
     vocab = model.config.vocab_size
     encode(sentences(vocab, a.sentences, a.shortest, a.longest, 0))  # untimed
+    if a.profile:
+        return profile(encode, sentences(vocab, a.sentences, a.shortest, a.longest, 1))
     done = tokens = 0
     elapsed = 0.0
     number = 1

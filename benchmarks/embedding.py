@@ -107,6 +107,21 @@ def run_worker(name, args, model, log_dir, round_no):
     return None, f"exit code {r.returncode}, no result line; log: {log_path}"
 
 
+def profile(names, args) -> None:
+    """Each backend's worker with --profile: its top GPU kernels for one batch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _ = make_model(args.shape, Path(tmp) / args.shape)
+        for name in names:
+            python, extra_env, _ = CUDA_BACKENDS[name]
+            cmd = [str(python), str(WORKER), "--model", str(model), "--dtype", args.dtype,
+                   "--sentences", str(args.sentences), "--profile"] + ["--hf"] * (name == "hf")
+            r = subprocess.run(cmd, env={**os.environ, **extra_env}, cwd=tmp, text=True,
+                               capture_output=True)
+            failed = "" if r.returncode == 0 else r.stderr[-3000:]
+            print(f"--- {name} ({args.dtype}), exit code {r.returncode}\n{r.stdout}{failed}",
+                  flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=list(SHAPES), default="granite30m")
@@ -117,10 +132,14 @@ def main():
     p.add_argument("--sentences", type=int, default=1024)
     p.add_argument("--min-seconds", type=float, default=10.0)
     p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--profile", action="store_true",
+                   help="cuda: one batch of each backend under torch's profiler, no timing")
     args = p.parse_args()
     if args.device == "cuda":
         names = [n.strip() for n in (args.backends or "accel,hf").split(",")]
         assert set(names) <= set(CUDA_BACKENDS), f"cuda backends: {list(CUDA_BACKENDS)}"
+        if args.profile:
+            return profile(names, args)
     else:
         names = parse_backends(args.backends or "accel,native", BACKENDS)
     print(machine_text(machine()), flush=True)
