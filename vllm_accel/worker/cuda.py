@@ -123,8 +123,8 @@ def compile_sampling_kernels(runner: AccelModelRunner, vllm_config: VllmConfig) 
     registry picks the split variants by platform (``is_cuda_alike``), not by
     device as the sampler does, so it misses them here. Then vLLM's JIT
     monitor reports any later compile (--jit-monitor-mode)."""
-    if not HAS_TRITON or runner.model is None:
-        return
+    if not HAS_TRITON or runner.model is None or runner.pooling is not None:
+        return  # no Triton, or a pooling model: nothing is sampled
     from vllm.v1.sample.ops.topk_topp_triton import _SPLIT_MAX_BATCH, apply_top_k_top_p_triton
 
     started = time.perf_counter()
