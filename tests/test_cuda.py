@@ -209,34 +209,52 @@ def test_mixed_traffic_compiles_nothing_after_warmup(tmp_path):
         assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
 
 
+# Run in a process of its own: Triton keeps compiled variants per process,
+# and an earlier test's sampling would have compiled some already.
+_COUNT_TRITON_COMPILES = """
+import json, sys
+from triton import knobs
+from vllm import LLM, SamplingParams
+
+model, options, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = LLM(model=model, **options)
+compiled, hook = [], knobs.runtime.jit_post_compile_hook
+
+def count(**kwargs):
+    compiled.append(getattr(kwargs.get("fn"), "name", "?"))
+    return hook(**kwargs) if hook is not None else None
+
+knobs.runtime.jit_post_compile_hook = count  # installed after start-up
+for params in (SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4),
+               SamplingParams(temperature=0.8, top_k=7, max_tokens=4),
+               SamplingParams(temperature=0.8, top_k=7, top_p=0.5, max_tokens=4)):
+    for batch in (prompts[:1], prompts[:3]):
+        outs = llm.generate(batch, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+print("COMPILED", json.dumps(compiled))
+"""
+
+
 def test_no_triton_kernel_compiles_while_serving(tmp_path):
     """vLLM's sampler JIT-compiles its Triton top-k/top-p kernels per mode
     (top-k, top-p, both), batch 1 apart, and top-p alone per split count;
     start-up compiles them all (``cuda.compile_sampling_kernels``). Counted
-    by Triton's own compile hook, installed after start-up (in a process
-    that has compiled them before, nothing would be counted either way)."""
-    from triton import knobs
-    from vllm import SamplingParams
+    by Triton's own compile hook in a fresh process, engine core in it."""
+    import json
+    import os
+    import subprocess
+    import sys
 
     model = make_tiny_model("llama", tmp_path / "llama")
-    with running_llm(model, additional_config=CUDA, max_num_seqs=8, **GPU_SHARE) as llm:
-        compiled, hook = [], knobs.runtime.jit_post_compile_hook
-
-        def count(**kwargs):
-            compiled.append(getattr(kwargs.get("fn"), "name", "?"))
-            return hook(**kwargs) if hook is not None else None
-
-        knobs.runtime.jit_post_compile_hook = count
-        try:
-            for params in (SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4),
-                           SamplingParams(temperature=0.8, top_k=7, max_tokens=4),
-                           SamplingParams(temperature=0.8, top_k=7, top_p=0.5, max_tokens=4)):
-                for prompts in (PROMPTS[:1], PROMPTS[:3]):
-                    outs = llm.generate(prompts, params, use_tqdm=False)
-                    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
-        finally:
-            knobs.runtime.jit_post_compile_hook = hook
-        assert compiled == []
+    options = dict(dtype="float32", max_model_len=512, seed=0, max_num_seqs=8,
+                   additional_config=CUDA, **GPU_SHARE)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the hook sees the engine
+    run = subprocess.run([sys.executable, "-c", _COUNT_TRITON_COMPILES, str(model),
+                          json.dumps(options), json.dumps(PROMPTS)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("COMPILED "))
+    assert json.loads(line.removeprefix("COMPILED ")) == []
 
 
 def test_graphs_off_or_async_scheduling_off_give_the_same_tokens(tmp_path):
