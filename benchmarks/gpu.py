@@ -602,9 +602,9 @@ def main() -> None:
                              "(on) or not (_sync)")
     parser.add_argument("--token-buckets", default="",
                         help="the engine's token buckets (default: the product's); the "
-                             "throughput and decode-step parts use only 1, the batch and "
-                             "the largest, so '1,16,512' with --num-prompts 16 measures "
-                             "the same graphs and cuts a cold start's compiles")
+                             "throughput part runs the batch's bucket (decodes) and the "
+                             "largest (prefill) only, so '1,16,512' with --num-prompts 16 "
+                             "times the same graphs with fewer compiles at a cold start")
     parser.add_argument("--in-process", action="store_true",
                         help="engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
                              "no overlap of vLLM's output processing with the engine's steps")
