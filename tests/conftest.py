@@ -13,6 +13,11 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("VLLM_ACCEL_KVCACHE_SPACE", "0.25")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_PLUGINS", "accel")
+# Under pytest-xdist (the README's -n 2) each worker takes one core's worth of
+# threads, and so do the servers and workers it starts: two workers share two
+# cores (the kernel tests take every core back: ``every_core``).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tests compare against eager unless they ask for a compile backend themselves.
 os.environ.setdefault("VLLM_ACCEL_COMPILE_BACKEND", "eager")
 
@@ -32,6 +37,19 @@ def kernel_cache(tmp_path_factory) -> Path:
     """One build of each CPU kernel for the tests that only run them (a build
     takes seconds); tests of building itself take a fresh directory."""
     return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture
+def every_core():
+    """Torch threads for every core this process may use, for the test: our
+    kernels split their work across torch's thread count, which must be more
+    than one for those splits to be tested (an xdist worker runs one)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from helpers import in_forward
 from vllm_accel.kernels import decode_attention as decode_kernel
 from vllm_accel.model.paged_attention import PagedAttentionMetadata, paged_attention
 
+pytestmark = pytest.mark.usefixtures("every_core")  # the kernels split work by threads
 BLOCKS, BLOCK = 16, 4
 
 

@@ -17,8 +17,9 @@ from vllm_accel.model.packed_linear import PackedLinear, pack_linear_layers
 
 CPU_FLAGS = cpu_kernels.cpu_flags() or set()
 WIDENS = devices.cpu_widens_bfloat16()
-pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS and not WIDENS,
-                                reason="the kernel needs AVX-512 or AVX2")
+pytestmark = [pytest.mark.skipif("avx512f" not in CPU_FLAGS and not WIDENS,
+                                 reason="the kernel needs AVX-512 or AVX2"),
+              pytest.mark.usefixtures("every_core")]
 # bfloat16: by AVX-512 BF16 dot products (or AMX), or widened to float32 without them.
 BF16_RUNS = "avx512_bf16" in CPU_FLAGS or WIDENS
 DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(

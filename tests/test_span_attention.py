@@ -13,7 +13,8 @@ from vllm_accel.kernels import span_attention
 CPU_FLAGS = cpu_kernels.cpu_flags() or set()
 # bfloat16: by AVX-512 BF16 dot products (or AMX), or widened to float32 with AVX-512 BW.
 BF16_RUNS = bool(CPU_FLAGS & {"avx512_bf16", "avx512bw"})
-pytestmark = pytest.mark.skipif("avx512f" not in CPU_FLAGS, reason="the kernel needs AVX-512")
+pytestmark = [pytest.mark.skipif("avx512f" not in CPU_FLAGS, reason="the kernel needs AVX-512"),
+              pytest.mark.usefixtures("every_core")]
 DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not BF16_RUNS, reason="bfloat16 needs AVX-512 BF16 or BW")), torch.float32]
 
