@@ -45,9 +45,10 @@ def every_core():
     kernels split their work across torch's thread count, which must be more
     than one for those splits to be tested (an xdist worker runs one)."""
     import torch
+    from vllm.utils.torch_utils import available_cpu_count
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(available_cpu_count())
     yield
     torch.set_num_threads(threads)
 

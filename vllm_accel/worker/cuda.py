@@ -119,7 +119,8 @@ def compile_sampling_kernels(runner: AccelModelRunner, vllm_config: VllmConfig) 
     """Run vLLM's Triton top-k/top-p masking once for every variant serving
     can ask for, so no request waits on its JIT compile: top-k, top-p and
     both; batch 1 apart; and top-p alone at up to 64 requests splits each
-    row by the batch size (a variant per split count). vLLM's own warmup
+    row by the batch size (a variant per split count; above 64 one variant
+    serves every batch size, run at max_num_seqs). vLLM's own warmup
     registry picks the split variants by platform (``is_cuda_alike``), not by
     device as the sampler does, so it misses them here. Then vLLM's JIT
     monitor reports any later compile (--jit-monitor-mode)."""
