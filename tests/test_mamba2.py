@@ -120,6 +120,40 @@ def test_packed_requests_continue_their_own_states_and_padding_touches_nothing(
     assert torch.equal(pages.backing[:, [0, 4, 5]], untouched)
 
 
+@pytest.mark.parametrize("row_by_row", [True, False], ids=["cpu_decode", "gpu_decode"])
+def test_a_decode_graphs_layout_gives_the_decodes_own_outputs_and_states(
+        row_by_row, monkeypatch):
+    """The layout a CUDA graph of decodes is captured with (a decode per
+    table row; blocks and flags read from the forward's device inputs):
+    decodes of two going requests and a new one-token prompt whose block
+    holds stale bytes, then padding rows on the null block 0, give what the
+    forward's own layout gives, and touch no block but theirs and block 0."""
+    monkeypatch.setattr(mamba2, "ROW_BY_ROW_DEVICES", ("cpu",) if row_by_row else ())
+    mixer = PagedMamba2(_fms_ssm(seed=8))
+    g = torch.Generator().manual_seed(9)
+    prompts = torch.randn(2, 5, EMB, generator=g)
+    x = torch.cat([torch.randn(3, EMB, generator=g), torch.zeros(3, EMB)])
+    results = []
+    for graph in (False, True):
+        pages = Pages(mixer)
+        for row, block in enumerate((1, 2)):
+            _run(mixer, pages, prompts[row], _layout([(0, 5)], [block], [False]))
+        for half in pages.state[:2]:
+            half[3] = 255
+        untouched = pages.backing[:, [4, 5]].clone()
+        if graph:  # 4 table rows: the 3 decodes, one padding row
+            layout = RecurrentLayout.for_decode_graph(
+                4, torch.tensor([1, 1, 0, 0]), torch.tensor([[1, 2, 3, 0]]))
+        else:
+            layout = _layout([(0, 1), (1, 2), (2, 3)], [1, 2, 3], [True, True, False],
+                             num_decodes=3)
+        out = _run(mixer, pages, x, layout)
+        assert torch.equal(pages.backing[:, [4, 5]], untouched)
+        results.append((out[:3], pages.backing[:, 1:4].clone()))
+    for got, want in zip(results[1], results[0]):
+        assert torch.equal(got, want)
+
+
 def test_a_restarted_request_starts_from_zero_state():
     """A preempted request is computed again from its first token: the chunk
     that starts its prompt ignores what its block holds."""

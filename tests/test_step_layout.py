@@ -277,6 +277,33 @@ def test_forward_inputs_send_a_forward_in_one_buffer():
     assert staged.metadata[0].sequences.seq_lens.tolist() == [0] * 3
 
 
+def test_forward_inputs_carry_recurrent_states_blocks_and_a_decode_graph_reads_them():
+    """Models with recurrent layers: each segment's state block (per
+    recurrent group) and flag go in the same buffer, padding rows on the null
+    block 0; the layout a decode graph is captured with reads those views and
+    records the clearing of a new request's state."""
+    from vllm_accel.worker.forward_inputs import ForwardInputs
+
+    shape = TableShape(max_sequences=4, width=3)
+    layout = pack_step(*_batch(), BLOCK, _one_forward(16), lambda blocks: 4, table_shape=shape)
+    (forward,) = layout.forwards
+    state_tables = [np.array([[3], [4], [5]]), np.array([[13], [14], [15]])]
+    recurrent = forward.recurrent_layout(state_tables)
+    assert (recurrent.num_decodes, recurrent.starts, recurrent.ends) == (1, [0, 1, 7], [1, 7, 10])
+    assert not recurrent.decodes_only
+    staged = ForwardInputs(16, shape.rows(16), shape.width, 1, torch.device("cpu"),
+                           state_groups=2)
+    sent = staged.send(forward, (np.array([], dtype=np.int64),) * 2, recurrent)
+    has_state, blocks = sent.recurrent.on(torch.device("cpu"))
+    # Packed order: row 1's decode, row 0's prompt start, row 2's chunk.
+    assert has_state.tolist() == [True, False, True, False]
+    assert blocks.tolist() == [[4, 3, 5, 0], [14, 13, 15, 0]]
+    graph = staged.decode_graph_layout()
+    assert graph.decodes_only and graph.num_decodes == 4 and not graph.continues(0, 4)
+    assert torch.equal(graph.on(torch.device("cpu"))[1], blocks)
+    assert ForwardInputs(16, 4, 3, 1, torch.device("cpu")).decode_graph_layout() is None
+
+
 def test_the_memory_profile_fills_a_bucket_with_prompts_within_the_context():
     """cuda sizes its KV cache after a prefill forward of the largest token
     bucket; a bucket beyond max_model_len is several prompts, none reading a

@@ -27,8 +27,9 @@ def configure_recurrent_state(vllm_config, arch, dims, backend: DeviceBackend) -
     Prefix caching is turned off: a cached prefix would need the recurrent
     state at its end, which vLLM keeps only in its "align" mode (states
     saved at block boundaries while prefilling), which the runner does not
-    do. On cuda the forwards run without CUDA graphs: the layers' scan
-    follows each forward's segments on the host (worker.py)."""
+    do. On cuda only forwards of decodes replay CUDA graphs: the layers'
+    scan follows each forward's segments on the host
+    (worker/cuda_graphs.py)."""
     from vllm_accel.compat import mamba2_state_dtypes
     from vllm_accel.model.mamba2 import StateShapes
 

@@ -22,6 +22,12 @@ forward's ``RecurrentLayout`` from the forward context:
 - each segment's final state written back to its block; padding rows are in
   no segment, so they read and write nothing (their outputs are zeros).
 
+The segments are known on the host, so a forward with prefill chunks is not
+capturable. A forward of decodes only is: a CUDA graph of a token bucket
+captures ``RecurrentLayout.for_decode_graph``, a decode per sequence-table
+row, each row's block and flag read from the forward's inputs on the device;
+rows beyond the forward's decodes are padding on the null block 0.
+
 Memory: vLLM's hybrid KV cache manager overlays attention and Mamba layers
 (a block id belongs to one KV cache group at a time), each block a page of
 the same size, kept as two tensors of half a page per block
@@ -53,22 +59,47 @@ class RecurrentLayout:
     ``starts[i]`` to ``ends[i]``). ``state_blocks[g, i]``: the block of
     segment i's state in the g-th recurrent KV cache group;
     ``has_state[i]``: whether segment i goes on from a state (False: its
-    request starts here, from zeros)."""
+    request starts here, from zeros). ``sent``: the same two on the device
+    (has_state as integers), where the forward's inputs carried them."""
 
     num_decodes: int
     starts: list[int]
     ends: list[int]
     has_state: torch.Tensor  # [segments] bool, on the host
     state_blocks: torch.Tensor  # [groups, segments] int64, on the host
+    sent: tuple[torch.Tensor, torch.Tensor] | None = None
     _copies: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def for_decode_graph(cls, rows: int, has_state: torch.Tensor,
+                         state_blocks: torch.Tensor) -> RecurrentLayout:
+        """The layout a CUDA graph of decodes is captured with: ``rows``
+        one-token segments (a forward's decodes, then padding rows on the
+        null block 0), whose flags and blocks the graph reads from
+        ``has_state`` and ``state_blocks`` on the device, as each forward
+        sends them. Its host flags say any segment may start here, so the
+        capture records the clearing of new requests' states too."""
+        return cls(rows, list(range(rows)), list(range(1, rows + 1)),
+                   torch.zeros(rows, dtype=torch.bool),
+                   torch.zeros(state_blocks.shape, dtype=torch.int64), (has_state, state_blocks))
 
     @property
     def tokens(self) -> int:
         return self.ends[-1] if self.ends else 0
 
+    @property
+    def decodes_only(self) -> bool:
+        return self.num_decodes == len(self.starts)
+
+    def continues(self, first: int, end: int) -> bool:
+        """Whether every segment in [first, end) goes on from a state."""
+        return bool(self.has_state[first:end].all())
+
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(has_state, state_blocks) on ``device``: copied once a forward,
-        not once a layer."""
+        """(has_state, state_blocks) on ``device``: as sent, or copied once
+        a forward, not once a layer."""
+        if self.sent is not None:
+            return self.sent[0].bool(), self.sent[1]
         if device not in self._copies:
             self._copies[device] = (self.has_state.to(device), self.state_blocks.to(device))
         return self._copies[device]
@@ -148,10 +179,11 @@ class _States:
         self.conv = raw[:, start:start + shapes.conv_bytes].view(shapes.conv_dtype).view(
             n, *shapes.conv_shape)
 
-    def clear(self, keep: torch.Tensor, keep_host: torch.Tensor) -> None:
+    def clear(self, keep: torch.Tensor, continues: bool) -> None:
         """Zero the states of the rows not in ``keep`` (requests that start
-        here); ``keep_host``, its host copy, says whether any is (no sync)."""
-        if not bool(keep_host.all()):
+        here); ``continues``, known on the host: whether all rows are (no
+        sync)."""
+        if not continues:
             self.ssm.masked_fill_(~keep[:, None, None, None], 0)
             self.conv.masked_fill_(~keep[:, None, None], 0)
 
@@ -218,7 +250,7 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
     n = layout.num_decodes
     if n:  # one recurrence step each, in one batch
         states = _States(first, second, blocks[:n], shapes)
-        states.clear(has_state[:n], layout.has_state[:n])
+        states.clear(has_state[:n], layout.continues(0, n))
         window = torch.cat([states.conv.to(xbc.dtype), xbc[0, :n, :, None]],
                            dim=-1)  # [n, conv_dim, kernel]
         conv_out = (window * conv_weight).sum(-1)
@@ -251,7 +283,7 @@ def _mamba2_mixer(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor
     for i in range(n, len(layout.starts)):  # each prefill chunk: a chunked scan
         rows = slice(layout.starts[i], layout.ends[i])
         states = _States(first, second, blocks[i:i + 1], shapes)
-        states.clear(has_state[i:i + 1], layout.has_state[i:i + 1])
+        states.clear(has_state[i:i + 1], layout.continues(i, i + 1))
         inputs = torch.cat([states.conv[0].to(xbc.dtype), xbc[0, rows].transpose(0, 1)],
                            dim=-1)
         conv_out = F.conv1d(inputs[None], conv_weight[:, None, :], conv_bias,

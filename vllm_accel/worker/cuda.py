@@ -5,6 +5,7 @@ sizes the KV cache, capturing the CUDA graphs of its forwards
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import TYPE_CHECKING
 
@@ -100,11 +101,22 @@ def profile_peak_memory(runner: AccelModelRunner) -> int:
     return peak
 
 
+def graph_buckets(runner: AccelModelRunner) -> list[int]:
+    """The token buckets that get a CUDA graph: all, or for a model with
+    recurrent layers (graphs of decodes only) those up to the first that
+    holds a decode of every request."""
+    buckets = runner.token_buckets
+    if runner.model.recurrent:
+        buckets = buckets[: bisect.bisect_left(buckets, runner.max_num_reqs) + 1]
+    return buckets
+
+
 @torch.inference_mode()
 def capture_graphs(runner: AccelModelRunner) -> ForwardGraphs:
-    """One graph per token bucket, after warmup compiled every bucket."""
+    """A graph per token bucket (``graph_buckets``), after warmup compiled
+    every bucket."""
     graphs = ForwardGraphs()
-    for bucket in runner.token_buckets:
+    for bucket in graph_buckets(runner):
         staged = runner.forward_inputs[bucket]
         # A vision model runs on embeddings, computed before the graph.
         inputs = staged.input_ids if runner.vision is None \

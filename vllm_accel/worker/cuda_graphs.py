@@ -13,6 +13,10 @@ padded to the bucket, and the attention layout is a ``SequenceTable`` of a
 fixed shape per bucket (``TableShape``: a row per sequence the forward can
 hold, the widest context bucket's blocks), so one graph per token bucket
 serves every step of that size, decodes and prefill chunks alike.
+
+A model with recurrent layers is the exception: its Mamba2 layers run each
+prefill chunk apart, led by the host, so its graphs hold forwards of decodes
+only (model/mamba2.py) and a forward with a prefill chunk runs uncaptured.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_accel.model.mamba2 import RecurrentLayout
 from vllm_accel.model.paged_attention import AttentionLayouts
 from vllm_accel.worker.forward_inputs import ForwardInputs
 
-# (inputs, positions, layouts, logit_rows) -> (hidden states, logits or None):
-# the runner's model call.
+# (inputs, positions, layouts, logit_rows, recurrent=layout) -> (hidden
+# states, logits or None): the runner's model call.
 ModelCall = Callable[[torch.Tensor, torch.Tensor, AttentionLayouts, torch.Tensor],
                      tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -36,6 +41,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [1, bucket] ids or [1, bucket, hidden] embeddings
     outputs: tuple[torch.Tensor, torch.Tensor | None]  # the captured hidden states, logits
+    decodes_only: bool  # captured with recurrent layers: serves forwards of decodes only
 
 
 class ForwardGraphs:
@@ -50,9 +56,11 @@ class ForwardGraphs:
         staged token ids, or a buffer of embeddings) and the rest of
         ``staged``; its values do not matter (cleared: an empty layout)."""
         staged.clear()
+        recurrent = staged.decode_graph_layout()
 
         def call():
-            return model_call(inputs, staged.positions, staged.metadata, staged.logit_rows)
+            return model_call(inputs, staged.positions, staged.metadata, staged.logit_rows,
+                              recurrent=recurrent)
 
         call()  # once outside: lazy state, allocator warm
         torch.cuda.synchronize(inputs.device)
@@ -61,7 +69,13 @@ class ForwardGraphs:
             outputs = call()
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[bucket] = _Graph(graph, inputs, outputs)
+        self.graphs[bucket] = _Graph(graph, inputs, outputs, recurrent is not None)
+
+    def serves(self, bucket: int, recurrent: RecurrentLayout | None) -> bool:
+        """Whether a graph runs a forward of ``bucket`` tokens whose recurrent
+        layers (if any) have the segments ``recurrent``."""
+        g = self.graphs.get(bucket)
+        return g is not None and (not g.decodes_only or recurrent.decodes_only)
 
     def replay(self, bucket: int, inputs: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor | None]:

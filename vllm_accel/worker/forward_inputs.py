@@ -13,12 +13,13 @@ into pinned host memory and sends them with one non-blocking copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from vllm_accel.compat import SplitKvScratch
+from vllm_accel.model.mamba2 import RecurrentLayout
 from vllm_accel.model.paged_attention import (AttentionLayouts, PagedAttentionMetadata,
                                                SequenceTable, layouts_to)
 from vllm_accel.worker.step_layout import BucketedForward
@@ -38,10 +39,12 @@ class DeviceForward:
     in_flight_targets: torch.Tensor
     in_flight_sources: torch.Tensor
     num_in_flight: int
+    recurrent: RecurrentLayout | None = None  # models with recurrent layers
 
 
 def device_forward(forward: BucketedForward, in_flight: tuple[np.ndarray, np.ndarray],
-                   device: torch.device) -> DeviceForward:
+                   device: torch.device, recurrent: RecurrentLayout | None = None
+                   ) -> DeviceForward:
     """``forward``'s inputs as tensors of their own on ``device`` (cpu: the
     same tensors): for devices whose layout is not a fixed-shape table."""
     def copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -51,19 +54,24 @@ def device_forward(forward: BucketedForward, in_flight: tuple[np.ndarray, np.nda
     return DeviceForward(copy(forward.input_ids), copy(forward.positions),
                          layouts_to(forward.attention_layouts, device),
                          copy(forward.logit_rows),
-                         len(forward.logit_rows), copy(targets), copy(sources), len(targets))
+                         len(forward.logit_rows), copy(targets), copy(sources), len(targets),
+                         recurrent)
 
 
 class _Layout:
     """Where each input sits in the buffer: int64 ones first, then int32 ones
-    (slots and block table: one of each per attention group)."""
+    (slots and block table: one of each per attention group; recurrent
+    states' blocks and flags: models with recurrent layers)."""
 
-    def __init__(self, bucket: int, rows: int, width: int, position_axes: int, groups: int):
+    def __init__(self, bucket: int, rows: int, width: int, position_axes: int, groups: int,
+                 state_groups: int):
         self.shapes64 = {"input_ids": (1, bucket), "logit_rows": (rows,),
                          "in_flight_targets": (rows,), "in_flight_sources": (rows,),
                          "positions": (1, bucket) if position_axes == 1
                          else (position_axes, 1, bucket),
-                         **{f"slots{g}": (bucket,) for g in range(groups)}}
+                         **{f"slots{g}": (bucket,) for g in range(groups)},
+                         **({"state_blocks": (state_groups, rows), "has_state": (rows,)}
+                            if state_groups else {})}
         self.shapes32 = {"query_start": (rows + 1,), "seq_lens": (rows,),
                          **{f"block_table{g}": (rows, width) for g in range(groups)}}
         self.size64 = sum(int(np.prod(s)) for s in self.shapes64.values())
@@ -90,13 +98,15 @@ class _Layout:
 class ForwardInputs:
     """The device inputs of every forward of one token bucket (rows: the
     bucket's sequence table rows, ``TableShape.rows``), a layout for each
-    attention group (``windows``: each group's window, 0: none)."""
+    attention group (``windows``: each group's window, 0: none) and, for
+    models with recurrent layers, each sequence's state block in each of the
+    ``state_groups`` recurrent KV cache groups."""
 
     def __init__(self, bucket: int, rows: int, width: int, position_axes: int,
                  device: torch.device, windows: list[int] = (0,),
-                 split_kv: SplitKvScratch | None = None):
+                 split_kv: SplitKvScratch | None = None, state_groups: int = 0):
         self.bucket, self.rows = bucket, rows
-        self._layout = _Layout(bucket, rows, width, position_axes, len(windows))
+        self._layout = _Layout(bucket, rows, width, position_axes, len(windows), state_groups)
         self._buffer = torch.zeros(self._layout.words, dtype=torch.int64, device=device)
         views = self._layout.views(self._buffer)
         self.input_ids, self.positions = views["input_ids"], views["positions"]
@@ -111,6 +121,7 @@ class ForwardInputs:
             for g, window in enumerate(windows))
         self.logit_rows = views["logit_rows"]
         self._in_flight = views["in_flight_targets"], views["in_flight_sources"]
+        self._states = (views["has_state"], views["state_blocks"]) if state_groups else None
         # Pinned host buffers and the event of each one's last copy: the host
         # fills a buffer only once the device has read it (a step is prepared
         # while the previous one runs, and a step may hold several forwards of
@@ -122,11 +133,18 @@ class ForwardInputs:
         """An empty layout: padding tokens in the null block, no sequences."""
         self._buffer.zero_()
 
-    def send(self, forward: BucketedForward, in_flight: tuple[np.ndarray, np.ndarray]
-             ) -> DeviceForward:
+    def decode_graph_layout(self) -> RecurrentLayout | None:
+        """What a CUDA graph of this bucket reads for its recurrent layers (a
+        graph of decodes only), None for a model without them."""
+        return (None if self._states is None
+                else RecurrentLayout.for_decode_graph(self.rows, *self._states))
+
+    def send(self, forward: BucketedForward, in_flight: tuple[np.ndarray, np.ndarray],
+             recurrent: RecurrentLayout | None = None) -> DeviceForward:
         """Write ``forward``'s inputs (``in_flight``: packed indices in the
-        forward and the previous step's rows of the tokens in flight) and
-        queue their copy to the device."""
+        forward and the previous step's rows of the tokens in flight;
+        ``recurrent``: its segments' states, models with recurrent layers)
+        and queue their copy to the device."""
         host, views, event = self._free_host_buffer()
         assert forward.bucket == self.bucket
         n = forward.end - forward.begin
@@ -145,10 +163,15 @@ class ForwardInputs:
         targets, sources = in_flight
         views["in_flight_targets"][: len(targets)] = targets
         views["in_flight_sources"][: len(sources)] = sources
+        if recurrent is not None:  # padding rows: the null block
+            segments = len(recurrent.starts)
+            _put(views["has_state"], recurrent.has_state.numpy(), segments)
+            _put(views["state_blocks"], recurrent.state_blocks.numpy(), segments)
+            recurrent = replace(recurrent, sent=self._states)
         self._buffer.copy_(host, non_blocking=True)
         event.record()
         return DeviceForward(self.input_ids, self.positions, self.metadata, self.logit_rows,
-                             num_logits, *self._in_flight, len(targets))
+                             num_logits, *self._in_flight, len(targets), recurrent)
 
     def _free_host_buffer(self):
         for entry in self._host:

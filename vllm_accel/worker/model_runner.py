@@ -193,7 +193,7 @@ class AccelModelRunner:
         return {bucket: ForwardInputs(bucket, self.table_shape.rows(bucket),
                                       self.table_shape.width, axes, self.device,
                                       [window for _, window in self.kv_cache.layouts],
-                                      self._split_kv)
+                                      self._split_kv, len(self.kv_cache.state_groups))
                 for bucket in self.token_buckets}
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -217,7 +217,7 @@ class AccelModelRunner:
         if block_tables is not None:  # a block table per KV cache group
             self._new_input_batch(*block_tables)
         layouts = self.kv_cache.layouts
-        if self.forward_inputs is not None and len(layouts) > 1:
+        if self.forward_inputs is not None and (len(layouts) > 1 or self.kv_cache.state_groups):
             self.forward_inputs = self._new_forward_inputs()
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)%s",
@@ -305,10 +305,11 @@ class AccelModelRunner:
         before reading them. ``state_tables``: the block tables of the
         recurrent KV cache groups (none: no layer keeps recurrent state)."""
         in_flight = in_forward(in_flight, forward.begin, forward.end)
+        recurrent = forward.recurrent_layout(state_tables) if state_tables else None
         if self.forward_inputs is not None:
-            inputs = self.forward_inputs[forward.bucket].send(forward, in_flight)
+            inputs = self.forward_inputs[forward.bucket].send(forward, in_flight, recurrent)
         else:
-            inputs = device_forward(forward, in_flight, self.device)
+            inputs = device_forward(forward, in_flight, self.device, recurrent)
         if n := inputs.num_in_flight:
             copy_in_flight(inputs.input_ids, self.input_batch.prev_sampled_token_ids,
                            inputs.in_flight_targets[:n], inputs.in_flight_sources[:n])
@@ -317,13 +318,13 @@ class AccelModelRunner:
             model_inputs = self.images.embeddings(forward, model_inputs, multimodal)
         count = forward.end - forward.begin
         graphs = self.graphs
-        replayed = graphs is not None and forward.bucket in graphs.graphs
+        replayed = graphs is not None and graphs.serves(forward.bucket, inputs.recurrent)
         if replayed:
             hidden, logits = graphs.replay(forward.bucket, model_inputs)
         else:
-            recurrent = forward.recurrent_layout(state_tables) if state_tables else None
             hidden, logits = self.model_call(model_inputs, inputs.positions, inputs.metadata,
-                                             inputs.logit_rows, tokens=count, recurrent=recurrent)
+                                             inputs.logit_rows, tokens=count,
+                                             recurrent=inputs.recurrent)
             self.compile_stats.after_step(f"a forward of {forward.bucket} tokens")
         hidden = hidden[:, :count] if keep_hidden else None
         logits = None if logits is None else logits[: inputs.num_logits]

@@ -200,19 +200,15 @@ class AccelWorker(WorkerBase):
             # An encoder's forwards run outside CUDA graphs (no KV cache, few steps).
             graphs = (self.backend.device == "cuda" and self.settings.cuda_graphs
                       and self.model_runner.encoder is None)
-            if graphs and self.model_runner.model.recurrent:
-                # The Mamba2 scan follows each forward's segments (lengths,
-                # which continue a state) on the host: no fixed graph.
-                logger.info("vllm_accel captures no CUDA graphs for %s: its recurrent "
-                            "(Mamba2) layers run each forward's segments from the host",
-                            self.model_config.architecture)
-                graphs = False
             if graphs:
                 captured = time.perf_counter()
                 self.model_runner.graphs = capture_graphs(self.model_runner)
-                logger.info("vllm_accel captured %d CUDA graphs (one per token bucket) in %.1f s",
-                            len(self.model_runner.token_buckets),
-                            time.perf_counter() - captured)
+                # Recurrent layers: graphs of decodes only (worker/cuda_graphs.py).
+                logger.info("vllm_accel captured %d CUDA graphs (token buckets %s, %s) in %.1f s",
+                            len(self.model_runner.graphs.graphs),
+                            list(self.model_runner.graphs.graphs),
+                            "decodes only" if self.model_runner.model.recurrent
+                            else "any forward", time.perf_counter() - captured)
             if self.settings.forward_plan == "measured":  # opt-in: see settings.py
                 measure_forward_costs(self.model_runner)
             if self.backend.device == "cuda":
