@@ -421,11 +421,32 @@ def gpu_profile(model: Path, prompts: list[list[int]], cache: Path,
     print(f"gpu_profile: wall {wall * 1e3:.1f} ms, kernels {gpu_us / 1e3:.1f} ms "
           f"({100 * gpu_us / 1e6 / wall:.0f} % busy), {kernels} kernel runs, "
           f"{len(prompts) * params.max_tokens / wall:.0f} tok/s")
-    print(events.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+    print(events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    if output_len is not None:  # decodes of one request: one step's kernels, in order
+        print_one_step(prof, kernels // params.max_tokens)
     print_host_profile(llm, requests, params)
     shutdown(llm)
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
+def print_one_step(prof, per_step: int) -> None:
+    """The kernels of one decode step from the middle of a profile (the
+    steps are alike), in launch order, with their GPU time and the gap
+    before each."""
+    kernels = sorted((e for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    middle = len(kernels) // 2
+    step = kernels[middle:middle + per_step]
+    busy = sum(e.time_range.elapsed_us() for e in step)
+    span = step[-1].time_range.end - step[0].time_range.start
+    print(f"one_step: {len(step)} kernels, {busy:.0f} us busy over {span:.0f} us")
+    previous = step[0].time_range.start
+    for e in step:
+        print(f"one_step {e.time_range.start - previous:6.1f} gap "
+              f"{e.time_range.elapsed_us():6.1f} us  {e.name[:90]}")
+        previous = e.time_range.end
 
 
 def host_split(model: Path, prompts: list[list[int]], cache: Path, batches: int = 5,
