@@ -304,6 +304,23 @@ def test_forward_inputs_carry_recurrent_states_blocks_and_a_decode_graph_reads_t
     assert ForwardInputs(16, 4, 3, 1, torch.device("cpu")).decode_graph_layout() is None
 
 
+def test_a_model_with_recurrent_layers_gets_graphs_up_to_the_bucket_of_all_its_decodes():
+    """cuda: graphs of decodes only serve forwards of at most max_num_seqs
+    tokens, so no larger bucket is captured; other models capture all."""
+    from types import SimpleNamespace
+
+    from vllm_accel.worker.cuda import graph_buckets
+
+    def runner(recurrent, max_num_reqs):
+        return SimpleNamespace(token_buckets=[1, 16, 512, 2048], max_num_reqs=max_num_reqs,
+                               model=SimpleNamespace(recurrent={0: None} if recurrent else {}))
+
+    assert graph_buckets(runner(True, 16)) == [1, 16]
+    assert graph_buckets(runner(True, 17)) == [1, 16, 512]
+    assert graph_buckets(runner(True, 4096)) == [1, 16, 512, 2048]
+    assert graph_buckets(runner(False, 16)) == [1, 16, 512, 2048]
+
+
 def test_the_memory_profile_fills_a_bucket_with_prompts_within_the_context():
     """cuda sizes its KV cache after a prefill forward of the largest token
     bucket; a bucket beyond max_model_len is several prompts, none reading a
