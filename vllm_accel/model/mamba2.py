@@ -78,7 +78,8 @@ class RecurrentLayout:
         null block 0), whose flags and blocks the graph reads from
         ``has_state`` and ``state_blocks`` on the device, as each forward
         sends them. Its host flags say any segment may start here, so the
-        capture records the clearing of new requests' states too."""
+        capture records the clearing of new requests' states too; its host
+        blocks are never read (zeros)."""
         return cls(rows, list(range(rows)), list(range(1, rows + 1)),
                    torch.zeros(rows, dtype=torch.bool),
                    torch.zeros(state_blocks.shape, dtype=torch.int64), (has_state, state_blocks))
