@@ -150,8 +150,13 @@ def test_a_decode_graphs_layout_gives_the_decodes_own_outputs_and_states(
         out = _run(mixer, pages, x, layout)
         assert torch.equal(pages.backing[:, [4, 5]], untouched)
         results.append((out[:3], pages.backing[:, 1:4].clone()))
-    for got, want in zip(results[1], results[0]):
-        assert torch.equal(got, want)
+    # Equal up to rounding: a padding row can change the matmuls' blocking
+    # (one float32 ulp on some CPUs); the states compared as the floats they
+    # hold (a page's unused tail keeps its stale bytes: NaN in both).
+    (out, state), (want_out, want_state) = results[1], results[0]
+    torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(state.view(torch.float32), want_state.view(torch.float32),
+                               atol=1e-6, rtol=1e-5, equal_nan=True)
 
 
 def test_a_restarted_request_starts_from_zero_state():
