@@ -260,6 +260,47 @@ def test_no_triton_kernel_compiles_while_serving(tmp_path):
     assert json.loads(line.removeprefix("COMPILED ")) == []
 
 
+_FRESH_PROCESS = """
+import json, sys, torch
+from vllm import LLM, SamplingParams
+
+model, options, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = LLM(model=model, **options)
+front_end_cuda = torch.cuda.is_initialized()
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=int(sys.argv[4])),
+                    use_tqdm=False)
+print("RESULT", json.dumps({"front_end_cuda": front_end_cuda,
+                            "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+
+def test_a_fresh_process_forks_its_engine_core_and_equals_hf(tmp_path):
+    """A user's script (engine core in its own process, vLLM's default): the
+    platform's queries in the front-end process go through NVML, so it never
+    initializes CUDA and vLLM forks the engine core (a spawned one imports
+    vLLM again, ~15 s of each start); the forked engine computes HF's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model = make_tiny_model("llama", tmp_path / "llama")
+    options = dict(dtype="float32", max_model_len=512, seed=0, max_num_seqs=8,
+                   additional_config=CUDA, **GPU_SHARE)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(model), json.dumps(options),
+                          json.dumps(PROMPTS), str(MAX_TOKENS)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-3000:]
+    assert "We must use the `spawn`" not in log, log[-3000:]
+    result = json.loads(next(x for x in run.stdout.splitlines()
+                             if x.startswith("RESULT ")).removeprefix("RESULT "))
+    assert result["front_end_cuda"] is False
+    assert result["tokens"] == hf_cuda_greedy(model, PROMPTS)
+
+
 def test_graphs_off_or_async_scheduling_off_give_the_same_tokens(tmp_path):
     from vllm import SamplingParams
 

@@ -154,3 +154,115 @@ def test_qwen3_takes_its_rope_theta_from_the_checkpoint():
                               "original_max_position_embeddings": 32768}
     with pytest.raises(ValueError, match=r"Qwen3ForCausalLM.*rope type 'yarn'"):
         arch.fms_config_overrides(config)
+
+
+class _FakeNvml:
+    """NVML's calls the platform makes, for two GPUs; counts init/shutdown."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self):
+        self.open = 0
+        self.gpus = {0: ("GPU-aaaa", "NVIDIA H200", 141 * 2**30),
+                     1: ("GPU-bbbb", "NVIDIA H100 80GB HBM3", 80 * 2**30)}
+
+    def nvmlInit(self):
+        self.open += 1
+
+    def nvmlShutdown(self):
+        self.open -= 1
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return next(i for i, gpu in self.gpus.items() if gpu[0] == uuid)
+
+    def nvmlDeviceGetName(self, handle):
+        return self.gpus[handle][1]
+
+    def nvmlDeviceGetUUID(self, handle):
+        return self.gpus[handle][0]
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return type("Memory", (), {"total": self.gpus[handle][2]})()
+
+
+@pytest.fixture
+def cuda_host_before_cuda(monkeypatch):
+    """A CUDA build of torch in a process that has not initialized CUDA (as
+    vLLM's front-end process): torch's own CUDA queries must not be used."""
+    import vllm.utils.import_utils
+
+    nvml = _FakeNvml()
+    monkeypatch.setattr(vllm.utils.import_utils, "import_pynvml", lambda: nvml)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+
+    def initializes_cuda(*args, **kwargs):
+        raise AssertionError("initialized CUDA in the front-end process")
+
+    for name in ("is_available", "get_device_name", "get_device_properties", "device_count"):
+        monkeypatch.setattr(torch.cuda, name, initializes_cuda)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return nvml
+
+
+def test_cuda_queries_before_cuda_starts_ask_nvml(cuda_host_before_cuda, monkeypatch):
+    from vllm_accel import devices
+
+    nvml = cuda_host_before_cuda
+    assert devices.cuda_available()
+    assert devices.device_name("cuda") == "NVIDIA H200"
+    assert devices.total_memory("cuda", 1) == 80 * 2**30
+    assert devices.device_uuid("cuda") == "GPU-aaaa"
+    # The process's GPUs as CUDA_VISIBLE_DEVICES lists them, by index or UUID.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert devices.device_name("cuda", 0) == "NVIDIA H100 80GB HBM3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb,GPU-aaaa")
+    assert devices.device_uuid("cuda", 1) == "GPU-aaaa"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not devices.cuda_available()
+    assert nvml.open == 0  # every query shut NVML down again
+
+
+def test_cuda_queries_fall_back_to_torch_without_nvml(cuda_host_before_cuda, monkeypatch):
+    import vllm.utils.import_utils
+
+    from vllm_accel import devices
+
+    def no_nvml():
+        raise ImportError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(vllm.utils.import_utils, "import_pynvml", no_nvml)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device_id=0: "from torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert devices.device_name("cuda") == "from torch"
+    assert devices.cuda_available()
+
+
+def test_accelerator_cache_patch_asks_only_when_called(monkeypatch):
+    """Patch 3 must not ask torch for an accelerator at import (that would
+    initialize CUDA in vLLM's front-end process); a call without one frees
+    nothing and does not raise."""
+    from vllm_accel import module_patches
+
+    freed = []
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: freed.append(1))
+
+    def asked():
+        raise AssertionError("asked for an accelerator while patching")
+
+    monkeypatch.setattr(torch.accelerator, "is_available", asked)
+    module_patches._make_accelerator_cache_calls_noops()
+    module_patches._make_accelerator_cache_calls_noops()  # idempotent
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    torch.accelerator.empty_cache()
+    assert freed == []
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    torch.accelerator.empty_cache()
+    assert freed == [1]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +92,7 @@ def select_backend(settings: AccelSettings) -> DeviceBackend:
     if device == "hpu":
         # Importing it registers the "hpu" device and the "hpu_backend" compiler.
         importlib.import_module("habana_frameworks.torch")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not cuda_available():
         raise ValueError(
             f"{env_var_name('device')}=cuda, but torch {torch.__version__} sees no CUDA "
             "device here: use a CUDA build of torch on a host with an NVIDIA GPU, or "
@@ -111,11 +113,68 @@ def select_backend(settings: AccelSettings) -> DeviceBackend:
 
 
 # ---- what vLLM's Platform asks, per device ----------------------------------
+# vLLM asks some of these in its front-end process, before it starts the
+# engine core process. There NVML answers for cuda: initializing CUDA in the
+# parent would make vLLM start the engine core with "spawn" (a new interpreter
+# that imports vLLM again: ~15 s of every start) or break a forked one.
+
+
+def cuda_available() -> bool:
+    if torch.cuda.is_initialized() or not torch.backends.cuda.is_built():
+        return torch.cuda.is_available()
+    try:
+        with _nvml() as nvml:
+            return nvml.nvmlDeviceGetCount() > 0 and _visible_devices() != []
+    except Exception:  # no NVML here (no driver): torch decides
+        return torch.cuda.is_available()
+
+
+def _visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES' entries (indices or UUIDs), or None where unset."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if visible is None else [d.strip() for d in visible.split(",") if d.strip()]
+
+
+@contextmanager
+def _nvml():
+    from vllm.utils.import_utils import import_pynvml
+
+    nvml = import_pynvml()
+    nvml.nvmlInit()
+    try:
+        yield nvml
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _nvml_query(device_id: int, query):
+    """``query(nvml, handle)`` for the process's ``device_id``-th visible
+    GPU, or None where NVML cannot say (torch answers then)."""
+    if torch.cuda.is_initialized():
+        return None
+    visible = _visible_devices()
+    try:
+        with _nvml() as nvml:
+            entry = str(device_id) if visible is None else visible[device_id]
+            handle = (nvml.nvmlDeviceGetHandleByIndex(int(entry)) if entry.isdigit()
+                      else nvml.nvmlDeviceGetHandleByUUID(entry))
+            return query(nvml, handle)
+    except Exception:  # e.g. no NVML, or a UUID prefix NVML does not resolve
+        return None
+
+
+def device_name(device: str, device_id: int = 0) -> str:
+    if device != "cuda":
+        return device
+    name = _nvml_query(device_id, lambda nvml, h: nvml.nvmlDeviceGetName(h))
+    return name if name is not None else torch.cuda.get_device_name(device_id)
 
 
 def total_memory(device: str, device_id: int = 0) -> int:
     if device == "cuda":
-        return torch.cuda.get_device_properties(device_id).total_memory
+        total = _nvml_query(device_id, lambda nvml, h: nvml.nvmlDeviceGetMemoryInfo(h).total)
+        return int(total) if total is not None \
+            else torch.cuda.get_device_properties(device_id).total_memory
     import psutil
 
     return psutil.virtual_memory().total  # cpu; hpu keeps its weights in host memory too
@@ -138,7 +197,9 @@ def compute_units(device: str, device_id: int = 0) -> int:
 
 def device_uuid(device: str, device_id: int = 0) -> str:
     if device == "cuda":  # NVML's form, as vLLM's CUDA platform and nvidia-smi give it
-        return f"GPU-{torch.cuda.get_device_properties(device_id).uuid}"
+        uuid = _nvml_query(device_id, lambda nvml, h: nvml.nvmlDeviceGetUUID(h))
+        return uuid if uuid is not None \
+            else f"GPU-{torch.cuda.get_device_properties(device_id).uuid}"
     import platform
     import socket
 

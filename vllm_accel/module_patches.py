@@ -55,15 +55,28 @@ def apply_patches() -> None:
 
 
 def _make_accelerator_cache_calls_noops() -> None:
+    """Patch 3. Asked at each call, not here: asking torch whether an
+    accelerator is available initializes CUDA's driver, and vLLM's front-end
+    process must not, so that the engine core process can be forked."""
     import torch
 
-    if not torch.accelerator.is_available():
-        torch.accelerator.empty_cache = _no_accelerator_cache
-        torch.accelerator.empty_host_cache = _no_accelerator_cache
+    for name in ("empty_cache", "empty_host_cache"):
+        original = getattr(torch.accelerator, name, None)
+        if original is not None and not hasattr(original, "frees_nothing_without_accelerator"):
+            setattr(torch.accelerator, name, _free_only_with_accelerator(original))
 
 
-def _no_accelerator_cache(*args, **kwargs) -> None:
-    """torch.accelerator.empty_cache without an accelerator: nothing to free."""
+def _free_only_with_accelerator(free):
+    import torch
+
+    def guarded(*args, **kwargs) -> None:
+        if torch.backends.cuda.is_built() and not torch.cuda.is_initialized():
+            return  # this process has put nothing on a GPU
+        if torch.accelerator.is_available():
+            free(*args, **kwargs)
+
+    guarded.frees_nothing_without_accelerator = True
+    return guarded
 
 
 def _import_route(fullname: str):

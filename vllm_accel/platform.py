@@ -79,7 +79,7 @@ class AccelPlatform(Platform):
     def get_device_name(cls, device_id: int = 0) -> str:
         device = cls._device()
         if device == "cuda":
-            return f"vllm-accel (cuda: {torch.cuda.get_device_name(device_id)})"
+            return f"vllm-accel (cuda: {devices.device_name(device, device_id)})"
         return f"vllm-accel ({device})"
 
     @classmethod
