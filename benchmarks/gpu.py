@@ -19,7 +19,8 @@ side by side in one process on one GPU (run on the accelerator host).
 - Decode step time at batch 1 and 32 (one engine step of decodes, from the
   difference of two output lengths) against the weight-read floor: weight
   bytes / the GPU's measured read bandwidth (a large bfloat16 sum).
-- Engine start, cold (empty compile cache) and warm.
+- Engine start, each a fresh process: cold (empty caches), warm, and warm
+  with the engine core spawned rather than forked.
 - Time to first token of a 512-token prompt against its compute floor (its
   FLOPs at the measured bfloat16 matmul rate).
 - Vision TTFT: one 336x336 image on the tiny LlavaNext fixture.
@@ -37,6 +38,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -61,6 +63,7 @@ SHAPE = SHAPES["1b"]  # main() sets the chosen one
 NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 64, 128, 64
 MIN_TIMED_S = 10.0
 TOKEN_BUCKETS = ""  # --token-buckets ("": the product's default)
+BUCKET_GRAPHS = "auto"  # --bucket-graphs
 
 
 def make_medium_model(out: Path, shape: str) -> Path:
@@ -109,7 +112,8 @@ def engine(model: Path, cache: Path, graphs: bool, async_scheduling: str = "auto
 
     config = {"accel": {"device": "cuda", "compile_backend": "inductor",
                         "cuda_graphs": graphs, "async_scheduling": async_scheduling,
-                        "compile_cache_dir": str(cache), "token_buckets": TOKEN_BUCKETS}}
+                        "compile_cache_dir": str(cache), "token_buckets": TOKEN_BUCKETS,
+                        "bucket_graphs": BUCKET_GRAPHS}}
     options = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=NUM_PROMPTS,
                    gpu_memory_utilization=0.35, seed=0, additional_config=config)
     options.update(kwargs)
@@ -322,14 +326,35 @@ def decode_only(model: Path, prompts: list[list[int]], cache: Path) -> dict:
     return out
 
 
-def start_times(model: Path, root: Path) -> dict:
+def start_times(model: Path, root: Path, rounds: int = 1) -> dict:
+    """Engine start-up as a user's script meets it: each start a fresh process
+    (startup.py's), vLLM's import and ``LLM()`` timed apart, the warmup's parts
+    from the engine's log. Per round: cold (empty compile, Triton, inductor and
+    vLLM caches), warm (the same caches again), and warm with the engine core
+    spawned (vLLM's choice where the front-end process has initialized CUDA)."""
+    from startup import start_once
+
+    config = {"accel": {"device": "cuda", "compile_backend": "inductor", "cuda_graphs": True,
+                        "token_buckets": TOKEN_BUCKETS, "bucket_graphs": BUCKET_GRAPHS}}
+    options = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=NUM_PROMPTS,
+                   gpu_memory_utilization=0.35, seed=0, additional_config=config)
     out = {}
-    cache = root / "start-cache"
-    for label in ("cold", "warm"):
-        started = time.perf_counter()
-        llm = engine(model, cache, True)
-        out[f"{label}_s"] = time.perf_counter() - started
-        shutdown(llm)
+    for round_ in range(rounds):
+        caches = root / f"start-caches-{round_}"
+        config["accel"]["compile_cache_dir"] = str(caches / "compile")
+        env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton"),
+               "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+               "VLLM_CACHE_ROOT": str(caches / "vllm")}
+        env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+        for label, extra in (("cold", {}), ("warm", {}),
+                             ("warm_spawn", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})):
+            try:
+                result = start_once(sys.executable, {**env, **extra}, str(model),
+                                    root / f"start-{label}-{round_}.log", options=options)
+            except SystemExit as failed:  # start_once exits with the log's tail
+                result = {"failed": str(failed)[-3000:]}
+            out.setdefault(label, []).append(result)
+            print("start", label, json.dumps(result), flush=True)
     return out
 
 
@@ -553,7 +578,6 @@ def vllm_gpu_peer(model: Path, prompts: list[list[int]]) -> dict:
     backend, as the pure-Python build has no compiled ``_C`` ops. In its own
     process; returns its figures, or the error that stopped it."""
     import subprocess
-    import sys
 
     env = dict(os.environ, VLLM_PLUGINS="", VLLM_ATTENTION_BACKEND="TRITON_ATTN")
     options = {"compilation_config": {"custom_ops": ["none"]}}
@@ -604,7 +628,7 @@ def hf_static_compiled(model: Path, prompts: list[list[int]]) -> dict:
 
 
 def main() -> None:
-    global SHAPE, OUTPUT_LEN, NUM_PROMPTS, TOKEN_BUCKETS
+    global SHAPE, OUTPUT_LEN, NUM_PROMPTS, TOKEN_BUCKETS, BUCKET_GRAPHS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="gpu_results.json")
@@ -615,6 +639,8 @@ def main() -> None:
                              "gpu_profile, host_split")
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES) + list(MEDIUM_SHAPES))
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
+    parser.add_argument("--start-rounds", type=int, default=1,
+                        help="rounds of engine starts (cold, warm, warm with spawn)")
     parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS,
                         help="the throughput batch (HF's torch-only Mamba2 scan needs ~50 GB "
                              "for hybrid100m's 64 x 128-token prefill)")
@@ -626,12 +652,16 @@ def main() -> None:
                              "throughput part runs the batch's bucket (decodes) and the "
                              "largest (prefill) only, so '1,16,512' with --num-prompts 16 "
                              "times the same graphs with fewer compiles at a cold start")
+    parser.add_argument("--bucket-graphs", default="auto",
+                        choices=("auto", "per_bucket", "shared"),
+                        help="compiled graphs: one per token bucket, or one for buckets above 1")
     parser.add_argument("--in-process", action="store_true",
                         help="engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
                              "no overlap of vLLM's output processing with the engine's steps")
     args = parser.parse_args()
     SHAPE, OUTPUT_LEN = dict(SHAPES.get(args.shape, {})), args.output_len
     NUM_PROMPTS, TOKEN_BUCKETS = args.num_prompts, args.token_buckets
+    BUCKET_GRAPHS = args.bucket_graphs
     parts = args.parts.split(",")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -647,7 +677,7 @@ def main() -> None:
             results["weight_read_floor"] = weight_read_floor(model)
             print("floor", results["weight_read_floor"], flush=True)
         if "start" in parts:
-            results["engine_start"] = start_times(model, root)
+            results["engine_start"] = start_times(model, root, args.start_rounds)
             print("start", results["engine_start"], flush=True)
         if "decode" in parts:
             results["decode_step"] = decode_only(model, prompts, root / "cache")

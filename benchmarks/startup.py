@@ -33,14 +33,24 @@ import json, sys, time
 t0 = time.perf_counter()
 from vllm import LLM
 t1 = time.perf_counter()
-llm = LLM(model=sys.argv[1], dtype="float32", seed=0)
+options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else dict(dtype="float32", seed=0)
+llm = LLM(model=sys.argv[1], **options)
 t2 = time.perf_counter()
-print("STARTUP_RESULT", json.dumps({"import_s": round(t1 - t0, 2), "llm_s": round(t2 - t1, 2)}),
-      flush=True)
+import torch  # a front-end process that initialized CUDA makes vLLM spawn its engine core
+print("STARTUP_RESULT", json.dumps({"import_s": round(t1 - t0, 2), "llm_s": round(t2 - t1, 2),
+      "front_end_initialized_cuda": torch.cuda.is_initialized()}), flush=True)
 """
 STARTUP_LINE = re.compile(
     r"vllm_accel start-up: model load ([\d.]+) s, KV cache ([\d.]+) s, "
     r"warmup ([\d.]+) s \((\d+) graphs, (\d+) from the compile cache\)")
+# Parts of the warmup (cuda: the graphs' capture and vLLM's sampling kernels).
+PART_LINES = {
+    "buckets_s": re.compile(r"vllm_accel warmup finished in ([\d.]+) s"),
+    "cuda_graphs_s": re.compile(r"vllm_accel captured \d+ CUDA graphs .* in ([\d.]+) s"),
+    "sampling_kernels_s": re.compile(r"vllm_accel sampling kernels compiled .* in ([\d.]+) s"),
+}
+# vLLM's warning when it starts the engine core with spawn rather than fork.
+FORCED_SPAWN = "We must use the `spawn` multiprocessing start method"
 BACKENDS = ("accel", "native")
 BASELINE = os.environ.get("VLLM_ACCEL_BASELINE")
 if BASELINE:
@@ -48,9 +58,12 @@ if BASELINE:
 VLLM_CACHE = Path(tempfile.gettempdir()) / "vllm-accel-startup-vllm-cache"
 
 
-def start_once(python, env, model, log_path, cwd=REPO):
+def start_once(python, env, model, log_path, cwd=REPO, options=None):
+    """One start in a fresh process: ``LLM(model, **options)`` (default:
+    float32, the model's defaults otherwise)."""
+    argv = [str(python), "-c", CHILD, model] + ([json.dumps(options)] if options else [])
     with open(log_path, "w") as f:  # vLLM logs to stdout: one file for both
-        r = subprocess.run([str(python), "-c", CHILD, model], env=env, cwd=cwd,
+        r = subprocess.run(argv, env=env, cwd=cwd,
                            stdout=f, stderr=subprocess.STDOUT, timeout=1800)
     text = Path(log_path).read_text()
     found = re.search(r"^STARTUP_RESULT (.*)$", text, re.M)
@@ -62,6 +75,10 @@ def start_once(python, env, model, log_path, cwd=REPO):
     if m := STARTUP_LINE.search(text):
         keys = ("load_s", "kv_s", "warmup_s", "graphs", "cache_hits")
         result.update({k: float(v) for k, v in zip(keys, m.groups())})
+    for key, line in PART_LINES.items():
+        if m := line.search(text):
+            result[key] = float(m.group(1))
+    result["forced_spawn"] = FORCED_SPAWN in text
     return result
 
 
