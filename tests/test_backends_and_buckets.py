@@ -66,8 +66,8 @@ def test_inductor_is_refused_on_hpu_naming_the_setting(fake_habana):
         select_backend(load_settings({"accel": {"compile_backend": "inductor"}}))
     # A graph per bucket there (the static shapes an HPU graph needs).
     assert not select_backend(load_settings()).shared_bucket_graphs
-    with pytest.raises(ValueError, match=r"VLLM_ACCEL_BUCKET_GRAPHS=shared is for device "
-                                         r"'cpu' only.*expected auto or per_bucket"):
+    with pytest.raises(ValueError, match=r"VLLM_ACCEL_BUCKET_GRAPHS=shared is for devices "
+                                         r"'cpu' and 'cuda'.*expected auto or per_bucket"):
         select_backend(load_settings({"accel": {"bucket_graphs": "shared"}}))
     with pytest.raises(ValueError, match=r"accel.bucket_graphs: expected one of auto, "
                                          r"per_bucket, shared"):
@@ -96,7 +96,12 @@ def test_cuda_is_refused_without_a_gpu_or_without_triton(monkeypatch):
             with pytest.raises(ValueError, match=r"VLLM_ACCEL_DEVICE=cuda needs Triton"):
                 select_backend(cuda)
         else:
-            assert select_backend(cuda) == DeviceBackend("cuda", "inductor")
+            # One compiled graph for the token buckets above 1, as on the cpu
+            # (start-up: benchmarks/README.md); per_bucket where asked for.
+            assert select_backend(cuda) == DeviceBackend("cuda", "inductor", True)
+            per_bucket = load_settings({"accel": {"device": "cuda",
+                                                  "bucket_graphs": "per_bucket"}})
+            assert select_backend(per_bucket) == DeviceBackend("cuda", "inductor", False)
 
 
 def test_async_scheduling_stays_on_only_where_it_overlaps():

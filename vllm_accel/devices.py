@@ -103,12 +103,12 @@ def select_backend(settings: AccelSettings) -> DeviceBackend:
             f"{env_var_name('device')}=cuda needs Triton (attention is vLLM's Triton kernel), "
             f"and it is not installed beside torch {torch.__version__}: install the triton "
             "release that torch names, or use device cpu.")
-    if settings.bucket_graphs == "shared" and device != "cpu":
+    if settings.bucket_graphs == "shared" and device == "hpu":
         raise ValueError(
-            f"{env_var_name('bucket_graphs')}=shared is for device 'cpu' only; on "
+            f"{env_var_name('bucket_graphs')}=shared is for devices 'cpu' and 'cuda'; on "
             f"'{device}' each token bucket has its own graph: expected auto or per_bucket.")
-    shared = (device == "cpu" and backend != "eager"
-              and settings.bucket_graphs in ("auto", "shared"))
+    shared = backend != "eager" and (settings.bucket_graphs == "shared" or (
+        settings.bucket_graphs == "auto" and device in ("cpu", "cuda")))
     return DeviceBackend(device=device, compile_backend=backend, shared_bucket_graphs=shared)
 
 

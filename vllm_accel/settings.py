@@ -52,8 +52,9 @@ class AccelSettings:
     # the token count at run time, and one for each vision tower's buckets
     # (forwards are still padded to buckets and every bucket is warmed up;
     # only compiling is shared: a cold start compiles 2 decoder graphs
-    # instead of one per bucket). "auto": shared on cpu, per_bucket
-    # elsewhere; shared is for the cpu device only.
+    # instead of one per bucket). "auto": shared on cpu, the decoder's
+    # shared and the vision tower's per bucket on cuda, per_bucket on hpu
+    # (refuses shared).
     bucket_graphs: str = "auto"
     # Context-length buckets, in KV blocks, that decode attention pads to
     # ("" = half-octave steps up to max_model_len).

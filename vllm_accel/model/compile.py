@@ -3,7 +3,7 @@
 Layers of one class share code and shapes, so one compiled function serves
 them all, with the weights as graph inputs: one graph per input shape, and
 compile time that does not grow with depth. Shapes are static (one graph per
-bucket), as on a real accelerator; or, with a ``BucketAxis`` (the cpu device),
+bucket), as on a static-shape accelerator; or, with a ``BucketAxis`` (cpu, cuda),
 one graph serves every bucket above 1: its kernels read the size at run time,
 and calls are still padded to buckets.
 

@@ -57,8 +57,8 @@ class VisionAdapter(ABC):
     # inputs differ in shape (Qwen2.5-VL's window and full-attention blocks).
     vision_graphs_per_bucket: int = 1
     # Where a compile unit's arguments carry the rows buckets pad, (argument
-    # name, dimension) pairs, for one graph that serves every bucket (the cpu
-    # device, settings.bucket_graphs); () where the rows shape more than that.
+    # name, dimension) pairs, for one graph that serves every bucket
+    # (settings.bucket_graphs); () where the rows shape more than that.
     vision_bucket_axis: tuple[tuple[str, int], ...] = ()
     # Whether the text model takes 3-D positions [3, 1, tokens] (see rope_positions).
     uses_3d_positions: bool = False
