@@ -114,9 +114,9 @@ def select_backend(settings: AccelSettings) -> DeviceBackend:
 
 # ---- what vLLM's Platform asks, per device ----------------------------------
 # vLLM asks some of these in its front-end process, before it starts the
-# engine core process. There NVML answers for cuda: initializing CUDA in the
-# parent would make vLLM start the engine core with "spawn" (a new interpreter
-# that imports vLLM again: ~15 s of every start) or break a forked one.
+# engine core process. There NVML answers for cuda: a front end that has
+# initialized CUDA makes vLLM start the engine core with "spawn" (a new
+# interpreter that imports vLLM again: ~15 s of every start), not "fork".
 
 
 def cuda_available() -> bool:

@@ -56,8 +56,8 @@ def apply_patches() -> None:
 
 def _make_accelerator_cache_calls_noops() -> None:
     """Patch 3. Asked at each call, not here: asking torch whether an
-    accelerator is available initializes CUDA's driver, and vLLM's front-end
-    process must not, so that the engine core process can be forked."""
+    accelerator is available initializes CUDA's driver, which a process that
+    only imports the plugin (vLLM's front end) has no need of."""
     import torch
 
     for name in ("empty_cache", "empty_host_cache"):
