@@ -66,9 +66,18 @@ def start_once(python, env, model, log_path, cwd=REPO, options=None):
         r = subprocess.run(argv, env=env, cwd=cwd,
                            stdout=f, stderr=subprocess.STDOUT, timeout=1800)
     text = Path(log_path).read_text()
-    found = re.search(r"^STARTUP_RESULT (.*)$", text, re.M)
-    if r.returncode != 0 or not found:
+    result = parse_start_log(text)
+    if r.returncode != 0 or result is None:
         sys.exit(f"start failed (exit {r.returncode}); log: {log_path}\n{text[-2000:]}")
+    return result
+
+
+def parse_start_log(text: str) -> dict | None:
+    """A start's figures from its log (the child's result line, vLLM's and
+    the engine's start-up lines); None without a result line."""
+    found = re.search(r"^STARTUP_RESULT (.*)$", text, re.M)
+    if not found:
+        return None
     result = json.loads(found.group(1))
     if m := INIT_LINE.search(text):
         result["init_engine_s"] = float(m.group(1))

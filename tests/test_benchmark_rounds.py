@@ -98,3 +98,29 @@ def test_a_worker_gone_while_idle_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="w.log"):
         worker.run()
     worker.close()
+
+
+# A warm start's log on an H100 (engine core spawned), as startup.py's child wrote it.
+START_LOG = textwrap.dedent("""\
+    (MainProcess pid=1635) WARNING 12-06 19:01:37 [system_utils.py:154] We must use the `spawn` multiprocessing start method. Overriding VLLM_WORKER_MULTIPROC_METHOD to 'spawn'.
+    (EngineCore pid=2081) INFO 12-06 18:47:56 [warmup.py:151] vllm_accel warmup finished in 13.0 s: 10 graphs (compile cache hits 9, misses 0)
+    (EngineCore pid=2081) INFO 12-06 18:47:57 [worker.py:207] vllm_accel captured 9 CUDA graphs (token buckets [1, 8, 16, 32, 48, 64, 256, 384, 512], any forward) in 0.2 s
+    (EngineCore pid=2081) INFO 12-06 18:47:57 [cuda.py:153] vllm_accel sampling kernels compiled for batch sizes 1-64 in 0.1 s
+    (EngineCore pid=2081) INFO 12-06 18:47:57 [worker.py:220] vllm_accel start-up: model load 1.1 s, KV cache 0.0 s, warmup 13.3 s (10 graphs, 9 from the compile cache)
+    (EngineCore pid=2081) INFO 12-06 18:47:57 [core.py:405] init engine (profile, create kv cache, warmup model) took 15.69 s (compilation: 13.28 s)
+    STARTUP_RESULT {"import_s": 12.91, "llm_s": 30.82, "front_end_initialized_cuda": false}
+    """)
+
+
+def test_a_start_log_gives_its_parts(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import startup
+
+    got = startup.parse_start_log(START_LOG)
+    assert got == {"import_s": 12.91, "llm_s": 30.82, "front_end_initialized_cuda": False,
+                   "init_engine_s": 15.69, "load_s": 1.1, "kv_s": 0.0, "warmup_s": 13.3,
+                   "graphs": 10.0, "cache_hits": 9.0, "buckets_s": 13.0, "cuda_graphs_s": 0.2,
+                   "sampling_kernels_s": 0.1, "forced_spawn": True}
+    forked = startup.parse_start_log(START_LOG.split("\n", 1)[1])
+    assert forked["forced_spawn"] is False
+    assert startup.parse_start_log(START_LOG.rsplit("STARTUP_RESULT", 1)[0]) is None
