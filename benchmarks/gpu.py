@@ -107,17 +107,21 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def engine(model: Path, cache: Path, graphs: bool, async_scheduling: str = "auto", **kwargs):
-    from vllm import LLM
-
+def engine_options(cache: Path, graphs: bool = True, async_scheduling: str = "auto",
+                   **kwargs) -> dict:
+    """``LLM()``'s keyword arguments for the benchmark's engines."""
     config = {"accel": {"device": "cuda", "compile_backend": "inductor",
                         "cuda_graphs": graphs, "async_scheduling": async_scheduling,
                         "compile_cache_dir": str(cache), "token_buckets": TOKEN_BUCKETS,
                         "bucket_graphs": BUCKET_GRAPHS}}
-    options = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=NUM_PROMPTS,
-                   gpu_memory_utilization=0.35, seed=0, additional_config=config)
-    options.update(kwargs)
-    return LLM(model=str(model), **options)
+    return dict(dtype="bfloat16", max_model_len=512, max_num_seqs=NUM_PROMPTS,
+                gpu_memory_utilization=0.35, seed=0, additional_config=config) | kwargs
+
+
+def engine(model: Path, cache: Path, graphs: bool, async_scheduling: str = "auto", **kwargs):
+    from vllm import LLM
+
+    return LLM(model=str(model), **engine_options(cache, graphs, async_scheduling, **kwargs))
 
 
 def params_like_hf():
@@ -334,14 +338,10 @@ def start_times(model: Path, root: Path, rounds: int = 1) -> dict:
     spawned (vLLM's choice where the front-end process has initialized CUDA)."""
     from startup import start_once
 
-    config = {"accel": {"device": "cuda", "compile_backend": "inductor", "cuda_graphs": True,
-                        "token_buckets": TOKEN_BUCKETS, "bucket_graphs": BUCKET_GRAPHS}}
-    options = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=NUM_PROMPTS,
-                   gpu_memory_utilization=0.35, seed=0, additional_config=config)
     out = {}
     for round_ in range(rounds):
         caches = root / f"start-caches-{round_}"
-        config["accel"]["compile_cache_dir"] = str(caches / "compile")
+        options = engine_options(caches / "compile")
         env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton"),
                "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
                "VLLM_CACHE_ROOT": str(caches / "vllm")}

@@ -44,7 +44,7 @@ def fake_habana(monkeypatch):
 
 
 def test_cpu_is_chosen_without_habana():
-    assert select_backend(load_settings()) == DeviceBackend("cpu", "inductor", True)
+    assert select_backend(load_settings()) == DeviceBackend("cpu", "inductor", True, True)
     per_bucket = load_settings({"accel": {"bucket_graphs": "per_bucket"}})
     assert select_backend(per_bucket) == DeviceBackend("cpu", "inductor", False)
     eager = load_settings({"accel": {"compile_backend": "eager"}})
@@ -96,9 +96,12 @@ def test_cuda_is_refused_without_a_gpu_or_without_triton(monkeypatch):
             with pytest.raises(ValueError, match=r"VLLM_ACCEL_DEVICE=cuda needs Triton"):
                 select_backend(cuda)
         else:
-            # One compiled graph for the token buckets above 1, as on the cpu
-            # (start-up: benchmarks/README.md); per_bucket where asked for.
-            assert select_backend(cuda) == DeviceBackend("cuda", "inductor", True)
+            # One compiled decoder graph for the token buckets above 1, as on
+            # the cpu (start-up: benchmarks/README.md), vision towers a graph
+            # per bucket unless shared is asked for; per_bucket where asked for.
+            assert select_backend(cuda) == DeviceBackend("cuda", "inductor", True, False)
+            shared = load_settings({"accel": {"device": "cuda", "bucket_graphs": "shared"}})
+            assert select_backend(shared) == DeviceBackend("cuda", "inductor", True, True)
             per_bucket = load_settings({"accel": {"device": "cuda",
                                                   "bucket_graphs": "per_bucket"}})
             assert select_backend(per_bucket) == DeviceBackend("cuda", "inductor", False)

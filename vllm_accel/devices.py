@@ -40,9 +40,11 @@ DIST_BACKENDS = {"cpu": "gloo", "hpu": "hccl", "cuda": "nccl"}
 class DeviceBackend:
     device: str  # "cpu", "hpu" or "cuda": also the torch device type
     compile_backend: str  # a torch.compile backend name, or "eager"
-    # One compiled graph serves every bucket above 1: token buckets, and vision
-    # buckets where the adapter names their axis (settings.bucket_graphs).
+    # One compiled graph serves every bucket above 1 (settings.bucket_graphs):
+    # the decoder's token buckets; a vision tower's buckets, where its adapter
+    # names their axis.
     shared_bucket_graphs: bool = False
+    shared_vision_graphs: bool = False
 
     @property
     def compiles(self) -> bool:
@@ -107,9 +109,13 @@ def select_backend(settings: AccelSettings) -> DeviceBackend:
         raise ValueError(
             f"{env_var_name('bucket_graphs')}=shared is for devices 'cpu' and 'cuda'; on "
             f"'{device}' each token bucket has its own graph: expected auto or per_bucket.")
-    shared = backend != "eager" and (settings.bucket_graphs == "shared" or (
-        settings.bucket_graphs == "auto" and device in ("cpu", "cuda")))
-    return DeviceBackend(device=device, compile_backend=backend, shared_bucket_graphs=shared)
+    compiles, choice = backend != "eager", settings.bucket_graphs
+    # auto: shared on cpu; on cuda the decoder's only (shared vision graphs
+    # are untried on a GPU).
+    shared = compiles and (choice == "shared" or (choice == "auto" and device != "hpu"))
+    shared_vision = compiles and (choice == "shared" or (choice == "auto" and device == "cpu"))
+    return DeviceBackend(device=device, compile_backend=backend, shared_bucket_graphs=shared,
+                         shared_vision_graphs=shared_vision)
 
 
 # ---- what vLLM's Platform asks, per device ----------------------------------

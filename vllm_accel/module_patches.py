@@ -55,9 +55,9 @@ def apply_patches() -> None:
 
 
 def _make_accelerator_cache_calls_noops() -> None:
-    """Patch 3. Asked at each call, not here: asking torch whether an
-    accelerator is available initializes CUDA's driver, which a process that
-    only imports the plugin (vLLM's front end) has no need of."""
+    """Patch 3. Asked at each call, not here: on a CUDA build torch asks the
+    CUDA driver, which a process that only imports the plugin (vLLM's front
+    end) has no need of."""
     import torch
 
     for name in ("empty_cache", "empty_host_cache"):

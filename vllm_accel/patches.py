@@ -40,8 +40,8 @@ all. None edits a file on disk; each is idempotent.
    every platform but its own CPU one, and torch raises when there is no
    accelerator (our simulated device is the host CPU). Those calls become
    no-ops, as vLLM's own CPU worker makes them; with a real accelerator
-   present nothing changes. Each call asks: asking at import would initialize
-   CUDA's driver in every process that imports the plugin (vLLM's front end).
+   present nothing changes. Each call asks: asked at import, torch would ask
+   the CUDA driver in every process that imports the plugin (vLLM's front end).
 
 4. ``use_spawn_for_workers`` (the platform, with tensor parallelism):
    ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unless the user set it. Our workers

@@ -95,11 +95,7 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
         loaded.model.compile_layers(compile_backend, token_buckets, saved,
                                     backend.shared_bucket_graphs)
     if vision is not None:
-        # A GPU's vision tower keeps a graph per bucket unless asked (shared
-        # vision graphs are untried on a GPU); its decoder shares by default.
-        shared_vision = backend.shared_bucket_graphs and (
-            on_cpu or settings.bucket_graphs == "shared")
         loaded.vision_encoder = VisionEncoder(vision, compile_backend,
                                               settings.multimodal_buckets, saved,
-                                              shared_vision)
+                                              backend.shared_vision_graphs)
     return loaded
