@@ -3,12 +3,14 @@ the engine (the runner pads, merges and loads through the shared machinery)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from helpers import noise_image as image  # noqa: F401 (the port tests' images)
+from vllm_accel.compat import register_fms_config_mapping
 from vllm_accel.model.fms_causal_lm import _load_with_nan_fill, check_all_weights_loaded
 from vllm_accel.model.molmo import HF_VISION_PREFIX, MolmoVisionBackbone, image_embed_order
 from vllm_accel.model.ports import FmsPort, register_port
@@ -86,10 +88,22 @@ QWEN2_PORT = FmsPort(
 )
 
 
-def register_qwen2() -> None:
-    """Let FMS load Qwen2ForCausalLM checkpoints into our decoder (the
-    platform does not serve Qwen2; the decoder is tested alone this way)."""
-    register_port(QWEN2_PORT)
+@contextmanager
+def qwen2_registered():
+    """Let FMS load Qwen2ForCausalLM checkpoints into our decoder while the
+    block runs (the platform does not serve Qwen2; the decoder is tested alone
+    this way). The HF name is unmapped afterwards: FMS's registry is shared by
+    every test in the process, and one compares it with what we serve."""
+    from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY as registry
+
+    register_port(QWEN2_PORT)  # FMS's model and adapters: once per process
+    name = QWEN2_PORT.hf_architecture
+    register_fms_config_mapping(name, QWEN2_PORT.fms_architecture, QWEN2_PORT.config_from_hf)
+    try:
+        yield
+    finally:
+        registry.model_arch_mappings.pop(name, None)
+        registry.model_param_builders.pop(name, None)
 
 
 # ---- Qwen2.5-VL's and Qwen3-VL's ports driven like HF's generate ----------------

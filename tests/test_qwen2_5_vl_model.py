@@ -21,7 +21,7 @@ from helpers import in_forward
 from vllm_accel.kernels import span_attention
 from vllm_accel.model.fms_causal_lm import check_all_weights_loaded, _load_with_nan_fill
 from port_helpers import (assert_greedy_matches_hf, fms_generate, image, load_port_model,
-                          merge_image_features, processed, prompt_positions, register_qwen2)
+                          merge_image_features, processed, prompt_positions, qwen2_registered)
 from vllm_accel.model.qwen2_5_vl import FMS_PORT
 from vllm_accel.model.qwen2_5_vl_vision import vision_layout
 from vllm_accel.patches import apply_patches
@@ -341,8 +341,8 @@ def test_qwen2_text_model_matches_hf(tmp_path):
         for p in hf_model.parameters():
             p.normal_(0, 0.1)
     hf_model.save_pretrained(tmp_path)
-    register_qwen2()
-    model = _load_with_nan_fill(str(tmp_path), torch.float32, "cpu")
+    with qwen2_registered():
+        model = _load_with_nan_fill(str(tmp_path), torch.float32, "cpu")
     check_all_weights_loaded(model, str(tmp_path))
     ids = torch.randint(0, 320, (1, 21))
     with torch.no_grad():
