@@ -121,6 +121,9 @@ def test_a_start_log_gives_its_parts(monkeypatch):
                    "init_engine_s": 15.69, "load_s": 1.1, "kv_s": 0.0, "warmup_s": 13.3,
                    "graphs": 10.0, "cache_hits": 9.0, "buckets_s": 13.0, "cuda_graphs_s": 0.2,
                    "sampling_kernels_s": 0.1, "forced_spawn": True}
+    tuned = START_LOG.replace("from the compile cache)",
+                              "from the compile cache), 228 kernel tuning benchmarks")
+    assert startup.parse_start_log(tuned)["tuning_benchmarks"] == 228.0
     forked = startup.parse_start_log(START_LOG.split("\n", 1)[1])
     assert forked["forced_spawn"] is False
     assert startup.parse_start_log(START_LOG.rsplit("STARTUP_RESULT", 1)[0]) is None

@@ -87,8 +87,23 @@ def test_warmup_compiles_every_bucket_once(compiled):
     assert runner.backend.shared_bucket_graphs
     assert runner.compile_stats.warmup_graphs == 2
     assert runner.compile_stats.cache_hits == (0, 2)
+    assert runner.compile_stats.tuning_benchmarks == 0  # the cpu's C++ kernels are not tuned
     # vLLM pins inductor to one compile thread; the worker gives it its cores.
     assert torch._inductor.config.compile_threads == torch.get_num_threads()
+
+
+def test_kernel_tuning_is_counted_from_the_engines_start():
+    """The start-up line's tuning count (a warm start on cuda should show 0:
+    tests/test_cuda.py) is inductor's process-wide counters read as a delta."""
+    from torch._dynamo.utils import counters
+
+    from vllm_accel.worker.compile_stats import CompileStats
+
+    counters["inductor"]["coordesc_tuning_bench"] += 5  # an earlier engine's
+    stats = CompileStats()
+    counters["inductor"]["coordesc_tuning_bench"] += 3
+    counters["inductor"]["select_algorithm_autotune"] += 1
+    assert stats.tuning_benchmarks == 4
 
 
 def test_the_vector_isa_probe_is_not_rebuilt_per_compile_cache(compiled, cache_dir):

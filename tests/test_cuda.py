@@ -278,9 +278,12 @@ def test_a_fresh_process_forks_its_engine_core_and_equals_hf(tmp_path):
     """A user's script (engine core in its own process, vLLM's default): the
     platform's queries in the front-end process go through NVML, so it never
     initializes CUDA and vLLM forks the engine core (a spawned one imports
-    vLLM again, ~15 s of each start); the forked engine computes HF's tokens."""
+    vLLM again, ~15 s of each start); the forked engine computes HF's tokens.
+    Started again on the same compile cache, every graph and every kernel's
+    tuned block sizes come from it: nothing compiles, nothing is re-tuned."""
     import json
     import os
+    import re
     import subprocess
     import sys
 
@@ -289,16 +292,26 @@ def test_a_fresh_process_forks_its_engine_core_and_equals_hf(tmp_path):
                    additional_config=CUDA, **GPU_SHARE)
     env = {k: v for k, v in os.environ.items()
            if k not in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(model), json.dumps(options),
-                          json.dumps(PROMPTS), str(MAX_TOKENS)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, log[-3000:]
-    assert "We must use the `spawn`" not in log, log[-3000:]
-    result = json.loads(next(x for x in run.stdout.splitlines()
-                             if x.startswith("RESULT ")).removeprefix("RESULT "))
-    assert result["front_end_cuda"] is False
-    assert result["tokens"] == hf_cuda_greedy(model, PROMPTS)
+    env["VLLM_ACCEL_COMPILE_CACHE_DIR"] = str(tmp_path / "compile-cache")  # empty: a cold start
+    starts = []
+    for _ in ("cold", "warm"):
+        run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(model),
+                              json.dumps(options), json.dumps(PROMPTS), str(MAX_TOKENS)],
+                             env=env, capture_output=True, text=True, timeout=600)
+        log = run.stdout + run.stderr
+        assert run.returncode == 0, log[-3000:]
+        assert "We must use the `spawn`" not in log, log[-3000:]
+        result = json.loads(next(x for x in run.stdout.splitlines()
+                                 if x.startswith("RESULT ")).removeprefix("RESULT "))
+        assert result["front_end_cuda"] is False
+        line = re.search(r"warmup [\d.]+ s \((\d+) graphs, (\d+) from the compile cache\), "
+                         r"(\d+) kernel tuning benchmarks", log)
+        assert line, log[-3000:]
+        starts.append((result["tokens"], *map(int, line.groups())))
+    (cold_tokens, graphs, _, cold_tuning), (warm_tokens, *warm) = starts
+    assert cold_tuning > 0  # the counter sees inductor's tuning
+    assert warm == [graphs, graphs, 0]
+    assert cold_tokens == warm_tokens == hf_cuda_greedy(model, PROMPTS)
 
 
 def test_graphs_off_or_async_scheduling_off_give_the_same_tokens(tmp_path):

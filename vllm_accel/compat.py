@@ -259,6 +259,19 @@ def inductor_cache_counts() -> tuple[int, int]:
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
+def inductor_tuning_benchmarks() -> int:
+    """Kernel variants inductor benchmarked in this process so far, by its
+    own counters: tuning Triton kernels' block sizes (coordinate descent),
+    combo kernels, algorithm choice, matmul padding (its pick among a
+    kernel's few heuristic configs has no counter). None is due where every
+    graph and its tuning came from the compile cache."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["inductor"][name] for name in (
+        "coordesc_tuning_bench", "combo_autotune_bench", "select_algorithm_autotune",
+        "pad_mm_bench"))
+
+
 def last_compiled_functions(count: int) -> str:
     """Name and place of the functions behind dynamo's last ``count`` compiles."""
     from torch._dynamo.utils import get_compilation_metrics

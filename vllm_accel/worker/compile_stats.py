@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_accel.compat import dynamo_graph_count, inductor_cache_counts, last_compiled_functions
+from vllm_accel.compat import (dynamo_graph_count, inductor_cache_counts,
+                               inductor_tuning_benchmarks, last_compiled_functions)
 from vllm_accel.log import get_logger
 from vllm_accel.kernels import ops
 from vllm_accel.model import saved_graphs
@@ -32,6 +33,7 @@ class CompileStats:
         self._start = self._seen = dynamo_graph_count()
         self._start_hits = inductor_cache_counts()
         self._start_saved = saved_graphs.counts()
+        self._start_tuning = inductor_tuning_benchmarks()
 
     @property
     def graphs_compiled(self) -> int:
@@ -50,6 +52,12 @@ class CompileStats:
         saved_compiles = saved_graphs.counts()[1] - self._start_saved[1]
         return (hits - self._start_hits[0] + self.graphs_loaded,
                 misses - self._start_hits[1] + saved_compiles)
+
+    @property
+    def tuning_benchmarks(self) -> int:
+        """Kernel variants inductor benchmarked since the count started (a
+        start whose graphs all came from the cache should need none)."""
+        return inductor_tuning_benchmarks() - self._start_tuning
 
     def configure(self, cache_dir: Path) -> None:
         """Persist this engine's compiled graphs under cache_dir (inductor

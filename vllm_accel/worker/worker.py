@@ -219,9 +219,9 @@ class AccelWorker(WorkerBase):
         stats = self.model_runner.compile_stats
         logger.info(
             "vllm_accel start-up: model load %.1f s, KV cache %.1f s, warmup %.1f s "
-            "(%d graphs, %d from the compile cache)",
+            "(%d graphs, %d from the compile cache), %d kernel tuning benchmarks",
             self.startup_s.get("model load", 0.0), self.startup_s.get("KV cache", 0.0),
-            warmup_s, stats.warmup_graphs, stats.cache_hits[0],
+            warmup_s, stats.warmup_graphs, stats.cache_hits[0], stats.tuning_benchmarks,
         )
         return CompilationTimes(language_model=warmup_s, encoder=0.0)
 
