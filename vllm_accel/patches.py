@@ -3,7 +3,7 @@ transformers behaviour, environment variables, global settings - in one
 place, each with why. Patches 1-3, 9-11 and 17 are applied by ``apply_patches``
 (our ``vllm.general_plugins`` entry point, once in every vLLM process; their
 code is in ``module_patches.py``); 4-8,
-12-15 and 18 are functions called where the change is needed, and 16 is state the
+12-15, 18 and 19 are functions called where the change is needed, and 16 is state the
 platform keeps (in ``platform.py``), named here so that one file lists them
 all. None edits a file on disk; each is idempotent.
 
@@ -159,6 +159,18 @@ all. None edits a file on disk; each is idempotent.
    off the 1.1B batch-1 step on an H100 (benchmarks/README.md). Graphs with
    more rows keep cuBLAS for their matmuls.
 
+19. ``reuse_tuned_block_sizes`` (the worker, inductor on cuda), torch 2.11
+   (fixed in 2.12; newer torch is left alone): a kernel loaded from
+   inductor's cache and launched statically asks the autotune cache again
+   for its tuned config, but torch takes the answer only for kernels
+   compiled with several configs. A
+   kernel with one (most, without max-autotune) kept its untuned config and
+   was tuned again by coordinate descent at every warm start (6 s of a warm
+   1.1B start on an H100: benchmarks/README.md). For those, the cached
+   result found by coordinate descent is taken, as torch 2.12 does: the
+   compiled config marked as tuned when tuning kept it, else the tuned one
+   compiled (Triton's own cache has it).
+
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
 what steers them is set around each forward by ``set_forward_context``, which
@@ -182,7 +194,7 @@ import os
 from .module_patches import apply_patches, torchvision_available  # noqa: F401
 
 
-# ---- 4-8, 12-15, 18: called where needed ----------------------------------------
+# ---- 4-8, 12-15, 18, 19: called where needed ----------------------------------------
 
 
 def use_spawn_for_workers() -> bool:
@@ -294,3 +306,43 @@ def tune_gpu_reductions() -> None:
         import torch._inductor.config
 
         torch._inductor.config.coordinate_descent_tuning = True
+
+
+def reuse_tuned_block_sizes() -> None:
+    """Patch 19."""
+    import torch
+    from torch._inductor.runtime import triton_heuristics
+
+    autotuner = triton_heuristics.CachingAutotuner
+    if (torch.torch_version.TorchVersion(torch.__version__) >= "2.12"
+            or hasattr(autotuner.recheck_autotune_cache, "torch_recheck")):
+        return
+    recheck = _recheck_taking_tuned_configs(autotuner.recheck_autotune_cache)
+    autotuner.recheck_autotune_cache = recheck
+
+
+def _recheck_taking_tuned_configs(torch_recheck):
+    """``CachingAutotuner.recheck_autotune_cache`` that also takes a kernel's
+    single config's coordinate-descent result from the autotune cache."""
+    from torch._inductor.runtime.triton_heuristics import (check_autotune_cache,
+                                                          triton_config_to_hashable)
+
+    def recheck_autotune_cache(self, reload_kernel_from_src):
+        configs = [result.config for result in self.compile_results]
+        if len(configs) != 1:
+            return torch_recheck(self, reload_kernel_from_src)
+        cached, _, self.autotune_cache_info = check_autotune_cache(
+            configs, self.filename, self.inductor_meta)
+        tuned = cached[0]
+        if not getattr(tuned, "found_by_coordesc", False):
+            return None  # not in the cache, or not tuned: as torch leaves it
+        if triton_config_to_hashable(tuned) == triton_config_to_hashable(configs[0]):
+            configs[0].found_by_coordesc = True  # tuning kept the compiled config
+            return None
+        if self.fn.fn is None:  # dropped when the kernel was cached
+            self.fn = reload_kernel_from_src().fn
+        self.compile_results = [self._precompile_config(tuned)]
+        return None
+
+    recheck_autotune_cache.torch_recheck = torch_recheck
+    return recheck_autotune_cache
