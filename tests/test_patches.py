@@ -54,9 +54,9 @@ def test_video_stub_pickles_from_its_module():
 
 
 def _kernel_loaded_from_cache(tmp_path, compiled, tuned=None):
-    """A kernel as inductor's cache hands it back: its one compiled config,
-    and (``tuned``) the coordinate-descent result of an earlier start, written
-    by torch's own autotune cache beside the kernel's source."""
+    """A kernel as inductor's cache hands it back: its compiled configs, and
+    (``tuned``) the coordinate-descent result of an earlier start, written by
+    torch's own autotune cache beside the kernel's source."""
     from types import SimpleNamespace
 
     from torch._inductor.runtime.autotune_cache import AutotuneCache
@@ -65,66 +65,61 @@ def _kernel_loaded_from_cache(tmp_path, compiled, tuned=None):
     filename = str(tmp_path / "triton_poi_fused_0.py")
     meta = {"coordinate_descent_tuning": True}
     if tuned is not None:
-        cache = AutotuneCache.create(meta, filename, hash_configs([compiled]))
+        cache = AutotuneCache.create(meta, filename, hash_configs(compiled))
         cache.save(tuned, 0, found_by_coordesc=True)
     return SimpleNamespace(filename=filename, inductor_meta=meta, autotune_cache_info=None,
-                           compile_results=[SimpleNamespace(config=compiled)],
+                           compile_results=[SimpleNamespace(config=c) for c in compiled],
                            fn=SimpleNamespace(fn=object()),
                            _precompile_config=lambda config: SimpleNamespace(config=config))
 
 
 def test_a_cached_kernel_takes_its_tuned_config(tmp_path):
-    """Patch 19 (torch 2.11's recheck, run here on this torch's cache code):
-    a one-config kernel takes the block sizes tuned at an earlier start,
-    marked as tuned, so the first launch does not tune it again."""
+    """Patch 19 (for torch 2.11, run here on this torch's cache code): a
+    kernel loaded from inductor's cache takes the config coordinate descent
+    found at an earlier start, marked as tuned, so its first launch does not
+    tune it again."""
     from triton import Config
 
-    from vllm_accel.patches import _recheck_taking_tuned_configs
+    from vllm_accel.patches import recheck_autotune_cache
 
-    def torch_recheck(self, reload):
-        raise AssertionError("torch's recheck handles kernels of several configs only")
-
-    recheck = _recheck_taking_tuned_configs(torch_recheck)
     compiled = Config({"XBLOCK": 64}, num_warps=4, num_stages=1)
-    kernel = _kernel_loaded_from_cache(tmp_path / "a", compiled,
+    kernel = _kernel_loaded_from_cache(tmp_path / "a", [compiled],
                                        Config({"XBLOCK": 256}, num_warps=8, num_stages=1))
-    recheck(kernel, None)
+    recheck_autotune_cache(kernel, None)
     (result,) = kernel.compile_results
     assert (result.config.kwargs, result.config.num_warps) == ({"XBLOCK": 256}, 8)
     assert result.config.found_by_coordesc
     assert kernel.autotune_cache_info["autotune_cache_state"] == "hit"
 
-    # Tuning kept the compiled config: the compiled kernel stays, marked as tuned.
-    kept = _kernel_loaded_from_cache(tmp_path / "b", compiled,
-                                     Config({"XBLOCK": 64}, num_warps=4, num_stages=1))
-    recheck(kept, None)
-    assert kept.compile_results[0].config is compiled and compiled.found_by_coordesc
+    # Tuning kept a compiled config (of one, or of several): it stays, marked.
+    for name, configs in (("b", [compiled]), ("c", [Config({"XBLOCK": 128}, num_warps=4),
+                                                    compiled])):
+        kept = _kernel_loaded_from_cache(tmp_path / name, configs,
+                                         Config({"XBLOCK": 64}, num_warps=4, num_stages=1))
+        compiled.found_by_coordesc = False
+        recheck_autotune_cache(kept, None)
+        assert [r.config for r in kept.compile_results] == [compiled]
+        assert compiled.found_by_coordesc
 
-    # Nothing cached: left as torch leaves it (tuned at its first launch).
-    fresh = Config({"XBLOCK": 32}, num_warps=2, num_stages=1)
-    untuned = _kernel_loaded_from_cache(tmp_path / "c", fresh)
-    recheck(untuned, None)
-    assert untuned.compile_results[0].config is fresh
-    assert not getattr(fresh, "found_by_coordesc", False)
+    # Nothing cached: left as torch leaves it (tuned or autotuned at the first launch).
+    for name, configs in (("d", [Config({"XBLOCK": 32}, num_warps=2)]),
+                          ("e", [Config({"XBLOCK": 32}, num_warps=2), compiled])):
+        untuned = _kernel_loaded_from_cache(tmp_path / name, configs)
+        compiled.found_by_coordesc = False
+        recheck_autotune_cache(untuned, None)
+        assert [r.config for r in untuned.compile_results] == configs
+        assert not any(getattr(c, "found_by_coordesc", False) for c in configs)
 
 
-def test_kernels_of_several_configs_and_newer_torch_keep_torchs_recheck(tmp_path):
-    from triton import Config
+def test_the_recheck_is_replaced_on_torch_before_2_12_only():
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    from vllm_accel.patches import _recheck_taking_tuned_configs, reuse_tuned_block_sizes
+    from vllm_accel.patches import recheck_autotune_cache, reuse_tuned_block_sizes
 
-    calls = []
-    recheck = _recheck_taking_tuned_configs(lambda self, reload: calls.append(self))
-    kernel = _kernel_loaded_from_cache(tmp_path, Config({"XBLOCK": 64}, num_warps=4))
-    kernel.compile_results.append(kernel.compile_results[0])
-    recheck(kernel, None)
-    assert calls == [kernel]
     torchs = CachingAutotuner.recheck_autotune_cache
     reuse_tuned_block_sizes()
-    if torch.torch_version.TorchVersion(torch.__version__) >= "2.12":
-        assert CachingAutotuner.recheck_autotune_cache is torchs  # fixed there
-    else:
-        assert CachingAutotuner.recheck_autotune_cache.torch_recheck is torchs
-        reuse_tuned_block_sizes()  # once only
-        assert CachingAutotuner.recheck_autotune_cache.torch_recheck is torchs
+    try:
+        older = torch.torch_version.TorchVersion(torch.__version__) < "2.12"
+        assert (CachingAutotuner.recheck_autotune_cache is recheck_autotune_cache) == older
+    finally:
+        CachingAutotuner.recheck_autotune_cache = torchs

@@ -162,14 +162,14 @@ all. None edits a file on disk; each is idempotent.
 19. ``reuse_tuned_block_sizes`` (the worker, inductor on cuda), torch 2.11
    (fixed in 2.12; newer torch is left alone): a kernel loaded from
    inductor's cache and launched statically asks the autotune cache again
-   for its tuned config, but torch takes the answer only for kernels
-   compiled with several configs. A
-   kernel with one (most, without max-autotune) kept its untuned config and
-   was tuned again by coordinate descent at every warm start (6 s of a warm
-   1.1B start on an H100: benchmarks/README.md). For those, the cached
-   result found by coordinate descent is taken, as torch 2.12 does: the
-   compiled config marked as tuned when tuning kept it, else the tuned one
-   compiled (Triton's own cache has it).
+   for its best config, but torch drops the mark that coordinate descent
+   found it (and, for a kernel compiled with one config, most without
+   max-autotune, ignores the answer), so coordinate descent tunes the kernel
+   again at its first launch, at every warm start (the likely cause of the
+   6 s a warm 1.1B start on an H100 spent tuning with every graph cached:
+   benchmarks/README.md). The recheck is torch 2.12's: the cached config
+   taken with its mark, compiled if the cache entry lacks it (Triton's own
+   cache has it).
 
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
@@ -313,36 +313,29 @@ def reuse_tuned_block_sizes() -> None:
     import torch
     from torch._inductor.runtime import triton_heuristics
 
-    autotuner = triton_heuristics.CachingAutotuner
-    if (torch.torch_version.TorchVersion(torch.__version__) >= "2.12"
-            or hasattr(autotuner.recheck_autotune_cache, "torch_recheck")):
-        return
-    recheck = _recheck_taking_tuned_configs(autotuner.recheck_autotune_cache)
-    autotuner.recheck_autotune_cache = recheck
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.12":
+        triton_heuristics.CachingAutotuner.recheck_autotune_cache = recheck_autotune_cache
 
 
-def _recheck_taking_tuned_configs(torch_recheck):
-    """``CachingAutotuner.recheck_autotune_cache`` that also takes a kernel's
-    single config's coordinate-descent result from the autotune cache."""
+def recheck_autotune_cache(self, reload_kernel_from_src) -> None:
+    """Patch 19's ``CachingAutotuner.recheck_autotune_cache``: the cached
+    best config taken with its mark of coordinate-descent tuning."""
     from torch._inductor.runtime.triton_heuristics import (check_autotune_cache,
                                                           triton_config_to_hashable)
 
-    def recheck_autotune_cache(self, reload_kernel_from_src):
-        configs = [result.config for result in self.compile_results]
-        if len(configs) != 1:
-            return torch_recheck(self, reload_kernel_from_src)
-        cached, _, self.autotune_cache_info = check_autotune_cache(
-            configs, self.filename, self.inductor_meta)
-        tuned = cached[0]
-        if not getattr(tuned, "found_by_coordesc", False):
-            return None  # not in the cache, or not tuned: as torch leaves it
-        if triton_config_to_hashable(tuned) == triton_config_to_hashable(configs[0]):
-            configs[0].found_by_coordesc = True  # tuning kept the compiled config
-            return None
+    configs = [result.config for result in self.compile_results]
+    cached, _, self.autotune_cache_info = check_autotune_cache(
+        configs, self.filename, self.inductor_meta)
+    if len(cached) != 1:
+        return  # several configs, none cached: autotuned at the first launch
+    best = cached[0]
+    tuned = getattr(best, "found_by_coordesc", False)
+    for result in self.compile_results:
+        if triton_config_to_hashable(result.config) == triton_config_to_hashable(best):
+            result.config.found_by_coordesc = tuned  # the mark torch 2.11 drops
+            self.compile_results = [result]
+            return
+    if tuned:  # tuned to a config this cache entry never compiled
         if self.fn.fn is None:  # dropped when the kernel was cached
             self.fn = reload_kernel_from_src().fn
-        self.compile_results = [self._precompile_config(tuned)]
-        return None
-
-    recheck_autotune_cache.torch_recheck = torch_recheck
-    return recheck_autotune_cache
+        self.compile_results = [self._precompile_config(best)]
