@@ -123,3 +123,72 @@ def test_the_recheck_is_replaced_on_torch_before_2_12_only():
         assert (CachingAutotuner.recheck_autotune_cache is recheck_autotune_cache) == older
     finally:
         CachingAutotuner.recheck_autotune_cache = torchs
+
+
+@pytest.fixture
+def vector_isa_probe(monkeypatch, tmp_path):
+    """Inductor's vector-ISA probe as a new process meets it (its cache
+    directory in tmp_path): each call of the returned function clears the
+    probe's per-process caches, runs patch 13 and gives the codes inductor
+    built and load-tested (recorded, each passing or ``failing``)."""
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as isas
+
+    from vllm_accel.patches import _vector_isa_machine, probe_cpu_vector_isa
+
+    if _vector_isa_machine() is None or not _vector_isa_machine()["candidates"]:
+        pytest.skip("inductor probes no vector ISA on this CPU")
+    # The probe's answers, cached per process (and on the ISA objects themselves).
+    caches = (isas.valid_vec_isa_list, isas.VecISA._VecISA__bool__impl,
+              isas.VecAVX512.__bool__, isas.VecAVX512.is_avx512_bf16_supported,
+              isas.VecAVX512VNNI.__bool__, isas.VecAMX.__bool__)
+    states = [(isa, dict(isa.__dict__)) for isa in isas.supported_vec_isa_list]
+    VecISA = isas.VecISA
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    users_choice = config.cpp.vec_isa_ok
+
+    def new_process(failing=()):
+        for cache in caches:
+            cache.cache_clear()
+        config.cpp.vec_isa_ok = None
+        built = []
+        monkeypatch.setattr(VecISA, "check_build", lambda self, code: built.append(
+            (str(self), code)) or str(self) not in failing)
+        probe_cpu_vector_isa()
+        return [isa for isa, code in built if code == VecISA._avx_code]
+
+    yield new_process
+    config.cpp.vec_isa_ok = users_choice
+    for cache in caches:  # later compiles probe for real
+        cache.cache_clear()
+    for isa, state in states:
+        isa.__dict__.clear()
+        isa.__dict__.update(state)
+
+
+def test_the_vector_isa_probe_keeps_its_answer_for_the_next_start(vector_isa_probe, tmp_path):
+    """Patch 13: a start after a probe that found every candidate good takes
+    them without building and loading the test programs again (a Python
+    process each); a probe that failed one, or another torch, probes again."""
+    import json
+
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    from vllm_accel.patches import _vector_isa_machine
+
+    candidates = _vector_isa_machine()["candidates"]
+    assert vector_isa_probe() == candidates  # the first start tests each
+    assert config.cpp.vec_isa_ok is None
+    record = tmp_path / "vllm_accel_vec_isa.json"
+    assert json.loads(record.read_text())["good"] == candidates
+    assert vector_isa_probe() == []  # the next takes them
+    assert config.cpp.vec_isa_ok is True
+    assert [str(isa) for isa in valid_vec_isa_list()] == candidates
+
+    assert vector_isa_probe(failing=candidates[:1]) == []  # the record holds
+    record.write_text(json.dumps({**json.loads(record.read_text()), "torch": ["2.0", "x"]}))
+    assert vector_isa_probe(failing=candidates[:1]) == candidates  # another torch
+    assert json.loads(record.read_text())["good"] == candidates[1:]
+    assert vector_isa_probe() == candidates  # one failed: probed at each start
+    assert config.cpp.vec_isa_ok is None

@@ -5,7 +5,8 @@ place, each with why. Patches 1-3, 9-11 and 17 are applied by ``apply_patches``
 code is in ``module_patches.py``); 4-8,
 12-15, 18 and 19 are functions called where the change is needed, and 16 is state the
 platform keeps (in ``platform.py``), named here so that one file lists them
-all. None edits a file on disk; each is idempotent.
+all. None edits an installed file (13 keeps a record in inductor's cache); each
+is idempotent.
 
 1. transformers 5.16-5.20 / vLLM 0.33, without torchvision (no CPU build on the
    registry): two torchvision image-processor modules fail to import, yet vLLM
@@ -113,7 +114,11 @@ all. None edits a file on disk; each is idempotent.
    again: ~6 s of each cold start on 2 cores. Probed first, outside it, they
    land in inductor's own directory (where it keeps its precompiled headers
    too: facts of the machine, not of a model), and later starts find them
-   built (~0.9 s to load-test them).
+   built. Loading each still starts a Python process (1.5 s of a 4 s warm
+   start on 2 cores), so the probe's answer is kept beside them, keyed by
+   torch, the CPU's vector flags and the compiler: where an earlier probe
+   found every candidate good, inductor's ``cpp.vec_isa_ok`` is set, which
+   makes it take them without the test.
 
 14. ``keep_large_buffers_mapped`` (the worker, cpu device): glibc's malloc
    serves an allocation above its mmap threshold (at most 32 MiB) with a
@@ -268,10 +273,54 @@ def keep_large_buffers_mapped() -> bool:
 
 
 def probe_cpu_vector_isa() -> None:
-    """Patch 13: inductor's vector-ISA probe, under its own cache directory."""
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    """Patch 13: inductor's vector-ISA probe, under its own cache directory,
+    or its earlier answer where that found every candidate good."""
+    import json
+    from pathlib import Path
 
-    valid_vec_isa_list()  # cached for the process: later compiles reuse it
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    machine = _vector_isa_machine()
+    if config.cpp.vec_isa_ok is not None or machine is None:  # the user's choice, or not x86
+        valid_vec_isa_list()  # cached for the process: later compiles reuse it
+        return
+    record = Path(cache_dir()) / "vllm_accel_vec_isa.json"
+    try:
+        earlier = json.loads(record.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if earlier == {**machine, "good": machine["candidates"]}:
+        config.cpp.vec_isa_ok = True
+        valid_vec_isa_list()
+        return
+    good = [str(isa) for isa in valid_vec_isa_list()]
+    with contextlib.suppress(OSError):  # a read-only cache: later starts probe again
+        record.write_text(json.dumps({**machine, "good": good}))
+
+
+def _vector_isa_machine() -> dict | None:
+    """What inductor's vector-ISA probe depends on (x86 only): torch, the
+    ISAs the CPU's flags allow (inductor's candidates), the compilers."""
+    import platform
+    import shutil
+
+    import torch
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import supported_vec_isa_list, x86_isa_checker
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    flags = x86_isa_checker()
+    compilers = []
+    for name in config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else [config.cpp.cxx]:
+        path = shutil.which(name) if name else None
+        stat = os.stat(path) if path else None
+        compilers.append([name, path, stat and stat.st_mtime_ns, stat and stat.st_size])
+    return {"torch": [torch.__version__, torch.__file__], "compilers": compilers,
+            "candidates": [str(isa) for isa in supported_vec_isa_list
+                           if all(flag in flags for flag in str(isa).split())]}
 
 
 @contextlib.contextmanager
