@@ -43,7 +43,8 @@ print("STARTUP_RESULT", json.dumps({"import_s": round(t1 - t0, 2), "llm_s": roun
 STARTUP_LINE = re.compile(
     r"vllm_accel start-up: model load ([\d.]+) s, KV cache ([\d.]+) s, "
     r"warmup ([\d.]+) s \((\d+) graphs, (\d+) from the compile cache\)")
-# Parts of the warmup (cuda: the graphs' capture and vLLM's sampling kernels).
+# Parts of the warmup (cuda: the graphs' capture and vLLM's sampling kernels),
+# and inductor's kernel tuning during the start (0 where its cache had it all).
 PART_LINES = {
     "buckets_s": re.compile(r"vllm_accel warmup finished in ([\d.]+) s"),
     "cuda_graphs_s": re.compile(r"vllm_accel captured \d+ CUDA graphs .* in ([\d.]+) s"),

@@ -136,7 +136,8 @@ def vector_isa_probe(monkeypatch, tmp_path):
 
     from vllm_accel.patches import _vector_isa_machine, probe_cpu_vector_isa
 
-    if _vector_isa_machine() is None or not _vector_isa_machine()["candidates"]:
+    machine = _vector_isa_machine()
+    if machine is None or not machine["candidates"]:
         pytest.skip("inductor probes no vector ISA on this CPU")
     # The probe's answers, cached per process (and on the ISA objects themselves).
     caches = (isas.valid_vec_isa_list, isas.VecISA._VecISA__bool__impl,

@@ -250,6 +250,8 @@ def test_accelerator_cache_patch_asks_only_when_called(monkeypatch):
 
     freed = []
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: freed.append(1))
+    # A torch without CUDA (with it, a process that never initialized CUDA frees nothing).
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
 
     def asked():
         raise AssertionError("asked for an accelerator while patching")

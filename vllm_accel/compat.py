@@ -260,11 +260,10 @@ def inductor_cache_counts() -> tuple[int, int]:
 
 
 def inductor_tuning_benchmarks() -> int:
-    """Kernel variants inductor benchmarked in this process so far, by its
-    own counters: tuning Triton kernels' block sizes (coordinate descent),
-    combo kernels, algorithm choice, matmul padding (its pick among a
-    kernel's few heuristic configs has no counter). None is due where every
-    graph and its tuning came from the compile cache."""
+    """Inductor's own counts of tuning in this process so far: the trial
+    runs of coordinate descent (Triton kernels' block sizes) and of combo
+    kernels, its algorithm selections and its matmul-padding benchmarks (its
+    pick among a kernel's few heuristic configs has no counter)."""
     from torch._dynamo.utils import counters
 
     return sum(counters["inductor"][name] for name in (

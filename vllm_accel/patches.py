@@ -168,8 +168,8 @@ is idempotent.
    (fixed in 2.12; newer torch is left alone): a kernel loaded from
    inductor's cache and launched statically asks the autotune cache again
    for its best config, but torch drops the mark that coordinate descent
-   found it (and, for a kernel compiled with one config, most without
-   max-autotune, ignores the answer), so coordinate descent tunes the kernel
+   found it (and, for a kernel compiled with one config, ignores the
+   answer), so coordinate descent tunes the kernel
    again at its first launch, at every warm start (the likely cause of the
    6 s a warm 1.1B start on an H100 spent tuning with every graph cached:
    benchmarks/README.md). The recheck is torch 2.12's: the cached config

@@ -55,8 +55,8 @@ class CompileStats:
 
     @property
     def tuning_benchmarks(self) -> int:
-        """Kernel variants inductor benchmarked since the count started (a
-        start whose graphs all came from the cache should need none)."""
+        """Inductor's tuning since the count started (compat.py says what is
+        counted): a start whose graphs and tuning came from the cache needs none."""
         return inductor_tuning_benchmarks() - self._start_tuning
 
     def configure(self, cache_dir: Path) -> None:
