@@ -252,11 +252,14 @@ def dynamo_code_for(function, frame_locals: dict):
     return None
 
 
-def inductor_cache_counts() -> tuple[int, int]:
-    """Inductor FX-graph cache (hits, misses) in this process so far."""
+def inductor_cache_counts() -> tuple[int, int, int]:
+    """Inductor FX-graph cache (hits, misses, bypasses) in this process so
+    far: a bypassed graph is one inductor found it cannot cache (compiled
+    anew at every start; its log at INFO says why)."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return tuple(counters["inductor"][f"fxgraph_cache_{outcome}"]
+                 for outcome in ("hit", "miss", "bypass"))
 
 
 def inductor_tuning_benchmarks() -> int:

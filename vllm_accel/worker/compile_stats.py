@@ -48,10 +48,15 @@ class CompileStats:
     def cache_hits(self) -> tuple[int, int]:
         """Graphs the compile cache gave (inductor's cache, or saved whole)
         and graphs it did not have (compiled)."""
-        hits, misses = inductor_cache_counts()
+        hits, misses, _ = inductor_cache_counts()
         saved_compiles = saved_graphs.counts()[1] - self._start_saved[1]
         return (hits - self._start_hits[0] + self.graphs_loaded,
                 misses - self._start_hits[1] + saved_compiles)
+
+    @property
+    def cache_bypasses(self) -> int:
+        """Graphs inductor compiled without its cache (it cannot cache them)."""
+        return inductor_cache_counts()[2] - self._start_hits[2]
 
     @property
     def tuning_benchmarks(self) -> int:

@@ -149,8 +149,9 @@ def warm_up(runner: AccelModelRunner) -> None:
     stats.finish_warmup()
     hits, misses = stats.cache_hits
     logger.info(
-        "vllm_accel warmup finished in %.1f s: %d graphs (compile cache hits %d, misses %d)",
-        time.perf_counter() - started, stats.warmup_graphs, hits, misses,
+        "vllm_accel warmup finished in %.1f s: %d graphs (compile cache hits %d, misses %d, "
+        "bypasses %d)", time.perf_counter() - started, stats.warmup_graphs, hits, misses,
+        stats.cache_bypasses,
     )
 
 
