@@ -14,7 +14,9 @@ cache root (in the temp dir, kept between runs), as one installed vLLM would.
 
 With VLLM_ACCEL_BASELINE=DIR (another checkout, e.g. a git worktree of main),
 accel-baseline starts that checkout's vllm-accel the same way (cold, warm):
-the A/B of a change.
+the A/B of a change. With --first-start, each round's cold start also finds
+an empty vLLM cache root (a new user's first start: vLLM inspects the
+model's class again), which its warm start then reuses.
 """
 import argparse
 import json
@@ -101,6 +103,8 @@ def main():
                    help="accel and/or native (and accel-baseline, with VLLM_ACCEL_BASELINE)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--log-dir", help="engine logs (default: a temp dir)")
+    p.add_argument("--first-start", action="store_true",
+                   help="an empty vLLM cache root for each round's cold start")
     args = p.parse_args()
     backends = parse_backends(args.backends, BACKENDS)
     work = Path(tempfile.mkdtemp(prefix="vllm-accel-startup-"))
@@ -119,6 +123,8 @@ def main():
                 # names of vLLM's model-inspection cache and would redo each
                 # other's inspection (~10 s) on every alternation.
                 vllm_cache = {"VLLM_CACHE_ROOT": str(VLLM_CACHE / backend)}
+                if args.first_start:
+                    vllm_cache["VLLM_CACHE_ROOT"] = str(work / f"vllm-{model_name}-{backend}-{rnd}")
                 if backend == "native":
                     runs = [("native", {**os.environ, **NATIVE[1], **vllm_cache}, NATIVE[0], REPO)]
                 else:

@@ -193,3 +193,37 @@ def test_the_vector_isa_probe_keeps_its_answer_for_the_next_start(vector_isa_pro
     assert json.loads(record.read_text())["good"] == candidates[1:]
     assert vector_isa_probe() == candidates  # one failed: probed at each start
     assert config.cpp.vec_isa_ok is None
+
+
+def test_vllm_inspects_model_classes_in_this_process_on_our_platform_only(monkeypatch, tmp_path):
+    """Patch 20: vLLM's registry, finding no record of a model class, asks
+    about it in a new Python process (17 s of a first start on 2 cores); on
+    our platform the question is answered here. Another platform keeps
+    vLLM's subprocess."""
+    import types
+
+    import vllm.model_executor.models.registry as registry
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    from vllm_accel.patches import apply_patches
+
+    apply_patches()
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError("a subprocess was started")
+
+    monkeypatch.setattr(registry, "subprocess", types.SimpleNamespace(run=no_subprocess))
+    assert type(vllm.platforms.current_platform).__module__ == "vllm_accel.platform"
+    assert registry._run_in_subprocess(os.getpid) == os.getpid()
+    # The registry's own path, with an empty record folder: answered and recorded.
+    monkeypatch.setattr(registry._LazyRegisteredModel, "_get_cache_dir",
+                        staticmethod(lambda: tmp_path))
+    llama = registry._LazyRegisteredModel("vllm.model_executor.models.llama", "LlamaForCausalLM")
+    info = llama.inspect_model_cls()
+    assert info.is_text_generation_model and not info.supports_multimodal
+    assert (tmp_path / llama._get_cache_filename()).exists()
+
+    monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
+    with pytest.raises(AssertionError, match="a subprocess was started"):
+        registry._run_in_subprocess(os.getpid)

@@ -1,4 +1,4 @@
-"""Patches 1-3, 9-11 and 17: those ``apply_patches`` applies in every vLLM
+"""Patches 1-3, 9-11, 17 and 20: those ``apply_patches`` applies in every vLLM
 process (our ``vllm.general_plugins`` entry point), most of them through an
 import hook once the module they concern is imported. ``patches.py`` lists
 every patch and says why; it re-exports ``apply_patches``."""
@@ -24,6 +24,7 @@ VIDEO_AUTO_MODULE = "transformers.models.auto.video_processing_auto"
 TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"  # patch 9
 ARCH_CONVERTOR_MODULE = "vllm.transformers_utils.model_arch_config_convertor"  # patch 10
 CUSTOM_OPS_MODULE = "vllm._custom_ops"  # patch 11
+MODEL_REGISTRY_MODULE = "vllm.model_executor.models.registry"  # patch 20
 # The lazy modules that export PixtralProcessor (patch 17).
 PIXTRAL_PROCESSOR_MODULES = ("transformers", "transformers.models.pixtral")
 
@@ -82,7 +83,7 @@ def _free_only_with_accelerator(free):
 def _import_route(fullname: str):
     """What the import hook does for a module name: None (nothing: most
     names), an alias (patch 1) or a patch to apply once the module is
-    imported (2, 9-11, 17)."""
+    imported (2, 9-11, 17, 20)."""
     if fullname in TORCHVISION_TO_PIL_MODULES:
         return None if torchvision_available() else Alias(TORCHVISION_TO_PIL_MODULES[fullname])
     if fullname == VIDEO_AUTO_MODULE and torchvision_available():
@@ -146,6 +147,32 @@ def _real_pixtral_processor() -> None:
             delattr(module, name)
 
 
+def _inspect_models_in_process() -> None:
+    """Patch 20 (idempotent)."""
+    module = sys.modules[MODEL_REGISTRY_MODULE]
+    in_subprocess = module._run_in_subprocess
+    if getattr(in_subprocess, "_vllm_accel_in_process", False):
+        return
+
+    def run_inspection(fn):
+        from vllm.platforms import current_platform
+
+        if type(current_platform).__module__ != "vllm_accel.platform":
+            return in_subprocess(fn)  # another platform: vLLM's way
+        import torch
+
+        cuda_before = torch.cuda.is_initialized()
+        result = fn()
+        if not cuda_before and torch.cuda.is_initialized():
+            get_logger(__name__).warning(
+                "vllm-accel: inspecting the model's vLLM class initialized CUDA in this "
+                "process, so vLLM will spawn its engine core rather than fork it")
+        return result
+
+    run_inspection._vllm_accel_in_process = True
+    module._run_in_subprocess = run_inspection
+
+
 def _register_video_stubs() -> None:
     """Patch 2 (once)."""
     global _video_registered
@@ -167,5 +194,6 @@ def _register_video_stubs() -> None:
 _POST_IMPORT_HOOKS = {
     VIDEO_AUTO_MODULE: _register_video_stubs, TOPK_TOPP_MODULE: _host_top_k_top_p,
     ARCH_CONVERTOR_MODULE: _molmo_kv_heads_fallback, CUSTOM_OPS_MODULE: _torch_repetition_penalties,
+    MODEL_REGISTRY_MODULE: _inspect_models_in_process,
     **dict.fromkeys(PIXTRAL_PROCESSOR_MODULES, _real_pixtral_processor),
 }

@@ -1,6 +1,6 @@
 """Every change vllm-accel makes to process-wide state - torch, vLLM and
 transformers behaviour, environment variables, global settings - in one
-place, each with why. Patches 1-3, 9-11 and 17 are applied by ``apply_patches``
+place, each with why. Patches 1-3, 9-11, 17 and 20 are applied by ``apply_patches``
 (our ``vllm.general_plugins`` entry point, once in every vLLM process; their
 code is in ``module_patches.py``); 4-8,
 12-15, 18 and 19 are functions called where the change is needed, and 16 is state the
@@ -176,6 +176,13 @@ is idempotent.
    taken with its mark, compiled if the cache entry lacks it (Triton's own
    cache has it).
 
+20. vLLM 0.33, our platform only: vLLM's registry inspects a model's class
+   (pooling or not, multimodal, ...) in a new Python process, to keep CUDA out
+   of the front end, on every start without its record in ``modelinfos/``:
+   17 s of a 21 s ``LLM()`` on 2 cores (benchmarks/README.md). Our platform
+   runs no vLLM model class, and vLLM's model modules do not touch a device at
+   import, so it runs in this process (a warning if it initialized CUDA).
+
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
 what steers them is set around each forward by ``set_forward_context``, which
@@ -183,7 +190,8 @@ is also the only caller of patch 7.
 
 Patches 1, 2 and 17 act only when torchvision is unavailable (by transformers'
 own test, so they agree with the image-processor backend transformers picks), 9
-only when Triton is, 11 only without vLLM's compiled ops; these and 10 stay dormant until the module they concern is
+only when Triton is, 11 only without vLLM's compiled ops, 20 only on our
+platform; these and 10 stay dormant until the module they concern is
 imported: applying them only appends one finder to ``sys.meta_path``
 (importing the modules eagerly would cost every vLLM process seconds).
 """
@@ -193,7 +201,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-# Patches 1-3, 9-11 and 17 live in module_patches.py (a relative import:
+# Patches 1-3, 9-11, 17 and 20 live in module_patches.py (a relative import:
 # benchmarks/native_shims.py loads this package under a name of its own);
 # apply_patches is the plugin's entry point.
 from .module_patches import apply_patches, torchvision_available  # noqa: F401
