@@ -295,6 +295,8 @@ def test_a_fresh_process_forks_its_engine_core_and_equals_hf(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     env["VLLM_ACCEL_COMPILE_CACHE_DIR"] = str(tmp_path / "compile-cache")  # empty: a cold start
+    # Empty too: vLLM inspects the model's class, in this process (patch 20).
+    env["VLLM_CACHE_ROOT"] = str(tmp_path / "vllm-cache")
     starts = []
     for _ in ("cold", "warm"):
         run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(model),
