@@ -180,8 +180,8 @@ is idempotent.
    (pooling or not, multimodal, ...) in a new Python process, to keep CUDA out
    of the front end, on every start without its record in ``modelinfos/``:
    17 s of a 21 s ``LLM()`` on 2 cores (benchmarks/README.md). Our platform
-   runs no vLLM model class, and vLLM's model modules do not touch a device at
-   import, so it runs in this process (a warning if it initialized CUDA).
+   runs no vLLM model class; it is inspected in this process, with a warning
+   should that initialize CUDA (vLLM then spawns its engine core).
 
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
