@@ -355,6 +355,10 @@ def start_times(model: Path, root: Path, rounds: int = 1) -> dict:
                 result = {"failed": str(failed)[-3000:]}
             out.setdefault(label, []).append(result)
             print("start", label, json.dumps(result), flush=True)
+            log = root / f"start-{label}-{round_}.log"  # deleted with root: keep our lines
+            if log.exists():
+                print("".join(line for line in log.read_text().splitlines(keepends=True)
+                              if "vllm_accel" in line or "init engine" in line), flush=True)
     return out
 
 
