@@ -122,9 +122,9 @@ def main():
                 # Each vLLM its own cache root: the two versions share the file
                 # names of vLLM's model-inspection cache and would redo each
                 # other's inspection (~10 s) on every alternation.
-                vllm_cache = {"VLLM_CACHE_ROOT": str(VLLM_CACHE / backend)}
-                if args.first_start:
-                    vllm_cache["VLLM_CACHE_ROOT"] = str(work / f"vllm-{model_name}-{backend}-{rnd}")
+                root = (work / f"vllm-{model_name}-{backend}-{rnd}" if args.first_start
+                        else VLLM_CACHE / backend)
+                vllm_cache = {"VLLM_CACHE_ROOT": str(root)}
                 if backend == "native":
                     runs = [("native", {**os.environ, **NATIVE[1], **vllm_cache}, NATIVE[0], REPO)]
                 else:

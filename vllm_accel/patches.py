@@ -169,9 +169,9 @@ is idempotent.
    inductor's cache and launched statically asks the autotune cache again
    for its best config, but torch drops the mark that coordinate descent
    found it (and, for a kernel compiled with one config, ignores the
-   answer), so coordinate descent tunes the kernel
-   again at its first launch, at every warm start (the likely cause of the
-   6 s a warm 1.1B start on an H100 spent tuning with every graph cached:
+   answer), so coordinate descent tunes the kernel again at its first
+   launch, at every warm start (a warm 1.1B start on an H100: 228 tuning
+   benchmarks with a graph per bucket; 0 with this patch and shared graphs:
    benchmarks/README.md). The recheck is torch 2.12's: the cached config
    taken with its mark, compiled if the cache entry lacks it (Triton's own
    cache has it).
@@ -179,9 +179,10 @@ is idempotent.
 20. vLLM 0.33, our platform only: vLLM's registry inspects a model's class
    (pooling or not, multimodal, ...) in a new Python process, to keep CUDA out
    of the front end, on every start without its record in ``modelinfos/``:
-   17 s of a 21 s ``LLM()`` on 2 cores (benchmarks/README.md). Our platform
-   runs no vLLM model class; it is inspected in this process, with a warning
-   should that initialize CUDA (vLLM then spawns its engine core).
+   a first ``LLM()`` on 2 cores took 44 s with it, 28 s without
+   (benchmarks/README.md). Our platform runs no vLLM model class; it is
+   inspected in this process, with a warning should that initialize CUDA
+   (vLLM then spawns its engine core).
 
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
