@@ -330,12 +330,13 @@ def decode_only(model: Path, prompts: list[list[int]], cache: Path) -> dict:
     return out
 
 
-def start_times(model: Path, root: Path, rounds: int = 1) -> dict:
+def start_times(model: Path, root: Path, rounds: int = 1, spawned: bool = True) -> dict:
     """Engine start-up as a user's script meets it: each start a fresh process
     (startup.py's), vLLM's import and ``LLM()`` timed apart, the warmup's parts
     from the engine's log. Per round: cold (empty compile, Triton, inductor and
     vLLM caches), warm (the same caches again), and warm with the engine core
-    spawned (vLLM's choice where the front-end process has initialized CUDA)."""
+    spawned (vLLM's choice where the front-end process has initialized CUDA;
+    not with ``spawned=False``)."""
     from startup import start_once
 
     out = {}
@@ -346,8 +347,9 @@ def start_times(model: Path, root: Path, rounds: int = 1) -> dict:
                "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
                "VLLM_CACHE_ROOT": str(caches / "vllm")}
         env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
-        for label, extra in (("cold", {}), ("warm", {}),
-                             ("warm_spawn", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})):
+        starts = [("cold", {}), ("warm", {}),
+                  ("warm_spawn", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})][:3 if spawned else 2]
+        for label, extra in starts:
             try:
                 result = start_once(sys.executable, {**env, **extra}, str(model),
                                     root / f"start-{label}-{round_}.log", options=options)
@@ -645,6 +647,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     parser.add_argument("--start-rounds", type=int, default=1,
                         help="rounds of engine starts (cold, warm, warm with spawn)")
+    parser.add_argument("--no-spawned-start", action="store_true",
+                        help="rounds of cold and warm starts only")
     parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS,
                         help="the throughput batch (HF's torch-only Mamba2 scan needs ~50 GB "
                              "for hybrid100m's 64 x 128-token prefill)")
@@ -681,7 +685,8 @@ def main() -> None:
             results["weight_read_floor"] = weight_read_floor(model)
             print("floor", results["weight_read_floor"], flush=True)
         if "start" in parts:
-            results["engine_start"] = start_times(model, root, args.start_rounds)
+            results["engine_start"] = start_times(model, root, args.start_rounds,
+                                                  not args.no_spawned_start)
             print("start", results["engine_start"], flush=True)
         if "decode" in parts:
             results["decode_step"] = decode_only(model, prompts, root / "cache")

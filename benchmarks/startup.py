@@ -50,7 +50,8 @@ STARTUP_LINE = re.compile(
 PART_LINES = {
     "buckets_s": re.compile(r"vllm_accel warmup finished in ([\d.]+) s"),
     "cuda_graphs_s": re.compile(r"vllm_accel captured \d+ CUDA graphs .* in ([\d.]+) s"),
-    "sampling_kernels_s": re.compile(r"vllm_accel sampling kernels compiled .* in ([\d.]+) s"),
+    "sampling_kernels_s": re.compile(
+        r"vllm_accel sampling kernels compiled for batch sizes \S+ in ([\d.]+) s"),
     "tuning_benchmarks": re.compile(r"vllm_accel start-up: .*, (\d+) kernel tuning benchmarks"),
 }
 # vLLM's warning when it starts the engine core with spawn rather than fork.

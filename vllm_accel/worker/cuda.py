@@ -126,32 +126,61 @@ def capture_graphs(runner: AccelModelRunner) -> ForwardGraphs:
     return graphs
 
 
+def _compiled_variants(dispatchers) -> int:
+    """Triton variants the sampling kernels hold compiled, on every device."""
+    return sum(len(caches[0]) for d in dispatchers
+               for caches in getattr(d.kernel, "device_caches", {}).values())
+
+
+def _compile_variants_ahead(dispatchers, vllm_config: VllmConfig) -> None:
+    """Compile the variants vLLM's warmup registry declares for these kernels
+    on a thread pool (vLLM's ``compile_triton_warmup``: its
+    VLLM_TRITON_JIT_WARMUP_NUM_THREADS threads); the registry only does so on
+    vLLM's own cuda platform."""
+    from vllm.model_executor.warmup.jit_warmup_triton_helper import compile_triton_warmup
+
+    try:
+        keys = [(d, d.get_warmup_keys(vllm_config=vllm_config)) for d in dispatchers]
+        compile_triton_warmup(lambda: [d.compile_many(k) for d, k in keys],
+                              sum(len(k) for _, k in keys))
+    except Exception as error:  # vLLM's registry off its own platform: the runs still compile
+        logger.warning("vllm_accel could not compile the sampling kernels ahead (%s); "
+                       "they compile one by one", error)
+
+
 @torch.inference_mode()
 def compile_sampling_kernels(runner: AccelModelRunner, vllm_config: VllmConfig) -> None:
-    """Run vLLM's Triton top-k/top-p masking once for every variant serving
-    can ask for, so no request waits on its JIT compile: top-k, top-p and
-    both; batch 1 apart; and top-p alone at up to 64 requests splits each
-    row by the batch size (a variant per split count; above 64 one variant
-    serves every batch size, run at max_num_seqs). vLLM's own warmup
-    registry picks the split variants by platform (``is_cuda_alike``), not by
-    device as the sampler does, so it misses them here. Then vLLM's JIT
+    """Compile vLLM's Triton top-k/top-p masking for every variant serving
+    can ask for, so no request waits on its JIT compile: first ahead, in
+    parallel (``_compile_variants_ahead``), then by running each once: top-k,
+    top-p and both; batch 1 apart; and top-p alone at up to 64 requests splits
+    each row by the batch size (a variant per split count; above 64 one
+    variant serves every batch size, run at max_num_seqs). The runs compile
+    what the registry missed: it picks the split variants by platform
+    (``is_cuda_alike``), not by device as the sampler does. Then vLLM's JIT
     monitor reports any later compile (--jit-monitor-mode)."""
     if not HAS_TRITON or runner.model is None or runner.pooling is not None:
         return  # no Triton, or a pooling model: nothing is sampled
-    from vllm.v1.sample.ops.topk_topp_triton import _SPLIT_MAX_BATCH, apply_top_k_top_p_triton
+    from vllm.v1.sample.ops import topk_topp_triton as ops
 
+    dispatchers = (ops._topk_topp, ops._topp_split_stats, ops._topp_split_step,
+                   ops._topp_split_mask)
     started = time.perf_counter()
-    batch_sizes = sorted({*range(1, min(runner.max_num_reqs, _SPLIT_MAX_BATCH) + 1),
+    _compile_variants_ahead(dispatchers, vllm_config)
+    ahead, ahead_s = _compiled_variants(dispatchers), time.perf_counter() - started
+    batch_sizes = sorted({*range(1, min(runner.max_num_reqs, ops._SPLIT_MAX_BATCH) + 1),
                           runner.max_num_reqs})
     for n in batch_sizes:
         logits = torch.randn(n, runner.model.logits_width, device=runner.device)
         k = torch.full((n,), 5, dtype=torch.int32, device=runner.device)
         p = torch.full((n,), 0.9, device=runner.device)
         for top_k, top_p in ((k, None), (None, p), (k, p)):
-            apply_top_k_top_p_triton(logits.clone(), top_k, top_p)
+            ops.apply_top_k_top_p_triton(logits.clone(), top_k, top_p)
     torch.cuda.synchronize(runner.device)
-    logger.info("vllm_accel sampling kernels compiled for batch sizes 1-%d in %.1f s",
-                runner.max_num_reqs, time.perf_counter() - started)
+    logger.info("vllm_accel sampling kernels compiled for batch sizes 1-%d in %.1f s: "
+                "%d variants ahead in %.1f s, %d more by the runs", runner.max_num_reqs,
+                time.perf_counter() - started, ahead, ahead_s,
+                _compiled_variants(dispatchers) - ahead)
     observability = vllm_config.observability_config
     activate_jit_monitor(mode=observability.jit_monitor_mode,
                          verbose=observability.jit_monitor_verbose)
