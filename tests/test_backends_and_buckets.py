@@ -97,8 +97,9 @@ def test_cuda_is_refused_without_a_gpu_or_without_triton(monkeypatch):
                 select_backend(cuda)
         else:
             # One compiled decoder graph for the token buckets above 1, as on
-            # the cpu (start-up: benchmarks/README.md), vision towers a graph
-            # per bucket unless shared is asked for; per_bucket where asked for.
+            # the cpu (start-up: benchmarks/README.md), vision towers and
+            # encoder-only models a graph per bucket unless shared is asked
+            # for; per_bucket where asked for.
             assert select_backend(cuda) == DeviceBackend("cuda", "inductor", True, False)
             shared = load_settings({"accel": {"device": "cuda", "bucket_graphs": "shared"}})
             assert select_backend(shared) == DeviceBackend("cuda", "inductor", True, True)

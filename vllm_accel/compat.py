@@ -74,17 +74,19 @@ def limit_modality_to_zero(mm_config, modality: str) -> None:
     mm_config.limit_per_prompt.update(type(mm_config)._validate_limit_per_prompt({modality: 0}))
 
 
-def compile_sampler_logprob_ranks(vocab_size: int) -> None:
+def compile_sampler_logprob_ranks(vocab_size: int, device) -> None:
     """vLLM's sampler ranks logprobs with a torch.compile'd helper,
-    ``batched_count_greater_than`` (one graph per process, its batch size
-    marked unbacked): compile it now, called as the sampler calls it, so that
-    no request pays for it - whether or not warmup asked for logprobs."""
+    ``batched_count_greater_than`` (one graph per process and device, its
+    batch size marked unbacked): compile it now, called as the sampler calls
+    it (on the logits' device), so that no request pays for it - whether or
+    not warmup asked for logprobs."""
     import torch
     from torch._dynamo.decorators import mark_unbacked
     from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 
     with torch.inference_mode():  # as sampling runs (dynamo guards on it)
-        logprobs, values = torch.zeros(2, vocab_size), torch.zeros(2, 1)
+        logprobs = torch.zeros(2, vocab_size, device=device)
+        values = torch.zeros(2, 1, device=device)
         mark_unbacked(logprobs, 0)
         mark_unbacked(values, 0)
         batched_count_greater_than(logprobs, values)

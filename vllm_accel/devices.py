@@ -41,10 +41,10 @@ class DeviceBackend:
     device: str  # "cpu", "hpu" or "cuda": also the torch device type
     compile_backend: str  # a torch.compile backend name, or "eager"
     # One compiled graph serves every bucket above 1 (settings.bucket_graphs):
-    # the decoder's token buckets; a vision tower's buckets, where its adapter
-    # names their axis.
+    # the decoder's token buckets; apart, the buckets of a vision tower (where
+    # its adapter names their axis) or of an encoder-only model.
     shared_bucket_graphs: bool = False
-    shared_vision_graphs: bool = False
+    shared_encoder_graphs: bool = False
 
     @property
     def compiles(self) -> bool:
@@ -110,12 +110,13 @@ def select_backend(settings: AccelSettings) -> DeviceBackend:
             f"{env_var_name('bucket_graphs')}=shared is for devices 'cpu' and 'cuda'; on "
             f"'{device}' each token bucket has its own graph: expected auto or per_bucket.")
     compiles, choice = backend != "eager", settings.bucket_graphs
-    # auto: shared on cpu; on cuda the decoder's only (shared vision graphs
-    # are untried on a GPU).
+    # auto: shared on cpu; on cuda the decoder's only (shared vision tower
+    # graphs are untried on a GPU; an encoder's failed to compile on an H100:
+    # the mask of its blocks, built outside the layers, fixed the token count).
     shared = compiles and (choice == "shared" or (choice == "auto" and device != "hpu"))
-    shared_vision = compiles and (choice == "shared" or (choice == "auto" and device == "cpu"))
+    shared_encoder = compiles and (choice == "shared" or (choice == "auto" and device == "cpu"))
     return DeviceBackend(device=device, compile_backend=backend, shared_bucket_graphs=shared,
-                         shared_vision_graphs=shared_vision)
+                         shared_encoder_graphs=shared_encoder)
 
 
 # ---- what vLLM's Platform asks, per device ----------------------------------

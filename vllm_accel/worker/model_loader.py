@@ -79,7 +79,7 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
         # vLLM's sampler ranks logprobs over the logits' columns (the head's
         # rows: more than vocab_size for some models): its graph for them
         # now, not counted as ours.
-        compile_sampler_logprob_ranks(loaded.model.logits_width)
+        compile_sampler_logprob_ranks(loaded.model.logits_width, backend.device)
         compile_stats.restart()
     compile_backend = backend.compile_backend if backend.compiles else None
     saved = None
@@ -93,9 +93,10 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
                 and saved_graphs.available()):
             saved = saved_graphs.SavedGraphs(compile_stats.saved_graphs_dir)
         loaded.model.compile_layers(compile_backend, token_buckets, saved,
-                                    backend.shared_bucket_graphs)
+                                    backend.shared_encoder_graphs if encoder_family
+                                    else backend.shared_bucket_graphs)
     if vision is not None:
         loaded.vision_encoder = VisionEncoder(vision, compile_backend,
                                               settings.multimodal_buckets, saved,
-                                              backend.shared_vision_graphs)
+                                              backend.shared_encoder_graphs)
     return loaded

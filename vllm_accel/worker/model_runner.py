@@ -83,8 +83,9 @@ class AccelModelRunner:
         # The scheduler never sends more tokens than this in one step.
         max_step = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
         self.is_pooling = self.model_config.runner_type == "pooling"
-        if self.is_pooling and find_architecture(
-                self.model_config.hf_config.architectures).encoder is not None:
+        encoder_only = self.is_pooling and find_architecture(
+            self.model_config.hf_config.architectures).encoder is not None
+        if encoder_only:
             self.token_buckets = encoder_token_buckets(
                 settings.token_buckets, max_step, self.max_model_len,
                 backend.prefers_large_forwards)
@@ -100,11 +101,11 @@ class AccelModelRunner:
         # shape per token bucket: one graph per bucket.
         self.table_shape = (TableShape(self.max_num_reqs, self.context_buckets[-1])
                             if backend.attends_in_one_launch else None)
+        shared = backend.shared_encoder_graphs if encoder_only else backend.shared_bucket_graphs
         logger.info(
             "vllm_accel buckets: tokens %s (%s), context blocks %s (block size %d)",
-            self.token_buckets, "one graph shared by those above 1" if
-            backend.shared_bucket_graphs else "a graph each", self.context_buckets,
-            self.block_size,
+            self.token_buckets, "one graph shared by those above 1" if shared else "a graph each",
+            self.context_buckets, self.block_size,
         )
 
         self.model: FmsCausalLM | None = None
