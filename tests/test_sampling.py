@@ -101,3 +101,23 @@ def test_bfloat16_close_to_hf_bfloat16(tiny_models):
         gap = (logits[want[split]] - logits[got[split]]).abs().item()
         spread = (logits.max() - logits.min()).item()
         assert gap <= 0.03 * spread, (split, gap, spread, got, want)
+
+
+def test_the_sampling_kernels_compiled_ahead_are_those_of_our_logits_row_stride():
+    """vLLM's warmup keys for its top-k/top-p kernels hold a row stride that
+    is a multiple of 16 and one that is not (Triton compiles a variant for
+    each); a GPU's start compiles ahead only those of its logits' rows
+    (``worker/cuda.py``): 32,000 wide keeps the first, 32,001 the second."""
+    from vllm.model_executor.warmup.jit_warmup_triton_helper import (TritonCompileKey,
+                                                                     TritonWarmupTensor)
+
+    from vllm_accel.worker.cuda import _with_row_stride
+
+    def key(stride: int) -> TritonCompileKey:
+        logits = TritonWarmupTensor(torch.float32, shape=(4, 32000), strides=(stride, 1))
+        return TritonCompileKey(frozenset(), (("logits", logits), ("p", None)))
+
+    for width in (32000, 32001):
+        aligned = width % 16 == 0
+        assert [_with_row_stride(key(s), aligned) for s in (16, 2)] == [aligned, not aligned]
+    assert _with_row_stride(TritonCompileKey(frozenset(), (("stats", None),)), True)

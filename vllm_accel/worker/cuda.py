@@ -132,15 +132,25 @@ def _compiled_variants(dispatchers) -> int:
                for caches in getattr(d.kernel, "device_caches", {}).values())
 
 
-def _compile_variants_ahead(dispatchers, vllm_config: VllmConfig) -> None:
+def _with_row_stride(key, aligned: bool) -> bool:
+    """Whether a warmup key's logits have rows as ours do: a row stride that
+    is a multiple of 16 (Triton specializes on it) or not."""
+    logits = dict(key.inputs).get("logits")
+    return not hasattr(logits, "stride") or (logits.stride(0) % 16 == 0) == aligned
+
+
+def _compile_variants_ahead(dispatchers, vllm_config: VllmConfig, logits_width: int) -> None:
     """Compile the variants vLLM's warmup registry declares for these kernels
     on a thread pool (vLLM's ``compile_triton_warmup``: its
     VLLM_TRITON_JIT_WARMUP_NUM_THREADS threads); the registry only does so on
-    vLLM's own cuda platform."""
+    vLLM's own cuda platform. Its keys cover both kinds of row stride; our
+    logits (contiguous, ``logits_width`` wide) have one."""
     from vllm.model_executor.warmup.jit_warmup_triton_helper import compile_triton_warmup
 
+    aligned = logits_width % 16 == 0
     try:
-        keys = [(d, d.get_warmup_keys(vllm_config=vllm_config)) for d in dispatchers]
+        keys = [(d, [k for k in d.get_warmup_keys(vllm_config=vllm_config)
+                     if _with_row_stride(k, aligned)]) for d in dispatchers]
         compile_triton_warmup(lambda: [d.compile_many(k) for d, k in keys],
                               sum(len(k) for _, k in keys))
     except Exception as error:  # vLLM's registry off its own platform: the runs still compile
@@ -166,7 +176,7 @@ def compile_sampling_kernels(runner: AccelModelRunner, vllm_config: VllmConfig) 
     dispatchers = (ops._topk_topp, ops._topp_split_stats, ops._topp_split_step,
                    ops._topp_split_mask)
     started = time.perf_counter()
-    _compile_variants_ahead(dispatchers, vllm_config)
+    _compile_variants_ahead(dispatchers, vllm_config, runner.model.logits_width)
     ahead, ahead_s = _compiled_variants(dispatchers), time.perf_counter() - started
     batch_sizes = sorted({*range(1, min(runner.max_num_reqs, ops._SPLIT_MAX_BATCH) + 1),
                           runner.max_num_reqs})
