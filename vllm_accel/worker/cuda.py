@@ -162,13 +162,14 @@ def _compile_variants_ahead(dispatchers, vllm_config: VllmConfig, logits_width: 
 def compile_sampling_kernels(runner: AccelModelRunner, vllm_config: VllmConfig) -> None:
     """Compile vLLM's Triton top-k/top-p masking for every variant serving
     can ask for, so no request waits on its JIT compile: first ahead, in
-    parallel (``_compile_variants_ahead``), then by running each once: top-k,
-    top-p and both; batch 1 apart; and top-p alone at up to 64 requests splits
-    each row by the batch size (a variant per split count; above 64 one
-    variant serves every batch size, run at max_num_seqs). The runs compile
-    what the registry missed: it picks the split variants by platform
-    (``is_cuda_alike``), not by device as the sampler does. Then vLLM's JIT
-    monitor reports any later compile (--jit-monitor-mode)."""
+    parallel, from the kernels' own warmup keys (``_compile_variants_ahead``;
+    vLLM's registry would take the split pipeline's only on a platform that
+    ``is_cuda_alike``), then by running each case once, which compiles any
+    variant the keys miss: top-k, top-p and both; batch 1 apart; and top-p
+    alone at up to 64 requests splits each row by the batch size (a variant
+    per split count; above 64 one variant serves every batch size, run at
+    max_num_seqs). Then vLLM's JIT monitor reports any later compile
+    (--jit-monitor-mode)."""
     if not HAS_TRITON or runner.model is None or runner.pooling is not None:
         return  # no Triton, or a pooling model: nothing is sampled
     from vllm.v1.sample.ops import topk_topp_triton as ops
