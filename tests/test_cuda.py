@@ -281,9 +281,10 @@ def test_a_fresh_process_forks_its_engine_core_and_equals_hf(tmp_path):
     vLLM again, ~15 s of each start); the forked engine computes HF's tokens.
     Started again on the same compile cache, every graph and every kernel's
     tuned block sizes come from it: no cache miss, nothing re-tuned. Graphs
-    inductor will not cache (its bypasses) are counted apart. (A third graph
-    without an inductor cache lookup on an H100 was vLLM's logprob ranking,
-    compiled at load for the cpu's tensors and again in warmup for the GPU's.)"""
+    inductor will not cache (its bypasses) are counted apart. (An H100's
+    warmups had a third graph without an inductor cache lookup: by the code,
+    vLLM's logprob ranking, then compiled at load on the cpu's tensors and
+    again in warmup on the GPU's.)"""
     import json
     import os
     import re

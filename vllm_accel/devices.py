@@ -112,7 +112,7 @@ def select_backend(settings: AccelSettings) -> DeviceBackend:
     compiles, choice = backend != "eager", settings.bucket_graphs
     # auto: shared on cpu; on cuda the decoder's only (shared vision tower
     # graphs are untried on a GPU; an encoder's failed to compile on an H100:
-    # the mask of its blocks, built outside the layers, fixed the token count).
+    # dynamo fixed its marked token count at the masked SDPA).
     shared = compiles and (choice == "shared" or (choice == "auto" and device != "hpu"))
     shared_encoder = compiles and (choice == "shared" or (choice == "auto" and device == "cpu"))
     return DeviceBackend(device=device, compile_backend=backend, shared_bucket_graphs=shared,
