@@ -347,8 +347,9 @@ def start_times(model: Path, root: Path, rounds: int = 1, spawned: bool = True) 
                "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
                "VLLM_CACHE_ROOT": str(caches / "vllm")}
         env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
-        starts = [("cold", {}), ("warm", {}),
-                  ("warm_spawn", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})][:3 if spawned else 2]
+        starts = [("cold", {}), ("warm", {})]
+        if spawned:
+            starts.append(("warm_spawn", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}))
         for label, extra in starts:
             try:
                 result = start_once(sys.executable, {**env, **extra}, str(model),

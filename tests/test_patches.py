@@ -197,9 +197,9 @@ def test_the_vector_isa_probe_keeps_its_answer_for_the_next_start(vector_isa_pro
 
 def test_vllm_inspects_model_classes_in_this_process_on_our_platform_only(monkeypatch, tmp_path):
     """Patch 20: vLLM's registry, finding no record of a model class, asks
-    about it in a new Python process (17 s of a first start on 2 cores); on
-    our platform the question is answered here. Another platform keeps
-    vLLM's subprocess."""
+    about it in a new Python process (16 s of a first start on 2 cores,
+    benchmarks/README.md); on our platform the question is answered here.
+    Another platform keeps vLLM's subprocess."""
     import types
 
     import vllm.model_executor.models.registry as registry
