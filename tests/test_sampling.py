@@ -8,7 +8,7 @@ import torch
 from vllm import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
 
-from helpers import hf_greedy, hf_model, prompt_ids, running_llm
+from helpers import hf_greedy, hf_model, model_runner, prompt_ids, running_llm
 
 pytestmark = pytest.mark.slow  # engines and servers: the full suite only
 
@@ -121,3 +121,30 @@ def test_the_sampling_kernels_compiled_ahead_are_those_of_our_logits_row_stride(
         aligned = width % 16 == 0
         assert [_with_row_stride(key(s), aligned) for s in (16, 2)] == [aligned, not aligned]
     assert _with_row_stride(TritonCompileKey(frozenset(), (("stats", None),)), True)
+
+
+def test_warmup_waits_for_the_sampling_kernels_before_its_first_top_k_top_p_step(llm,
+                                                                                monkeypatch):
+    """On cuda, vLLM's top-k/top-p kernels compile on a thread beside the
+    memory profile and the first buckets' warmup, and nothing may sample with
+    them before that thread is done (``worker/cuda.py``). ``warm_up`` calls
+    its wait once: after the greedy buckets, before the top-k/top-p one."""
+    from vllm_accel.worker.warmup import warm_up
+
+    runner = model_runner(llm)
+    events = []
+    execute = runner.execute_model
+
+    def recording(scheduler_output, *args, **kwargs):
+        events.extend("top-k/top-p" if r.sampling_params.top_k > 0 else "greedy"
+                      for r in scheduler_output.scheduled_new_reqs)
+        return execute(scheduler_output, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute_model", recording)
+    try:
+        warm_up(runner, before_top_k_top_p=lambda: events.append("wait"))
+    finally:
+        llm.reset_prefix_cache()  # warmup wrote into blocks vLLM's cache may index
+    assert events.count("wait") == 1, events
+    wait = events.index("wait")
+    assert set(events[:wait]) == {"greedy"} and set(events[wait + 1:]) == {"top-k/top-p"}, events

@@ -6,6 +6,7 @@ sizes the KV cache, capturing the CUDA graphs of its forwards
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -126,10 +127,18 @@ def capture_graphs(runner: AccelModelRunner) -> ForwardGraphs:
     return graphs
 
 
-def _compiled_variants(dispatchers) -> int:
-    """Triton variants the sampling kernels hold compiled, on every device."""
-    return sum(len(caches[0]) for d in dispatchers
-               for caches in getattr(d.kernel, "device_caches", {}).values())
+def _sampling_dispatchers():
+    """vLLM's Triton top-k/top-p kernels: the monolithic one and the split
+    top-p pipeline's three."""
+    from vllm.v1.sample.ops import topk_topp_triton as ops
+
+    return (ops._topk_topp, ops._topp_split_stats, ops._topp_split_step, ops._topp_split_mask)
+
+
+def _compiled_keys(dispatchers) -> set[tuple[str, str]]:
+    """The Triton variants the sampling kernels hold compiled, on every device."""
+    return {(d.kernel.__name__, str(key)) for d in dispatchers
+            for caches in getattr(d.kernel, "device_caches", {}).values() for key in caches[0]}
 
 
 def _with_row_stride(key, aligned: bool) -> bool:
@@ -139,46 +148,77 @@ def _with_row_stride(key, aligned: bool) -> bool:
     return not hasattr(logits, "stride") or (logits.stride(0) % 16 == 0) == aligned
 
 
-def _compile_variants_ahead(dispatchers, vllm_config: VllmConfig, logits_width: int) -> None:
-    """Compile the variants vLLM's warmup registry declares for these kernels
-    on a thread pool (vLLM's ``compile_triton_warmup``: its
-    VLLM_TRITON_JIT_WARMUP_NUM_THREADS threads); the registry only does so on
-    vLLM's own cuda platform. Its keys cover both kinds of row stride; our
-    logits (contiguous, ``logits_width`` wide) have one."""
-    from vllm.model_executor.warmup.jit_warmup_triton_helper import compile_triton_warmup
+class SamplingKernelsAhead:
+    """The variants vLLM's warmup registry declares for its sampling kernels
+    (it only does so on vLLM's own cuda platform), compiled on a thread that
+    starts when the model is loaded, so their compile (CPU) overlaps the
+    memory profile and whatever else runs before ``wait``. The thread
+    compiles on vLLM's pool (``compile_triton_warmup``:
+    VLLM_TRITON_JIT_WARMUP_NUM_THREADS threads) with fake tensors: it launches
+    nothing and allocates no device memory. Nothing may sample before
+    ``wait`` returns (the kernels' dispatchers are not thread-safe). Its keys
+    cover both kinds of row stride; our logits (contiguous, ``logits_width``
+    wide) have one."""
 
-    aligned = logits_width % 16 == 0
-    try:
-        keys = [(d, [k for k in d.get_warmup_keys(vllm_config=vllm_config)
-                     if _with_row_stride(k, aligned)]) for d in dispatchers]
-        compile_triton_warmup(lambda: [d.compile_many(k) for d, k in keys],
-                              sum(len(k) for _, k in keys))
-    except Exception as error:  # vLLM's registry off its own platform: the runs still compile
-        logger.warning("vllm_accel could not compile the sampling kernels ahead (%s); "
-                       "they compile one by one", error)
+    def __init__(self, runner: AccelModelRunner, vllm_config: VllmConfig):
+        self.seconds = 0.0  # the compile's own time, set by the thread
+        self.waited = 0.0  # start-up time spent waiting for it
+        self.variants = 0
+        self._thread = threading.Thread(
+            target=self._compile, args=(vllm_config, runner.model.logits_width, runner.device),
+            name="vllm_accel-sampling-kernels", daemon=True)
+        self._thread.start()
+
+    def _compile(self, vllm_config: VllmConfig, logits_width: int,
+                 device: torch.device) -> None:
+        from vllm.model_executor.warmup.jit_warmup_triton_helper import compile_triton_warmup
+
+        started = time.perf_counter()
+        dispatchers = _sampling_dispatchers()
+        aligned = logits_width % 16 == 0
+        try:
+            torch.cuda.set_device(device)  # the current device is a thread's own
+            keys = [(d, [k for k in d.get_warmup_keys(vllm_config=vllm_config)
+                         if _with_row_stride(k, aligned)]) for d in dispatchers]
+            compile_triton_warmup(lambda: [d.compile_many(k) for d, k in keys],
+                                  sum(len(k) for _, k in keys))
+        except Exception as error:  # vLLM's registry off its own platform: the runs still compile
+            logger.warning("vllm_accel could not compile the sampling kernels ahead (%s); "
+                           "they compile one by one", error)
+        self.variants = len(_compiled_keys(dispatchers))
+        self.seconds = time.perf_counter() - started
+
+    def wait(self) -> None:
+        started = time.perf_counter()
+        self._thread.join()
+        self.waited += time.perf_counter() - started
+
+
+def start_sampling_kernels_ahead(runner: AccelModelRunner,
+                                 vllm_config: VllmConfig) -> SamplingKernelsAhead | None:
+    """``SamplingKernelsAhead`` for a model that samples with Triton."""
+    if not HAS_TRITON or runner.model is None or runner.pooling is not None:
+        return None  # no Triton, or a pooling model: nothing is sampled
+    return SamplingKernelsAhead(runner, vllm_config)
 
 
 @torch.inference_mode()
-def compile_sampling_kernels(runner: AccelModelRunner, vllm_config: VllmConfig) -> None:
+def compile_sampling_kernels(runner: AccelModelRunner, vllm_config: VllmConfig,
+                             ahead: SamplingKernelsAhead) -> None:
     """Compile vLLM's Triton top-k/top-p masking for every variant serving
-    can ask for, so no request waits on its JIT compile: first ahead, in
-    parallel, from the kernels' own warmup keys (``_compile_variants_ahead``;
-    vLLM's registry would take the split pipeline's only on a platform that
-    ``is_cuda_alike``), then by running each case once, which compiles any
-    variant the keys miss: top-k, top-p and both; batch 1 apart; and top-p
-    alone at up to 64 requests splits each row by the batch size (a variant
-    per split count; above 64 one variant serves every batch size, run at
-    max_num_seqs). Then vLLM's JIT monitor reports any later compile
-    (--jit-monitor-mode)."""
-    if not HAS_TRITON or runner.model is None or runner.pooling is not None:
-        return  # no Triton, or a pooling model: nothing is sampled
+    can ask for, so no request waits on its JIT compile: first the variants
+    compiled ahead (``SamplingKernelsAhead``, waited for), then by running
+    each case once, which compiles any variant the keys miss: top-k, top-p and
+    both; batch 1 apart; and top-p alone at up to 64 requests splits each row
+    by the batch size (a variant per split count; above 64 one variant serves
+    every batch size, run at max_num_seqs). Then vLLM's JIT monitor reports
+    any later compile (--jit-monitor-mode)."""
     from vllm.v1.sample.ops import topk_topp_triton as ops
 
-    dispatchers = (ops._topk_topp, ops._topp_split_stats, ops._topp_split_step,
-                   ops._topp_split_mask)
+    ahead.wait()
     started = time.perf_counter()
-    _compile_variants_ahead(dispatchers, vllm_config, runner.model.logits_width)
-    ahead, ahead_s = _compiled_variants(dispatchers), time.perf_counter() - started
+    dispatchers = _sampling_dispatchers()
+    compiled_ahead = _compiled_keys(dispatchers)
     batch_sizes = sorted({*range(1, min(runner.max_num_reqs, ops._SPLIT_MAX_BATCH) + 1),
                           runner.max_num_reqs})
     for n in batch_sizes:
@@ -188,10 +228,15 @@ def compile_sampling_kernels(runner: AccelModelRunner, vllm_config: VllmConfig) 
         for top_k, top_p in ((k, None), (None, p), (k, p)):
             ops.apply_top_k_top_p_triton(logits.clone(), top_k, top_p)
     torch.cuda.synchronize(runner.device)
+    runs_s = time.perf_counter() - started
+    by_runs = sorted(_compiled_keys(dispatchers) - compiled_ahead)
     logger.info("vllm_accel sampling kernels compiled for batch sizes 1-%d in %.1f s: "
-                "%d variants ahead in %.1f s, %d more by the runs", runner.max_num_reqs,
-                time.perf_counter() - started, ahead, ahead_s,
-                _compiled_variants(dispatchers) - ahead)
+                "%d variants ahead in %.1f s on a thread (%.1f s waited for), %d more by the "
+                "runs in %.1f s", runner.max_num_reqs, ahead.waited + runs_s, ahead.variants,
+                ahead.seconds, ahead.waited, len(by_runs), runs_s)
+    if by_runs:  # variants vLLM's warmup keys miss
+        logger.info("vllm_accel sampling kernel variants compiled by the runs: %s",
+                    "; ".join(f"{name} {key[:300]}" for name, key in by_runs))
     observability = vllm_config.observability_config
     activate_jit_monitor(mode=observability.jit_monitor_mode,
                          verbose=observability.jit_monitor_verbose)

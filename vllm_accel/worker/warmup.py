@@ -14,6 +14,7 @@ forwards (``buckets.plan_forwards``; else the padded token counts do).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vllm.distributed import get_tp_group
@@ -118,14 +119,19 @@ def _run_bucket(runner: AccelModelRunner, bucket: int, params: SamplingParams) -
     _finish(runner, req_ids)
 
 
-def warm_up(runner: AccelModelRunner) -> None:
-    """Compile and run every token bucket, smallest first; log parseable totals."""
+def warm_up(runner: AccelModelRunner,
+            before_top_k_top_p: Callable[[], None] = lambda: None) -> None:
+    """Compile and run every token bucket, smallest first (the largest samples
+    with top-k/top-p, after ``before_top_k_top_p``); log parseable totals."""
     stats = runner.compile_stats
     buckets = runner.token_buckets
     started = time.perf_counter()
     for index, bucket in enumerate(buckets):
         bucket_start = time.perf_counter()
-        _run_bucket(runner, bucket, _SAMPLING[index == len(buckets) - 1])
+        sampling = _SAMPLING[index == len(buckets) - 1]
+        if sampling.top_k > 0:
+            before_top_k_top_p()
+        _run_bucket(runner, bucket, sampling)
         logger.info(
             "vllm_accel warmup: bucket %d/%d (%d tokens) in %.1f s",
             index + 1, len(buckets), bucket, time.perf_counter() - bucket_start,

@@ -36,7 +36,12 @@ from vllm_accel.patches import (
     tune_gpu_reductions,
 )
 from vllm_accel.settings import env_var_name, load_settings
-from vllm_accel.worker.cuda import capture_graphs, compile_sampling_kernels, profile_peak_memory
+from vllm_accel.worker.cuda import (
+    capture_graphs,
+    compile_sampling_kernels,
+    profile_peak_memory,
+    start_sampling_kernels_ahead,
+)
 from vllm_accel.worker.model_runner import AccelModelRunner
 from vllm_accel.worker.warmup import measure_forward_costs, warm_up
 
@@ -74,6 +79,7 @@ class AccelWorker(WorkerBase):
         self.backend = select_backend(self.settings)
         self.model_runner: AccelModelRunner | None = None
         self.startup_s: dict[str, float] = {}  # start-up phases, seconds, for the log
+        self.sampling_kernels_ahead = None  # cuda: compiling from load_model on (cuda.py)
 
     # ---- start-up -----------------------------------------------------------
 
@@ -130,6 +136,9 @@ class AccelWorker(WorkerBase):
         started = time.perf_counter()
         self.model_runner.load_model()
         self.startup_s["model load"] = time.perf_counter() - started
+        if self.backend.device == "cuda":
+            self.sampling_kernels_ahead = start_sampling_kernels_ahead(self.model_runner,
+                                                                       self.vllm_config)
 
     def get_model(self) -> torch.nn.Module:
         return self.model_runner.model
@@ -196,14 +205,18 @@ class AccelWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         started = time.perf_counter()
+        # Nothing samples before the sampling kernels' ahead compile is done.
+        ahead = self.sampling_kernels_ahead
+        wait_for_sampling_kernels = ahead.wait if ahead is not None else lambda: None
         if self.settings.skip_warmup:
             logger.warning(
                 "%s is set: each of the %d token buckets compiles on first use, so "
                 "early requests wait for compilation.",
                 env_var_name("skip_warmup"), len(self.model_runner.token_buckets),
             )
+            wait_for_sampling_kernels()
         else:
-            warm_up(self.model_runner)
+            warm_up(self.model_runner, before_top_k_top_p=wait_for_sampling_kernels)
             # An encoder's forwards run outside CUDA graphs (no KV cache, few steps).
             graphs = (self.backend.device == "cuda" and self.settings.cuda_graphs
                       and self.model_runner.encoder is None)
@@ -218,8 +231,8 @@ class AccelWorker(WorkerBase):
                             else "any forward", time.perf_counter() - captured)
             if self.settings.forward_plan == "measured":  # opt-in: see settings.py
                 measure_forward_costs(self.model_runner)
-            if self.backend.device == "cuda":
-                compile_sampling_kernels(self.model_runner, self.vllm_config)
+            if ahead is not None:
+                compile_sampling_kernels(self.model_runner, self.vllm_config, ahead)
         # Warmup sampled with seeds: start serving from the configured seed.
         set_random_seed(self.model_config.seed)
         warmup_s = time.perf_counter() - started
