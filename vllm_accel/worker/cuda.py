@@ -165,19 +165,19 @@ class SamplingKernelsAhead:
         self.waited = 0.0  # start-up time spent waiting for it
         self.variants = 0
         self._thread = threading.Thread(
-            target=self._compile, args=(vllm_config, runner.model.logits_width, runner.device),
+            target=self._compile,
+            args=(vllm_config, runner.model.logits_width, torch.cuda.current_device()),
             name="vllm_accel-sampling-kernels", daemon=True)
         self._thread.start()
 
-    def _compile(self, vllm_config: VllmConfig, logits_width: int,
-                 device: torch.device) -> None:
+    def _compile(self, vllm_config: VllmConfig, logits_width: int, device: int) -> None:
         from vllm.model_executor.warmup.jit_warmup_triton_helper import compile_triton_warmup
 
         started = time.perf_counter()
         dispatchers = _sampling_dispatchers()
         aligned = logits_width % 16 == 0
         try:
-            torch.cuda.set_device(device)  # the current device is a thread's own
+            torch.cuda.set_device(device)  # the worker's; a thread has its own current device
             keys = [(d, [k for k in d.get_warmup_keys(vllm_config=vllm_config)
                          if _with_row_stride(k, aligned)]) for d in dispatchers]
             compile_triton_warmup(lambda: [d.compile_many(k) for d, k in keys],
