@@ -236,7 +236,7 @@ def compile_sampling_kernels(runner: AccelModelRunner, vllm_config: VllmConfig,
                 ahead.seconds, ahead.waited, len(by_runs), runs_s)
     if by_runs:  # variants vLLM's warmup keys miss
         logger.info("vllm_accel sampling kernel variants compiled by the runs: %s",
-                    "; ".join(f"{name} {key[:300]}" for name, key in by_runs))
+                    "; ".join(f"{name} {key}" for name, key in by_runs))
     observability = vllm_config.observability_config
     activate_jit_monitor(mode=observability.jit_monitor_mode,
                          verbose=observability.jit_monitor_verbose)
