@@ -50,6 +50,10 @@ class DeviceBackend:
     def compiles(self) -> bool:
         return self.compile_backend != "eager"
 
+    def shares_layer_graphs(self, encoder_only: bool) -> bool:
+        """Whether one graph serves a model's token buckets above 1."""
+        return self.shared_encoder_graphs if encoder_only else self.shared_bucket_graphs
+
     @property
     def attends_in_one_launch(self) -> bool:
         """Whether attention reads a forward's layout as one ``SequenceTable``

@@ -93,8 +93,7 @@ def load_model(model_config: ModelConfig, backend: DeviceBackend, settings: Acce
                 and saved_graphs.available()):
             saved = saved_graphs.SavedGraphs(compile_stats.saved_graphs_dir)
         loaded.model.compile_layers(compile_backend, token_buckets, saved,
-                                    backend.shared_encoder_graphs if encoder_family
-                                    else backend.shared_bucket_graphs)
+                                    backend.shares_layer_graphs(encoder_family is not None))
     if vision is not None:
         loaded.vision_encoder = VisionEncoder(vision, compile_backend,
                                               settings.multimodal_buckets, saved,

@@ -101,10 +101,10 @@ class AccelModelRunner:
         # shape per token bucket: one graph per bucket.
         self.table_shape = (TableShape(self.max_num_reqs, self.context_buckets[-1])
                             if backend.attends_in_one_launch else None)
-        shared = backend.shared_encoder_graphs if encoder_only else backend.shared_bucket_graphs
         logger.info(
             "vllm_accel buckets: tokens %s (%s), context blocks %s (block size %d)",
-            self.token_buckets, "one graph shared by those above 1" if shared else "a graph each",
+            self.token_buckets, "one graph shared by those above 1"
+            if backend.shares_layer_graphs(encoder_only) else "a graph each",
             self.context_buckets, self.block_size,
         )
 
