@@ -1,7 +1,8 @@
 """An A/B of two vllm-accel checkouts on one GPU (run on the accelerator host):
 gpu.py's throughput workload, the checkout under test against a baseline.
 
-    VLLM_ACCEL_BASELINE=DIR python3 benchmarks/gpu_ab.py [--rounds 2] [--parts split,ttft,tput]
+    VLLM_ACCEL_BASELINE=DIR python3 benchmarks/gpu_ab.py [--rounds 2] [--parts split,ttft,tput] \
+        [--shape tinyllama]
 
 DIR is another checkout (e.g. a git worktree of main before a change); its
 ``vllm_accel`` runs the baseline. Each measurement is a process of its own,
@@ -65,9 +66,10 @@ def ttft(llm, repeats: int = 20) -> dict:
     return {str(n): statistics.median(t) for n, t in times.items()}
 
 
-def worker(label: str, model: str, cache: str, out: str, part: str) -> None:
+def worker(label: str, model: str, cache: str, out: str, part: str, shape: str) -> None:
     import vllm_accel
 
+    gpu.SHAPE = dict(gpu.SHAPES[shape])
     prompts = gpu.workload_prompts()
     res = {"label": label, "code": vllm_accel.__file__}
     if part == "split":
@@ -92,7 +94,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--parts", default="split,tput")
+    parser.add_argument("--shape", default="1b", choices=sorted(gpu.SHAPES))
     args = parser.parse_args()
+    gpu.SHAPE = dict(gpu.SHAPES[args.shape])
     if "VLLM_ACCEL_BASELINE" not in os.environ:
         sys.exit("gpu_ab.py: set VLLM_ACCEL_BASELINE to the baseline checkout's directory")
     checkouts = {"baseline": os.environ["VLLM_ACCEL_BASELINE"], "this": str(HERE.parent)}
@@ -109,12 +113,14 @@ def main() -> None:
         model = gpu.make_model(root / "llama-1b")
         torch.cuda.empty_cache()
         for i, (label, part) in enumerate(plan):
-            # The checkout's package first; the script's directory is sys.path[0].
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkouts[label], str(HERE)]))
+            # The checkout's package first (then the script's directory and
+            # whatever the path held: an installation with --target).
+            path = [checkouts[label], str(HERE), os.environ.get("PYTHONPATH", "")]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
             out = root / f"r{i}.json"
             done = subprocess.run(
                 [sys.executable, __file__, "--worker", label, str(model), str(root / "cache"),
-                 str(out), part], env=env, cwd=checkouts[label], capture_output=True, text=True)
+                 str(out), part, args.shape], env=env, cwd=checkouts[label], capture_output=True, text=True)
             (OUT / f"worker{i}_{label}_{part}.log").write_text(
                 done.stdout[-20000:] + "\n---\n" + done.stderr[-30000:])
             results.append(json.loads(out.read_text()) if done.returncode == 0
@@ -144,6 +150,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(*sys.argv[2:7])
+        worker(*sys.argv[2:8])
     else:
         main()
