@@ -381,6 +381,34 @@ def test_each_layer_runs_its_graph_without_guards_once_it_has_seen_a_kind_of_cal
             assert [layer.forward.guarded_calls for layer in layers] == [seen] * 3
 
 
+@pytest.mark.parametrize("user_set", [None, "1"])
+def test_the_shared_graph_compiles_without_coordinate_descent_tuning(user_set, monkeypatch):
+    """Patch 18's exception: where inductor tunes (the cuda backend turns
+    coordinate descent on), the graph that serves every bucket above 1
+    compiles without it, the one-row graph with it; a user's
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING holds for both."""
+    from vllm_accel.model.compile import BucketAxis, compile_shared_forward
+
+    if user_set is None:
+        monkeypatch.delenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", user_set)
+    tuned_at_compile = []
+
+    def backend(graph, example_inputs):
+        tuned_at_compile.append(torch._inductor.config.coordinate_descent_tuning)
+        return graph.forward
+
+    layers = [Scaled(2), Scaled(2)]
+    compile_shared_forward(layers, backend, num_shapes=3,
+                           bucket_axis=BucketAxis((("x", 0),), largest=8))
+    with torch.no_grad(), torch._inductor.config.patch(coordinate_descent_tuning=True):
+        for rows in (8, 1, 4):
+            for layer in layers:
+                layer(torch.randn(rows, 4))
+    assert tuned_at_compile == [user_set is not None, True]  # the shared graph, then one row
+
+
 def test_a_layer_takes_its_hidden_states_row_by_row():
     """A strided hidden state (SigLIP's patches come transposed from its
     convolution) enters the compiled layer contiguous: the graph's output,

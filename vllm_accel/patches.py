@@ -162,7 +162,9 @@ is idempotent.
    it may fuse with neighbouring ops, rather than calling cuBLAS; and it tunes
    the block sizes of every Triton kernel it generates. gpt-fast's path: 8.5 %
    off the 1.1B batch-1 step on an H100 (benchmarks/README.md). Graphs with
-   more rows keep cuBLAS for their matmuls.
+   more rows keep cuBLAS for their matmuls. A graph that serves every bucket
+   above 1 compiles without it (``shared_graph_compile``): tuned at the size
+   it first runs (the largest bucket), its block sizes would fit no other.
 
 19. ``reuse_tuned_block_sizes`` (the worker, inductor on cuda), torch 2.11
    (fixed in 2.12; newer torch is left alone): a kernel loaded from
@@ -364,6 +366,16 @@ def tune_gpu_reductions() -> None:
         import torch._inductor.config
 
         torch._inductor.config.coordinate_descent_tuning = True
+
+
+def shared_graph_compile():
+    """Patch 18's exception: the compile of a graph that serves every bucket
+    above 1 (model/compile.py), without coordinate-descent tuning."""
+    if _COORDINATE_DESCENT_ENV in os.environ:
+        return contextlib.nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(coordinate_descent_tuning=False)
 
 
 def reuse_tuned_block_sizes() -> None:

@@ -26,6 +26,7 @@ a warm start).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from torch import nn
 from vllm_accel.compat import any_size_along, dynamo_code_for
 from vllm_accel.forward_context import get_forward_context
 from vllm_accel.model.saved_graphs import PLAIN_TYPES, SavedGraphs, compile_ahead_of_time
-from vllm_accel.patches import raise_recompile_limit
+from vllm_accel.patches import raise_recompile_limit, shared_graph_compile
 
 
 def _with_code(function, code: types.CodeType):
@@ -65,16 +66,20 @@ class BucketAxis:
     dims: tuple[tuple[str, int], ...]  # (argument name, its dimension of that size)
     largest: int
 
-    def mark(self, arguments: dict) -> None:
+    def mark(self, arguments: dict) -> bool:
         """Mark the axis in a call's ``arguments`` (parameter name -> value;
-        a keyword argument gathered by ``**kwargs`` is found by its own name)."""
+        a keyword argument gathered by ``**kwargs`` is found by its own name);
+        whether the call takes the shared graph."""
         gathered = [v for v in arguments.values() if isinstance(v, dict)]
+        marked = False
         for name, dim in self.dims:
             tensor = arguments.get(name)
             if tensor is None:
                 tensor = next((d[name] for d in gathered if name in d), None)
             if isinstance(tensor, torch.Tensor) and 1 < tensor.shape[dim] <= self.largest:
                 any_size_along(tensor, dim % tensor.dim(), (2, self.largest))
+                marked = True
+        return marked
 
 
 def compile_shared_forward(layers: list[nn.Module], backend: str, num_shapes: int,
@@ -144,10 +149,11 @@ class LayerForward:
         kind = _call_kind(args, kwargs)
         direct = self._direct.get(kind)
         arguments = None  # the call bound to the function's parameters, once, if needed
+        shared = False  # whether the call takes the graph of every size above 1
         if direct is None and self.stack.bucket_axis is not None:
             # Before dynamo sees this kind: a graph that any size passes.
             arguments = self._arguments(args, kwargs)
-            self.stack.bucket_axis.mark(arguments)
+            shared = self.stack.bucket_axis.mark(arguments)
         if direct is None and kind is not None and self.stack.saved is not None:
             # This layer's first call of the kind: the graph and the code that
             # calls it come saved (or are compiled and saved), no dynamo.
@@ -166,7 +172,8 @@ class LayerForward:
         if direct is not None:
             return direct(self._layer, *args, **kwargs)
         self.guarded_calls += 1
-        outputs = self._compiled(self._layer, *args, **kwargs)
+        with shared_graph_compile() if shared else contextlib.nullcontext():
+            outputs = self._compiled(self._layer, *args, **kwargs)
         if kind is not None:
             self.stack.passes_input_shape[kind] = bool(args) and _same_shape(outputs, args[0])
             direct = self._code_dynamo_ran(arguments or self._arguments(args, kwargs))
