@@ -260,6 +260,32 @@ def test_no_triton_kernel_compiles_while_serving(tmp_path):
     assert json.loads(line.removeprefix("COMPILED ")) == []
 
 
+@pytest.mark.parametrize("rows", [1, 16, 64, 80])
+def test_top_k_top_p_masking_on_cuda_equals_vllms_pytorch_path(rows):
+    """The masking our sampler runs on cuda (vLLM's Triton kernels) keeps,
+    row by row, the tokens vLLM's PyTorch path keeps, in a batch mixing
+    top-k rows with top-p-alone rows (top-k off: the vocabulary, as vLLM's
+    input batch sets it): a top-p-alone row keeps its nucleus once, not a
+    nucleus of its nucleus. 80 rows: above the split pipeline's 64."""
+    apply_patches()
+    from vllm.v1.sample.ops import topk_topp_sampler as sampler
+
+    vocab = 32000
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = 2 * torch.randn(rows, vocab, device="cuda", generator=gen)
+    k = torch.full((rows,), vocab, dtype=torch.int32, device="cuda")
+    k[1::2] = 200
+    p = torch.full((rows,), 0.9, device="cuda")
+    got = sampler.apply_top_k_top_p(logits.clone(), k, p)
+    want = sampler.apply_top_k_top_p_pytorch(logits.clone(), k, p)
+    kept, kept_want = got.isfinite().sum(1), want.isfinite().sum(1)
+    top_p_alone = k == vocab
+    mass = (logits.softmax(-1) * got.isfinite()).sum(1)
+    assert (mass[top_p_alone] >= 0.9 - 1e-3).all(), mass[top_p_alone].tolist()
+    assert ((kept - kept_want).abs() <= 1 + kept_want // 100).all(), \
+        list(zip(kept.tolist(), kept_want.tolist()))
+
+
 _FRESH_PROCESS = """
 import json, sys, torch
 from vllm import LLM, SamplingParams

@@ -118,6 +118,35 @@ def test_repetition_penalty_without_vllms_compiled_ops():
     assert got.tolist() == [[1.0, -2.0, 0.5, 3.0]]
 
 
+def test_the_one_pass_sampling_kernel_leaves_top_p_rows_to_the_split_pipeline_on_cuda(
+        monkeypatch):
+    """Patch 9: vLLM's split top-p pipeline runs for every CUDA tensor of at
+    most 64 rows; its one-pass top-k/top-p kernel must then skip top-p-alone
+    rows, or they get top-p twice. Its module asked whether the platform is
+    cuda-alike, which ours is not; it now sees a platform that is wherever
+    torch has a CUDA device (the masking itself: tests/test_cuda.py)."""
+    pytest.importorskip("triton")
+    from vllm_accel.patches import apply_patches
+
+    apply_patches()
+    from vllm.v1.sample.ops import topk_topp_triton as ops
+
+    logits, k, p = torch.zeros(8, 64), torch.full((8,), 5), torch.full((8,), 0.9)
+
+    def covers(batch_logits=logits, k=k, p=p) -> bool:
+        _, kwargs = ops._topk_topp._dispatch_fn(batch_logits, logits, logits, logits, k, p,
+                                                float("-inf"), 132)
+        return kwargs["SPLIT_COVERS_PONLY"]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert covers()
+    assert not covers(p=None)  # no top-p: nothing for the pipeline
+    assert not covers(batch_logits=torch.zeros(65, 64), k=torch.full((65,), 5),
+                      p=torch.full((65,), 0.9))  # above 64 rows the pipeline does not run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not covers()  # a host without CUDA (Gaudi): no pipeline
+
+
 def test_an_architecture_fms_maps_fails_naming_the_layer_kinds_it_lacks():
     """Every architecture FMS's registry maps is either served or names the
     layer kinds the runner lacks for it (the table cannot drift from FMS)."""

@@ -22,6 +22,7 @@ TORCHVISION_TO_PIL_MODULES = {
 }
 VIDEO_AUTO_MODULE = "transformers.models.auto.video_processing_auto"
 TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"  # patch 9
+TOPK_TOPP_TRITON_MODULE = "vllm.v1.sample.ops.topk_topp_triton"  # patch 9
 ARCH_CONVERTOR_MODULE = "vllm.transformers_utils.model_arch_config_convertor"  # patch 10
 CUSTOM_OPS_MODULE = "vllm._custom_ops"  # patch 11
 MODEL_REGISTRY_MODULE = "vllm.model_executor.models.registry"  # patch 20
@@ -105,6 +106,31 @@ def _host_top_k_top_p() -> None:
 
     apply_top_k_top_p._vllm_accel_host_path = True
     module.apply_top_k_top_p = apply_top_k_top_p
+
+
+class _SplitPipelineView:
+    """``current_platform`` as vLLM's Triton top-k/top-p module sees it
+    (patch 9): cuda-alike wherever torch has a CUDA device, as the module's
+    split top-p pipeline runs for every cuda tensor; the rest is the
+    platform's own."""
+
+    def __init__(self, platform):
+        self._platform = platform
+
+    def is_cuda_alike(self) -> bool:
+        import torch
+
+        return self._platform.is_cuda_alike() or torch.cuda.is_available()
+
+    def __getattr__(self, name):
+        return getattr(self._platform, name)
+
+
+def _split_pipeline_seen() -> None:
+    """Patch 9, its second part (idempotent)."""
+    module = sys.modules[TOPK_TOPP_TRITON_MODULE]
+    if not isinstance(module.current_platform, _SplitPipelineView):
+        module.current_platform = _SplitPipelineView(module.current_platform)
 
 
 def _torch_repetition_penalties() -> None:
@@ -193,6 +219,7 @@ def _register_video_stubs() -> None:
 # Module -> the patch applied once it is imported (also by apply_patches, in this order).
 _POST_IMPORT_HOOKS = {
     VIDEO_AUTO_MODULE: _register_video_stubs, TOPK_TOPP_MODULE: _host_top_k_top_p,
+    TOPK_TOPP_TRITON_MODULE: _split_pipeline_seen,
     ARCH_CONVERTOR_MODULE: _molmo_kv_heads_fallback, CUSTOM_OPS_MODULE: _torch_repetition_penalties,
     MODEL_REGISTRY_MODULE: _inspect_models_in_process,
     **dict.fromkeys(PIXTRAL_PROCESSOR_MODULES, _real_pixtral_processor),

@@ -78,6 +78,15 @@ is idempotent.
    cpu device samples on the host. When that module is imported, its function
    is wrapped so that host tensors take vLLM's own PyTorch path (as vLLM's CPU
    build does); device tensors keep the Triton kernel.
+   On cuda, the Triton module (``topk_topp_triton``) runs its split top-p
+   pipeline for every CUDA tensor, but asks ``current_platform.is_cuda_alike()``
+   whether that pipeline runs when it tells its one-pass kernel to leave
+   top-p-alone rows to it (``SPLIT_COVERS_PONLY``) and when it lists warmup
+   variants. Our platform is not cuda-alike, so in a batch of at most 64
+   rows mixing top-k rows with top-p-alone ones, those got top-p twice (a
+   narrower nucleus than asked). That module sees the platform through a
+   view that is cuda-alike wherever torch has a CUDA device (host tensors
+   never reach it: the wrapper above).
 
 10. vLLM 0.33, Molmo checkpoints whose config says ``"num_key_value_heads":
    null`` (Molmo-7B-O: multi-head attention): vLLM's generic
