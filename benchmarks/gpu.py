@@ -492,7 +492,7 @@ def host_split(model: Path, prompts: list[list[int]], cache: Path, batches: int 
 
     from vllm.inputs import TokensPrompt
 
-    from vllm_accel.worker import model_runner
+    from vllm_accel.worker import model_runner, sampling
     from vllm_accel.worker.cuda_graphs import ForwardGraphs
     from vllm_accel.worker.forward_inputs import ForwardInputs
     from vllm_accel.worker.in_flight import InFlightOutput
@@ -527,7 +527,7 @@ def host_split(model: Path, prompts: list[list[int]], cache: Path, batches: int 
     timed(model_runner, "pack_step", "execute_model.pack_step")
     timed(model_runner, "tokens_in_flight", "execute_model.tokens_in_flight")
     timed(ForwardInputs, "send", "execute_model.send")
-    timed(model_runner, "sample", "sample_tokens.vllm_sampler")
+    timed(sampling, "sample", "sample_tokens.vllm_sampler")
     timed(runner.requests, "append_tokens", "sample_tokens.append_tokens")
     timed(InFlightOutput, "__init__", "sample_tokens.in_flight_output")
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
