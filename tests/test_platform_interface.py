@@ -118,6 +118,28 @@ def test_repetition_penalty_without_vllms_compiled_ops():
     assert got.tolist() == [[1.0, -2.0, 0.5, 3.0]]
 
 
+def test_outside_a_config_the_platform_answers_for_its_workers_device(monkeypatch):
+    """Patch 21: vLLM sets its current config only around a worker's init, so
+    at a step or on a helper thread the platform answered for the
+    environment's device, not the one ``additional_config`` chose (vLLM's
+    sampling-kernel warmup then listed the cpu's variants for a cuda engine).
+    Outside a config, the device of this process's worker answers; inside
+    one, that config's; with neither, the environment's."""
+    from types import SimpleNamespace
+
+    import vllm.config.vllm as vllm_config_module
+
+    monkeypatch.setenv("VLLM_ACCEL_DEVICE", "cpu")
+    monkeypatch.setattr(vllm_config_module, "get_current_vllm_config_or_none", lambda: None)
+    monkeypatch.setattr(AccelPlatform, "worker_device", None)
+    assert AccelPlatform.device_type == "cpu"  # no worker here: the environment's
+    monkeypatch.setattr(AccelPlatform, "worker_device", "cuda")
+    assert AccelPlatform.device_type == "cuda" and AccelPlatform.dispatch_key == "CUDA"
+    config = SimpleNamespace(additional_config={"accel": {"device": "hpu"}})
+    monkeypatch.setattr(vllm_config_module, "get_current_vllm_config_or_none", lambda: config)
+    assert AccelPlatform.device_type == "hpu"  # inside a config: that config's
+
+
 def test_the_one_pass_sampling_kernel_leaves_top_p_rows_to_the_split_pipeline_on_cuda(
         monkeypatch):
     """Patch 9: vLLM's split top-p pipeline runs for every CUDA tensor of at

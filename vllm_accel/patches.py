@@ -3,8 +3,8 @@ transformers behaviour, environment variables, global settings - in one
 place, each with why. Patches 1-3, 9-11, 17 and 20 are applied by ``apply_patches``
 (our ``vllm.general_plugins`` entry point, once in every vLLM process; their
 code is in ``module_patches.py``); 4-8,
-12-15, 18 and 19 are functions called where the change is needed, and 16 is state the
-platform keeps (in ``platform.py``), named here so that one file lists them
+12-15, 18 and 19 are functions called where the change is needed, and 16 and 21 are state
+the platform keeps (in ``platform.py``), named here so that one file lists them
 all. None edits an installed file (13 keeps a record in inductor's cache); each
 is idempotent.
 
@@ -196,6 +196,17 @@ is idempotent.
    (benchmarks/README.md). Our platform runs no vLLM model class; it is
    inspected in this process, with a warning should that initialize CUDA
    (vLLM then spawns its engine core).
+
+21. ``AccelPlatform.worker_device`` (``platform.py``, set by each worker):
+   the device backend of the engine whose worker runs in this process. The
+   platform answers vLLM's device questions (``device_type``, ...) for the
+   backend the settings select, reading ``additional_config`` from vLLM's
+   current config; vLLM sets that only around a worker's init, so at a step
+   or on a helper thread the answer was the environment's (the cpu, for an
+   engine given ``{"accel": {"device": "cuda"}}``): vLLM's sampling-kernel
+   warmup then listed its top-k/top-p kernel's variants for the cpu, and
+   the runs compiled the GPU's at start-up. Outside a config the worker's
+   backend answers; inside one, that config's.
 
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so

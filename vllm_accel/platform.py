@@ -65,6 +65,13 @@ class AccelPlatform(Platform):
     # vLLM calls these as class methods, in any process, often before a model
     # is configured: they answer for the device backend the settings select.
 
+    # The device backend of the engine whose worker runs in this process (set
+    # by the worker; None: no worker here). vLLM sets its current config only
+    # around a worker's init, not around its steps or on other threads, where
+    # the settings alone give the environment's device, not one chosen in
+    # ``additional_config``. Process-wide state: patches.py lists it (21).
+    worker_device: str | None = None
+
     @classmethod
     def _device(cls) -> str:
         import sys
@@ -73,6 +80,8 @@ class AccelPlatform(Platform):
         module = sys.modules.get("vllm.config.vllm")  # vLLM reads dispatch_key importing it
         if hasattr(module, "get_current_vllm_config_or_none"):
             config = module.get_current_vllm_config_or_none()
+        if config is None and cls.worker_device is not None:
+            return cls.worker_device
         return resolve_device(load_settings(config.additional_config if config else None))
 
     @classmethod

@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_accel.devices import check_dtype, select_backend
+from vllm_accel.platform import AccelPlatform
 from vllm_accel.patches import (
     exact_float32_dots,
     keep_large_buffers_mapped,
@@ -77,6 +78,7 @@ class AccelWorker(WorkerBase):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.settings = load_settings(vllm_config.additional_config)
         self.backend = select_backend(self.settings)
+        AccelPlatform.worker_device = self.backend.device  # patches.py, 21
         self.model_runner: AccelModelRunner | None = None
         self.startup_s: dict[str, float] = {}  # start-up phases, seconds, for the log
         self.sampling_kernels_ahead = None  # cuda: compiling from load_model on (cuda.py)
