@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On an accelerator host with no network: install the offline bundle
+# (scripts/offline_bundle.sh) once, then run this checkout's cuda checks and
+# figures, each step's log under OUTDIR. The checkout's vllm_accel is used
+# (first on PYTHONPATH), the bundle's packages beside it.
+#
+#   bash benchmarks/cuda_host.sh BUNDLE.tar.xz OUTDIR [STEP ...]
+#
+# Steps (default: tests start): tests (tests/test_cuda.py), start (a cold and
+# a warm start of the 1.1B shape), serve (its decode step against the
+# weight-read floor, first token of 512 tokens, throughput against HF: 3
+# rounds). SECONDS_LEFT=N stops the tests in time for the later steps
+# (default 600 s for the whole run).
+set -uo pipefail
+bundle=${1:?BUNDLE.tar.xz}; out=${2:?OUTDIR}; shift 2
+steps=("${@:-tests start}")
+repo=$(cd "$(dirname "$0")/.." && pwd)
+site=${CUDA_HOST_SITE:-/tmp/vllm-accel-site}
+mkdir -p "$out"
+if [[ ! -f $site/.installed ]]; then
+  unpacked=$(mktemp -d)
+  tar -xJf "$bundle" -C "$unpacked" && bash "$unpacked"/*/install.sh --target "$site" \
+    > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
+  touch "$site/.installed"
+fi
+export PYTHONPATH="$repo:$site" PYTHONUNBUFFERED=1 VLLM_PLUGINS=accel
+cd "$repo"
+budget=${SECONDS_LEFT:-600}
+for step in ${steps[*]}; do
+  echo "cuda_host: $step at $SECONDS s"
+  case $step in
+    tests) timeout $((budget * 6 / 10 - SECONDS)) python3 -m pytest tests/test_cuda.py -q \
+             -p no:cacheprovider 2>&1 | tee "$out/test_cuda.log" | tail -15 ;;
+    start) python3 benchmarks/gpu.py --shape tinyllama --parts start --start-rounds 1 \
+             --no-spawned-start --out "$out/start.json" > "$out/start.log" 2>&1
+           grep -E "^start |start-up|variants" "$out/start.log" | cut -c1-400 ;;
+    serve) python3 benchmarks/gpu.py --shape tinyllama --parts floor,decode,ttft,throughput \
+             --variants cuda_graphs --out "$out/serve.json" > "$out/serve.log" 2>&1
+           tail -40 "$out/serve.log" ;;
+    *) echo "cuda_host: unknown step $step (tests, start, serve)" >&2; exit 2 ;;
+  esac
+done
+echo "cuda_host: done at $SECONDS s"
