@@ -175,7 +175,7 @@ is idempotent.
    above 1 compiles without it (``shared_graph_compile``): tuned at the size
    it first runs (the largest bucket), its block sizes would fit no other;
    on an H100 that tuning cost ~14 s of the 1.1B cold start and bought
-   nothing measurable when serving.
+   nothing measurable when serving (one round each).
 
 19. ``reuse_tuned_block_sizes`` (the worker, inductor on cuda), torch 2.11
    (fixed in 2.12; newer torch is left alone): a kernel loaded from
@@ -203,9 +203,10 @@ is idempotent.
    backend the settings select, reading ``additional_config`` from vLLM's
    current config; vLLM sets that only around a worker's init, so at a step
    or on a helper thread the answer was the environment's (the cpu, for an
-   engine given ``{"accel": {"device": "cuda"}}``): vLLM's sampling-kernel
-   warmup then listed its top-k/top-p kernel's variants for the cpu, and
-   the runs compiled the GPU's at start-up. Outside a config the worker's
+   engine given ``{"accel": {"device": "cuda"}}``). By the code, vLLM's
+   sampling-kernel warmup then listed its top-k/top-p kernel's variants with
+   the cpu's block sizes, which fits the 3 GPU variants an H100's start-up
+   still compiled (not confirmed on a GPU). Outside a config the worker's
    backend answers; inside one, that config's.
 
 The forward's context (``forward_context.py``) is process-wide too while a
