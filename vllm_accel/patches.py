@@ -1,10 +1,11 @@
 """Every change vllm-accel makes to process-wide state - torch, vLLM and
 transformers behaviour, environment variables, global settings - in one
-place, each with why. Patches 1-3, 9-11, 17 and 20 are applied by ``apply_patches``
-(our ``vllm.general_plugins`` entry point, once in every vLLM process; their
-code is in ``module_patches.py``); 4-8,
-12-15, 18 and 19 are functions called where the change is needed, and 16 and 21 are state
-the platform keeps (in ``platform.py``), named here so that one file lists them
+place, each with why. Patches 1-3, 9-11, 17 and 20 are applied by
+``apply_patches`` (our ``vllm.general_plugins`` entry point, once in every vLLM
+process; their code is in ``module_patches.py``); 4-8, 12-15, 18 and 19 are
+functions called where the change is needed (18 and 19 in
+``inductor_tuning.py``); 16 and 21 are state the platform keeps (in
+``platform.py``), named here so that one file lists them
 all. None edits an installed file (13 keeps a record in inductor's cache); each
 is idempotent.
 
@@ -231,9 +232,12 @@ import os
 # benchmarks/native_shims.py loads this package under a name of its own);
 # apply_patches is the plugin's entry point.
 from .module_patches import apply_patches, torchvision_available  # noqa: F401
+# Patches 18 and 19 (inductor's tuning on cuda) live in inductor_tuning.py.
+from .inductor_tuning import (recheck_autotune_cache, reuse_tuned_block_sizes,  # noqa: F401
+                              shared_graph_compile, tune_gpu_reductions)
 
 
-# ---- 4-8, 12-15, 18, 19: called where needed ----------------------------------------
+# ---- 4-8, 12-15: called where needed ----------------------------------------
 
 
 def use_spawn_for_workers() -> bool:
@@ -378,57 +382,3 @@ def nan_for_unloaded_weights():
 def exact_float32_dots() -> None:
     """Patch 12: Triton's float32 dots in full precision, unless the user chose."""
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-
-
-_COORDINATE_DESCENT_ENV = "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"
-
-
-def tune_gpu_reductions() -> None:
-    """Patch 18."""
-    if _COORDINATE_DESCENT_ENV not in os.environ:
-        import torch._inductor.config
-
-        torch._inductor.config.coordinate_descent_tuning = True
-
-
-def shared_graph_compile():
-    """Patch 18's exception: the compile of a graph that serves every bucket
-    above 1 (model/compile.py), without coordinate-descent tuning."""
-    if _COORDINATE_DESCENT_ENV in os.environ:
-        return contextlib.nullcontext()
-    import torch._inductor.config
-
-    return torch._inductor.config.patch(coordinate_descent_tuning=False)
-
-
-def reuse_tuned_block_sizes() -> None:
-    """Patch 19."""
-    import torch
-    from torch._inductor.runtime import triton_heuristics
-
-    if torch.torch_version.TorchVersion(torch.__version__) < "2.12":
-        triton_heuristics.CachingAutotuner.recheck_autotune_cache = recheck_autotune_cache
-
-
-def recheck_autotune_cache(self, reload_kernel_from_src) -> None:
-    """Patch 19's ``CachingAutotuner.recheck_autotune_cache``: the cached
-    best config taken with its mark of coordinate-descent tuning."""
-    from torch._inductor.runtime.triton_heuristics import (check_autotune_cache,
-                                                          triton_config_to_hashable)
-
-    configs = [result.config for result in self.compile_results]
-    cached, _, self.autotune_cache_info = check_autotune_cache(
-        configs, self.filename, self.inductor_meta)
-    if len(cached) != 1:
-        return  # several configs, none cached: autotuned at the first launch
-    best = cached[0]
-    tuned = getattr(best, "found_by_coordesc", False)
-    for result in self.compile_results:
-        if triton_config_to_hashable(result.config) == triton_config_to_hashable(best):
-            result.config.found_by_coordesc = tuned  # the mark torch 2.11 drops
-            self.compile_results = [result]
-            return
-    if tuned:  # tuned to a config this cache entry never compiled
-        if self.fn.fn is None:  # dropped when the kernel was cached
-            self.fn = reload_kernel_from_src().fn
-        self.compile_results = [self._precompile_config(best)]
