@@ -121,20 +121,24 @@ def test_repetition_penalty_without_vllms_compiled_ops():
 def test_outside_a_config_the_platform_answers_for_its_workers_device(monkeypatch):
     """Patch 21: vLLM sets its current config only around a worker's init, so
     at a step or on a helper thread the platform answered for the
-    environment's device, not the one ``additional_config`` chose (vLLM's
-    sampling-kernel warmup then listed the cpu's variants for a cuda engine).
-    Outside a config, the device of this process's worker answers; inside
-    one, that config's; with neither, the environment's."""
+    environment's device, not the one the engine's ``additional_config``
+    chose. Once a worker exists, its device answers outside a config;
+    inside one, that config's."""
     from types import SimpleNamespace
 
     import vllm.config.vllm as vllm_config_module
+    from vllm.config import VllmConfig
 
-    monkeypatch.setenv("VLLM_ACCEL_DEVICE", "cpu")
-    monkeypatch.setattr(vllm_config_module, "get_current_vllm_config_or_none", lambda: None)
-    monkeypatch.setattr(AccelPlatform, "worker_device", None)
-    assert AccelPlatform.device_type == "cpu"  # no worker here: the environment's
-    monkeypatch.setattr(AccelPlatform, "worker_device", "cuda")
-    assert AccelPlatform.device_type == "cuda" and AccelPlatform.dispatch_key == "CUDA"
+    from vllm_accel.worker.worker import AccelWorker
+
+    monkeypatch.setenv("VLLM_ACCEL_DEVICE", "hpu")  # the environment's choice
+    monkeypatch.setattr(AccelPlatform, "worker_device", None)  # restored after the test
+    assert AccelPlatform.device_type == "hpu"  # no worker yet: the environment's
+    engine = VllmConfig(additional_config={"accel": {"device": "cpu"}})  # the engine's
+    AccelWorker(engine, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1",
+                is_driver_worker=True)
+    assert vllm_config_module.get_current_vllm_config_or_none() is None
+    assert AccelPlatform.device_type == "cpu" and AccelPlatform.dispatch_key == "CPU"
     config = SimpleNamespace(additional_config={"accel": {"device": "hpu"}})
     monkeypatch.setattr(vllm_config_module, "get_current_vllm_config_or_none", lambda: config)
     assert AccelPlatform.device_type == "hpu"  # inside a config: that config's
