@@ -262,11 +262,12 @@ def test_no_triton_kernel_compiles_while_serving(tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 80])
 def test_top_k_top_p_masking_on_cuda_equals_vllms_pytorch_path(rows):
-    """The masking our sampler runs on cuda (vLLM's Triton kernels) keeps,
-    row by row, the tokens vLLM's PyTorch path keeps, in a batch mixing
-    top-k rows with top-p-alone rows (top-k off: the vocabulary, as vLLM's
-    input batch sets it): a top-p-alone row keeps its nucleus once, not a
-    nucleus of its nucleus. 80 rows: above the split pipeline's 64."""
+    """The masking our sampler runs on cuda (vLLM's Triton kernels, whose
+    pivots are searched, not sorted) keeps as many tokens per row as vLLM's
+    PyTorch path, within 1 %, in a batch mixing top-k rows with top-p-alone
+    rows (top-k off: the vocabulary, as vLLM's input batch sets it); a
+    top-p-alone row keeps its whole nucleus (>= p of the probability), not a
+    nucleus of its nucleus (~p * p). 80 rows: above the split pipeline's 64."""
     apply_patches()
     from vllm.v1.sample.ops import topk_topp_sampler as sampler
 
