@@ -19,9 +19,6 @@ side by side in one process on one GPU (run on the accelerator host).
 - Decode step time at batch 1 and 32 (one engine step of decodes, from the
   difference of two output lengths) against the weight-read floor: weight
   bytes / the GPU's measured read bandwidth (a large bfloat16 sum).
-- ``--parts decode_inductor``: the batch-1 decode step under inductor
-  settings given in vLLM's ``inductor_compile_config`` (``--inductor-variants``),
-  an engine per variant and round, rounds alternating variants.
 - Engine start, each a fresh process: cold (empty caches), warm, and warm
   with the engine core spawned rather than forked.
 - Time to first token of a 512-token prompt against its compute floor (its
@@ -246,50 +243,6 @@ def decode_steps(llm, prompts) -> dict:
         steps = [(seconds(batch, 264) - seconds(batch, 8)) / 256 for _ in range(3)]
         out[f"batch_{batch}_s"] = summary(steps)
     return out
-
-
-def parse_inductor_variants(text: str) -> list[tuple[str, dict]]:
-    """'default;combo_kernels=0;triton.enable_pdl=1' -> labelled dicts for
-    vLLM's ``inductor_compile_config`` (values read as JSON: 0/1 as booleans)."""
-    variants = []
-    for label in text.split(";"):
-        settings = {}
-        for item in filter(None, label.split(",")):
-            if item == "default":
-                continue
-            key, value = item.split("=")
-            value = json.loads(value)
-            settings[key] = bool(value) if value in (0, 1) else value
-        variants.append((label, settings))
-    return variants
-
-
-def decode_by_inductor_variant(model: Path, prompts: list[list[int]], cache: Path,
-                               variants: list[tuple[str, dict]], rounds: int,
-                               repeats: int = 10) -> dict:
-    """Batch-1 decode step (s) under each variant: per round an engine per
-    variant in turn (caches shared: after round 1 the graphs load), each
-    timing ``repeats`` differences of two output lengths."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    def seconds(llm, out_len: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-        started = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:16])], params, use_tqdm=False)
-        return time.perf_counter() - started
-
-    steps: dict[str, list[float]] = {label: [] for label, _ in variants}
-    for round_ in range(rounds):
-        for label, settings in variants:
-            llm = engine(model, cache, True, enable_prefix_caching=False,
-                         compilation_config={"inductor_compile_config": settings})
-            seconds(llm, 8)
-            steps[label] += [(seconds(llm, 264) - seconds(llm, 8)) / 256 for _ in range(repeats)]
-            shutdown(llm)
-            print("decode_inductor", round_, label, statistics.median(steps[label][-repeats:]),
-                  flush=True)
-    return {label: summary(values) | {"steps": len(values)} for label, values in steps.items()}
 
 
 def weight_read_floor(model: Path) -> dict:
@@ -687,7 +640,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="gpu_results.json")
     parser.add_argument("--parts", default="throughput,floor,start,vision",
-                        help="any of throughput, decode, decode_inductor, ttft, floor, start, vision, peers "
+                        help="any of throughput, decode, ttft, floor, start, vision, peers "
                              "(vLLM's GPU "
                              "runner, HF's compiled static-cache generate), profile, "
                              "gpu_profile, host_split")
@@ -711,9 +664,6 @@ def main() -> None:
     parser.add_argument("--bucket-graphs", default="auto",
                         choices=("auto", "per_bucket", "shared"),
                         help="compiled graphs: one per token bucket, or one for buckets above 1")
-    parser.add_argument("--inductor-variants", default="default;combo_kernels=0",
-                        help="decode_inductor: ';'-separated variants of vLLM's "
-                             "inductor_compile_config, each 'key=value,...' or 'default'")
     parser.add_argument("--in-process", action="store_true",
                         help="engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
                              "no overlap of vLLM's output processing with the engine's steps")
@@ -742,11 +692,6 @@ def main() -> None:
         if "decode" in parts:
             results["decode_step"] = decode_only(model, prompts, root / "cache")
             print("decode", results["decode_step"], flush=True)
-        if "decode_inductor" in parts:
-            results["decode_by_inductor_variant"] = decode_by_inductor_variant(
-                model, prompts, root / "cache", parse_inductor_variants(args.inductor_variants),
-                args.rounds)
-            print("decode_inductor", results["decode_by_inductor_variant"], flush=True)
         if "ttft" in parts:
             results["ttft"] = ttft(model, root / "cache")
             print("ttft", results["ttft"], flush=True)

@@ -409,28 +409,6 @@ def test_the_shared_graph_compiles_without_coordinate_descent_tuning(user_set, m
     assert tuned_at_compile == [user_set is not None, True]  # the shared graph, then one row
 
 
-def test_vllms_inductor_config_is_applied_but_auto_functionalization_v1():
-    """The cuda worker hands vLLM's ``inductor_compile_config`` to inductor,
-    as vLLM's GPU compile does (its defaults turn combo kernels on): each key
-    set, but vLLM's switch to auto-functionalization v1, and an unknown key
-    is an error that names it."""
-    from vllm.config import CompilationConfig
-
-    from vllm_accel.inductor_tuning import apply_inductor_config
-
-    settings = CompilationConfig().inductor_compile_config
-    assert settings["combo_kernels"] is True and "enable_auto_functionalized_v2" in settings
-    config = torch._inductor.config
-    with config.patch(combo_kernels=False, enable_auto_functionalized_v2=True,
-                      **{"triton.enable_pdl": False}):
-        applied = apply_inductor_config(settings | {"triton.enable_pdl": True})
-        assert config.combo_kernels is True and config.triton.enable_pdl is True
-        assert config.enable_auto_functionalized_v2 is True
-        assert "enable_auto_functionalized_v2" not in applied
-        with pytest.raises(ValueError, match="inductor_compile_config has 'combo_kernel'"):
-            apply_inductor_config({"combo_kernel": True})
-
-
 def test_a_layer_takes_its_hidden_states_row_by_row():
     """A strided hidden state (SigLIP's patches come transposed from its
     convolution) enters the compiled layer contiguous: the graph's output,

@@ -1,6 +1,5 @@
-"""Inductor on cuda: vLLM's ``inductor_compile_config``, and patches 18 and
-19, its block-size tuning (``patches.py`` lists every patch and says why; it
-re-exports these)."""
+"""Patches 18 and 19: inductor's block-size tuning on cuda (``patches.py``
+lists every patch and says why; it re-exports these)."""
 
 from __future__ import annotations
 
@@ -8,33 +7,6 @@ import contextlib
 import os
 
 _COORDINATE_DESCENT_ENV = "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"
-
-
-# vLLM turns auto-functionalization v2 off for its own fusion passes, which
-# we do not run; our ops that write the KV caches in place are compiled and
-# tested with torch's default, v2.
-_NOT_APPLIED = ("enable_auto_functionalized_v2",)
-
-
-def apply_inductor_config(settings: dict) -> dict:
-    """Set vLLM's ``compilation_config.inductor_compile_config`` in inductor's
-    config, as vLLM's own GPU compile passes it to inductor: its defaults
-    (``combo_kernels``: one launch for independent small kernels, such as the
-    rotary of queries and keys; before torch 2.12 no runtime size asserts)
-    and whatever a user added, but ``_NOT_APPLIED``. Returns what was set; an
-    unknown key is an error that names it."""
-    import torch._inductor.config as inductor_config
-
-    settings = {key: value for key, value in settings.items() if key not in _NOT_APPLIED}
-    for key, value in settings.items():
-        try:
-            setattr(inductor_config, key, value)
-        except AttributeError:
-            raise ValueError(
-                f"compilation_config.inductor_compile_config has {key!r}, which is not a "
-                f"setting of this torch's inductor (torch._inductor.config names them, "
-                f"sections dotted: 'triton.cudagraphs')") from None
-    return settings
 
 
 def tune_gpu_reductions() -> None:

@@ -27,7 +27,6 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_accel.devices import check_dtype, select_backend
-from vllm_accel.inductor_tuning import apply_inductor_config
 from vllm_accel.platform import AccelPlatform
 from vllm_accel.patches import (
     exact_float32_dots,
@@ -112,11 +111,6 @@ class AccelWorker(WorkerBase):
         if inductor and self.backend.device == "cuda":
             tune_gpu_reductions()  # one-row matmuls as tuned reductions (patches.py, 18)
             reuse_tuned_block_sizes()  # a warm start does not tune again (patches.py, 19)
-            # After patch 18: a user's setting there wins.
-            applied = apply_inductor_config(
-                self.vllm_config.compilation_config.inductor_compile_config)
-            logger.info("vllm-accel inductor config: %s",
-                        " ".join(f"{key}={value}" for key, value in sorted(applied.items())))
         logger.info(
             "vllm-accel worker (rank %d of %d) on device backend '%s', compile backend "
             "'%s', %d torch threads",
