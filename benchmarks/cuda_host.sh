@@ -3,6 +3,8 @@
 # (scripts/offline_bundle.sh) once, then run this checkout's cuda checks and
 # figures, each step's log under OUTDIR. The checkout's vllm_accel is used
 # (first on PYTHONPATH), the bundle's packages beside it.
+# Written from the commands each session's device calls ran; the script
+# itself has not yet run on a GPU.
 #
 #   bash benchmarks/cuda_host.sh BUNDLE.tar.xz OUTDIR [STEP ...]
 #
@@ -10,7 +12,7 @@
 # a warm start of the 1.1B shape), serve (its decode step against the
 # weight-read floor, first token of 512 tokens, throughput against HF: 3
 # rounds). TESTS_TIMEOUT=N stops the tests after N seconds (default: none;
-# on an H100 its first 26 tests took ~6 min; the whole file was not timed).
+# the whole file has not been timed).
 set -uo pipefail
 bundle=${1:?BUNDLE.tar.xz}; out=${2:?OUTDIR}; shift 2
 steps=("$@")

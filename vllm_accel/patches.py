@@ -206,9 +206,10 @@ is idempotent.
    or on a helper thread the answer was the environment's (the cpu, for an
    engine given ``{"accel": {"device": "cuda"}}``). By the code, vLLM's
    sampling-kernel warmup then listed its top-k/top-p kernel's variants with
-   the cpu's block sizes, which fits the 3 GPU variants an H100's start-up
-   still compiled (not confirmed on a GPU). Outside a config the worker's
-   backend answers; inside one, that config's.
+   the cpu's block sizes, and an H100's start-up still compiled 3 GPU
+   variants at its first steps; with this patch it compiled none there
+   (benchmarks/README.md). Outside a config the worker's backend answers;
+   inside one, that config's.
 
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
