@@ -125,6 +125,23 @@ def test_the_recheck_is_replaced_on_torch_before_2_12_only():
         CachingAutotuner.recheck_autotune_cache = torchs
 
 
+@pytest.mark.parametrize("user_set", [None, "0"])
+def test_kernel_launches_overlap_unless_the_user_says(user_set, monkeypatch):
+    """Patch 22: inductor's programmatic dependent launch on, unless
+    TORCHINDUCTOR_ENABLE_PDL is set (then torch's reading of it stands)."""
+    from torch._inductor import config
+
+    from vllm_accel.patches import overlap_kernel_launches
+
+    if user_set is None:
+        monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", user_set)
+    with config.patch({"triton.enable_pdl": False}):
+        overlap_kernel_launches()
+        assert config.triton.enable_pdl is (user_set is None)
+
+
 @pytest.fixture
 def vector_isa_probe(monkeypatch, tmp_path):
     """Inductor's vector-ISA probe as a new process meets it (its cache

@@ -1,5 +1,6 @@
-"""Patches 18 and 19: inductor's block-size tuning on cuda (``patches.py``
-lists every patch and says why; it re-exports these)."""
+"""Patches 18, 19 and 22: inductor's block-size tuning and its kernels'
+launches on cuda (``patches.py`` lists every patch and says why; it
+re-exports these)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import os
 
 _COORDINATE_DESCENT_ENV = "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"
+_PDL_ENV = "TORCHINDUCTOR_ENABLE_PDL"
 
 
 def tune_gpu_reductions() -> None:
@@ -15,6 +17,14 @@ def tune_gpu_reductions() -> None:
         import torch._inductor.config
 
         torch._inductor.config.coordinate_descent_tuning = True
+
+
+def overlap_kernel_launches() -> None:
+    """Patch 22."""
+    if _PDL_ENV not in os.environ:
+        import torch._inductor.config
+
+        torch._inductor.config.triton.enable_pdl = True
 
 
 def shared_graph_compile():

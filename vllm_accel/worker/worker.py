@@ -31,6 +31,7 @@ from vllm_accel.platform import AccelPlatform
 from vllm_accel.patches import (
     exact_float32_dots,
     keep_large_buffers_mapped,
+    overlap_kernel_launches,
     probe_cpu_vector_isa,
     reuse_tuned_block_sizes,
     set_worker_threads,
@@ -111,6 +112,7 @@ class AccelWorker(WorkerBase):
         if inductor and self.backend.device == "cuda":
             tune_gpu_reductions()  # one-row matmuls as tuned reductions (patches.py, 18)
             reuse_tuned_block_sizes()  # a warm start does not tune again (patches.py, 19)
+            overlap_kernel_launches()  # programmatic dependent launch (patches.py, 22)
         logger.info(
             "vllm-accel worker (rank %d of %d) on device backend '%s', compile backend "
             "'%s', %d torch threads",
