@@ -11,8 +11,9 @@
 # Steps (default: tests start): tests (tests/test_cuda.py), start (a cold and
 # a warm start of the 1.1B shape), serve (its decode step against the
 # weight-read floor, first token of 512 tokens, throughput against HF: 3
-# rounds). TESTS_TIMEOUT=N stops the tests after N seconds (default: none;
-# the whole file has not been timed).
+# rounds), decode_env (the batch-1 step with and without programmatic
+# dependent launch, 3 alternating rounds). TESTS_TIMEOUT=N stops the tests
+# after N seconds (default: none; the whole file has not been timed).
 set -uo pipefail
 bundle=${1:?BUNDLE.tar.xz}; out=${2:?OUTDIR}; shift 2
 steps=("$@")
@@ -39,7 +40,10 @@ for step in "${steps[@]}"; do
     serve) python3 benchmarks/gpu.py --shape tinyllama --parts floor,decode,ttft,throughput \
              --variants cuda_graphs --out "$out/serve.json" > "$out/serve.log" 2>&1
            tail -40 "$out/serve.log" ;;
-    *) echo "cuda_host: unknown step $step (tests, start, serve)" >&2; exit 2 ;;
+    decode_env) python3 benchmarks/gpu.py --shape tinyllama --parts decode_env --rounds 3 \
+             --out "$out/decode_env.json" > "$out/decode_env.log" 2>&1
+           grep -E "^decode_env" "$out/decode_env.log" | cut -c1-600 ;;
+    *) echo "cuda_host: unknown step $step (tests, start, serve, decode_env)" >&2; exit 2 ;;
   esac
 done
 echo "cuda_host: done at $SECONDS s"

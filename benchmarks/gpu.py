@@ -19,6 +19,9 @@ side by side in one process on one GPU (run on the accelerator host).
 - Decode step time at batch 1 and 32 (one engine step of decodes, from the
   difference of two output lengths) against the weight-read floor: weight
   bytes / the GPU's measured read bandwidth (a large bfloat16 sum).
+- ``--parts decode_env``: the batch-1 decode step under variants of the
+  environment (``--env-variants``, e.g. ``TORCHINDUCTOR_ENABLE_PDL=0``), an
+  engine per variant and round, rounds alternating variants.
 - Engine start, each a fresh process: cold (empty caches), warm, and warm
   with the engine core spawned rather than forked.
 - Time to first token of a 512-token prompt against its compute floor (its
@@ -242,6 +245,68 @@ def decode_steps(llm, prompts) -> dict:
         seconds(batch, 8)
         steps = [(seconds(batch, 264) - seconds(batch, 8)) / 256 for _ in range(3)]
         out[f"batch_{batch}_s"] = summary(steps)
+    return out
+
+
+def parse_env_variants(text: str) -> list[tuple[str, dict]]:
+    """'default;TORCHINDUCTOR_ENABLE_PDL=0' -> labelled environment settings."""
+    return [(label, dict(item.split("=", 1) for item in label.split(",") if item != "default"))
+            for label in text.split(";")]
+
+
+def decode_by_env_variant(model: Path, prompts: list[list[int]], root: Path,
+                          variants: list[tuple[str, dict]], rounds: int,
+                          repeats: int = 10) -> dict:
+    """Batch-1 decode step (s) under each variant of the environment (which
+    the engine core inherits, forked or spawned): per round an engine per
+    variant in turn, each variant with its own compile cache (after round 1
+    its graphs load), each engine ``repeats`` differences of two output
+    lengths. Also how many of each variant's compiled kernels wait on their
+    predecessor (PDL's ``gdc_wait``), and how many distinct greedy outputs its
+    engines gave (compiles that tune block sizes apart may round apart)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    request = [TokensPrompt(prompt_token_ids=prompts[0][:16])]
+
+    def seconds(llm, out_len: int, outputs: set | None = None) -> float:
+        params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+        started = time.perf_counter()
+        generated = llm.generate(request, params, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        if outputs is not None:
+            outputs.add(tuple(generated[0].outputs[0].token_ids))
+        return elapsed
+
+    caches = {label: root / f"cache_{i}" for i, (label, _) in enumerate(variants)}
+    steps: dict[str, list[float]] = {label: [] for label, _ in variants}
+    outputs: dict[str, set] = {label: set() for label, _ in variants}
+    for round_ in range(rounds):
+        for label, env in variants:
+            before = {key: os.environ.get(key) for key in env}
+            os.environ.update(env)
+            try:
+                llm = engine(model, caches[label], True, enable_prefix_caching=False)
+                seconds(llm, 8)
+                steps[label] += [(seconds(llm, 264, outputs[label]) - seconds(llm, 8)) / 256
+                                 for _ in range(repeats)]
+                shutdown(llm)
+            finally:
+                for key, value in before.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+            print("decode_env", round_, label, statistics.median(steps[label][-repeats:]),
+                  flush=True)
+    out = {}
+    for label, _ in variants:
+        out[label] = summary(steps[label]) | {
+            "steps": len(steps[label]),
+            "kernels_waiting_on_predecessor": sum(
+                "gdc_wait" in path.read_text(errors="ignore")
+                for path in caches[label].rglob("*.py")),
+            "distinct_outputs": len(outputs[label])}
     return out
 
 
@@ -640,7 +705,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="gpu_results.json")
     parser.add_argument("--parts", default="throughput,floor,start,vision",
-                        help="any of throughput, decode, ttft, floor, start, vision, peers "
+                        help="any of throughput, decode, decode_env, ttft, floor, start, vision, peers "
                              "(vLLM's GPU "
                              "runner, HF's compiled static-cache generate), profile, "
                              "gpu_profile, host_split")
@@ -664,6 +729,9 @@ def main() -> None:
     parser.add_argument("--bucket-graphs", default="auto",
                         choices=("auto", "per_bucket", "shared"),
                         help="compiled graphs: one per token bucket, or one for buckets above 1")
+    parser.add_argument("--env-variants", default="default;TORCHINDUCTOR_ENABLE_PDL=0",
+                        help="decode_env: ';'-separated variants of the environment, each "
+                             "'NAME=VALUE,...' or 'default'")
     parser.add_argument("--in-process", action="store_true",
                         help="engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
                              "no overlap of vLLM's output processing with the engine's steps")
@@ -692,6 +760,10 @@ def main() -> None:
         if "decode" in parts:
             results["decode_step"] = decode_only(model, prompts, root / "cache")
             print("decode", results["decode_step"], flush=True)
+        if "decode_env" in parts:
+            results["decode_by_env_variant"] = decode_by_env_variant(
+                model, prompts, root, parse_env_variants(args.env_variants), args.rounds)
+            print("decode_env", results["decode_by_env_variant"], flush=True)
         if "ttft" in parts:
             results["ttft"] = ttft(model, root / "cache")
             print("ttft", results["ttft"], flush=True)
