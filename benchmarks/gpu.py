@@ -261,9 +261,10 @@ def decode_by_env_variant(model: Path, prompts: list[list[int]], root: Path,
     the engine core inherits, forked or spawned): per round an engine per
     variant in turn, each variant with its own compile cache (after round 1
     its graphs load), each engine ``repeats`` differences of two output
-    lengths. Also how many of each variant's compiled kernels wait on their
-    predecessor (PDL's ``gdc_wait``), and how many distinct greedy outputs its
-    engines gave (compiles that tune block sizes apart may round apart)."""
+    lengths. Also how many of each variant's compiled-code files hold PDL's
+    ``gdc_wait`` (kernels that wait on their predecessor), and how many
+    distinct greedy outputs its engines gave (compiles that tune block sizes
+    apart may round apart)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -303,7 +304,7 @@ def decode_by_env_variant(model: Path, prompts: list[list[int]], root: Path,
     for label, _ in variants:
         out[label] = summary(steps[label]) | {
             "steps": len(steps[label]),
-            "kernels_waiting_on_predecessor": sum(
+            "files_with_gdc_wait": sum(
                 "gdc_wait" in path.read_text(errors="ignore")
                 for path in caches[label].rglob("*.py")),
             "distinct_outputs": len(outputs[label])}
