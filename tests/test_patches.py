@@ -125,10 +125,12 @@ def test_the_recheck_is_replaced_on_torch_before_2_12_only():
         CachingAutotuner.recheck_autotune_cache = torchs
 
 
-@pytest.mark.parametrize("user_set", [None, "0"])
-def test_kernel_launches_overlap_unless_the_user_says(user_set, monkeypatch):
-    """Patch 22: inductor's programmatic dependent launch on, unless
-    TORCHINDUCTOR_ENABLE_PDL is set (then torch's reading of it stands)."""
+@pytest.mark.parametrize("user_set,capability", [(None, (9, 0)), ("0", (9, 0)),
+                                                 (None, (8, 0)), (None, (10, 0))])
+def test_kernel_launches_overlap_unless_the_user_says(user_set, capability, monkeypatch):
+    """Patch 22: inductor's programmatic dependent launch on a GPU of compute
+    capability 9 or later, unless TORCHINDUCTOR_ENABLE_PDL is set (then
+    torch's reading of it stands)."""
     from torch._inductor import config
 
     from vllm_accel.patches import overlap_kernel_launches
@@ -138,8 +140,8 @@ def test_kernel_launches_overlap_unless_the_user_says(user_set, monkeypatch):
     else:
         monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", user_set)
     with config.patch({"triton.enable_pdl": False}):
-        overlap_kernel_launches()
-        assert config.triton.enable_pdl is (user_set is None)
+        overlap_kernel_launches(capability)
+        assert config.triton.enable_pdl is (user_set is None and capability >= (9, 0))
 
 
 @pytest.fixture

@@ -19,9 +19,9 @@ def tune_gpu_reductions() -> None:
         torch._inductor.config.coordinate_descent_tuning = True
 
 
-def overlap_kernel_launches() -> None:
-    """Patch 22."""
-    if _PDL_ENV not in os.environ:
+def overlap_kernel_launches(capability: tuple[int, int]) -> None:
+    """Patch 22, for a GPU of compute ``capability``."""
+    if _PDL_ENV not in os.environ and capability >= (9, 0):
         import torch._inductor.config
 
         torch._inductor.config.triton.enable_pdl = True

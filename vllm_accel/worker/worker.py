@@ -112,7 +112,8 @@ class AccelWorker(WorkerBase):
         if inductor and self.backend.device == "cuda":
             tune_gpu_reductions()  # one-row matmuls as tuned reductions (patches.py, 18)
             reuse_tuned_block_sizes()  # a warm start does not tune again (patches.py, 19)
-            overlap_kernel_launches()  # programmatic dependent launch (patches.py, 22)
+            # Programmatic dependent launch (patches.py, 22).
+            overlap_kernel_launches(torch.cuda.get_device_capability(self.device))
         logger.info(
             "vllm-accel worker (rank %d of %d) on device backend '%s', compile backend "
             "'%s', %d torch threads",
