@@ -13,7 +13,10 @@
 # weight-read floor, first token of 512 tokens, throughput against HF: 3
 # rounds), decode_env (the batch-1 step with and without programmatic
 # dependent launch, 3 alternating rounds). TESTS_TIMEOUT=N stops the tests
-# after N seconds (default: none; the whole file has not been timed).
+# after N seconds (default: none; the whole file has not been timed);
+# TESTS_SELECT=EXPR runs the cases pytest's -k EXPR selects (the file in two
+# calls: 'not vision and not molmo and not embeddings and not cpu_backend',
+# then 'vision or molmo or embeddings or cpu_backend').
 set -uo pipefail
 bundle=${1:?BUNDLE.tar.xz}; out=${2:?OUTDIR}; shift 2
 steps=("$@")
@@ -32,8 +35,9 @@ cd "$repo"
 for step in "${steps[@]}"; do
   echo "cuda_host: $step at $SECONDS s"
   case $step in
-    tests) timeout "${TESTS_TIMEOUT:-0}" python3 -m pytest tests/test_cuda.py -q \
-             -p no:cacheprovider 2>&1 | tee "$out/test_cuda.log" | tail -15 ;;
+    tests) timeout "${TESTS_TIMEOUT:-0}" python3 -m pytest tests/test_cuda.py -v \
+             -p no:cacheprovider ${TESTS_SELECT:+-k "$TESTS_SELECT"} 2>&1 \
+             | tee "$out/test_cuda.log" | grep -E " (PASSED|FAILED|ERROR)|passed|failed" ;;
     start) python3 benchmarks/gpu.py --shape tinyllama --parts start --start-rounds 1 \
              --no-spawned-start --out "$out/start.json" > "$out/start.log" 2>&1
            grep -E "^start |start-up|variants" "$out/start.log" | cut -c1-400 ;;
