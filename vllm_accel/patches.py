@@ -217,8 +217,9 @@ is idempotent.
    kernels then launch with CUDA's programmatic dependent launch: a kernel
    starts while its predecessor finishes and waits (``gdc_wait``) before it
    touches what that wrote, and before it lets its own dependents start
-   (torch 2.13's code generator, read). A batch-1 decode step is ~280 small launches: 2.3 % off the 1.1B step on
-   an H100 (benchmarks/README.md, with the test_cuda cases run with it).
+   (torch 2.13's code generator, read). A batch-1 decode step is ~280
+   small launches: 2.3 % off the 1.1B step on an H100 (benchmarks/README.md,
+   with the test_cuda cases run with it).
 
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
