@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -228,24 +229,33 @@ def throughput(model: Path, prompts: list[list[int]], rounds: int, cache: Path,
     return results  # HF's model goes with this frame
 
 
-def decode_steps(llm, prompts) -> dict:
-    """Seconds per decode step at batch 1 and 32: (t(long) - t(short)) / extra tokens."""
+def decode_step_times(llm, prompts, batch: int, repeats: int,
+                      outputs: set | None = None) -> list[float]:
+    """Seconds per decode step of ``batch`` requests, ``repeats`` times:
+    (t(264 tokens) - t(8 tokens)) / 256, after one warm-up run; with
+    ``outputs``, each long run's token ids added to it."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    def seconds(batch: int, out_len: int) -> float:
-        reqs = [TokensPrompt(prompt_token_ids=p[:16]) for p in prompts[:batch]]
+    requests = [TokensPrompt(prompt_token_ids=p[:16]) for p in prompts[:batch]]
+
+    def seconds(out_len: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
         started = time.perf_counter()
-        llm.generate(reqs, params, use_tqdm=False)
-        return time.perf_counter() - started
+        generated = llm.generate(requests, params, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        if outputs is not None and out_len == 264:
+            outputs.add(tuple(tuple(g.outputs[0].token_ids) for g in generated))
+        return elapsed
 
-    out = {}
-    for batch in (1, min(32, len(prompts))):  # --num-prompts may hold fewer
-        seconds(batch, 8)
-        steps = [(seconds(batch, 264) - seconds(batch, 8)) / 256 for _ in range(3)]
-        out[f"batch_{batch}_s"] = summary(steps)
-    return out
+    seconds(8)
+    return [(seconds(264) - seconds(8)) / 256 for _ in range(repeats)]
+
+
+def decode_steps(llm, prompts) -> dict:
+    """Seconds per decode step at batch 1 and 32."""
+    return {f"batch_{batch}_s": summary(decode_step_times(llm, prompts, batch, 3))
+            for batch in (1, min(32, len(prompts)))}  # --num-prompts may hold fewer
 
 
 def parse_env_variants(text: str) -> list[tuple[str, dict]]:
@@ -265,39 +275,15 @@ def decode_by_env_variant(model: Path, prompts: list[list[int]], root: Path,
     ``gdc_wait`` (kernels that wait on their predecessor), and how many
     distinct greedy outputs its engines gave (compiles that tune block sizes
     apart may round apart)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    request = [TokensPrompt(prompt_token_ids=prompts[0][:16])]
-
-    def seconds(llm, out_len: int, outputs: set | None = None) -> float:
-        params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-        started = time.perf_counter()
-        generated = llm.generate(request, params, use_tqdm=False)
-        elapsed = time.perf_counter() - started
-        if outputs is not None:
-            outputs.add(tuple(generated[0].outputs[0].token_ids))
-        return elapsed
-
     caches = {label: root / f"cache_{i}" for i, (label, _) in enumerate(variants)}
     steps: dict[str, list[float]] = {label: [] for label, _ in variants}
     outputs: dict[str, set] = {label: set() for label, _ in variants}
     for round_ in range(rounds):
         for label, env in variants:
-            before = {key: os.environ.get(key) for key in env}
-            os.environ.update(env)
-            try:
+            with mock.patch.dict(os.environ, env):
                 llm = engine(model, caches[label], True, enable_prefix_caching=False)
-                seconds(llm, 8)
-                steps[label] += [(seconds(llm, 264, outputs[label]) - seconds(llm, 8)) / 256
-                                 for _ in range(repeats)]
+                steps[label] += decode_step_times(llm, prompts, 1, repeats, outputs[label])
                 shutdown(llm)
-            finally:
-                for key, value in before.items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
             print("decode_env", round_, label, statistics.median(steps[label][-repeats:]),
                   flush=True)
     out = {}
