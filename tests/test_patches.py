@@ -111,18 +111,52 @@ def test_a_cached_kernel_takes_its_tuned_config(tmp_path):
         assert not any(getattr(c, "found_by_coordesc", False) for c in configs)
 
 
-def test_the_recheck_is_replaced_on_torch_before_2_12_only():
+@pytest.fixture
+def patch_19(monkeypatch):
+    """Patch 19, undone after the test."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    from triton import Config
+
+    from vllm_accel import inductor_tuning
+
+    monkeypatch.setattr(CachingAutotuner, "recheck_autotune_cache",
+                        CachingAutotuner.recheck_autotune_cache)
+    monkeypatch.setattr(Config, "__setstate__", Config.__setstate__)
+    monkeypatch.setattr(inductor_tuning, "_triton_config_setstate", None)
+    return inductor_tuning.reuse_tuned_block_sizes
+
+
+def test_the_recheck_is_replaced_on_torch_before_2_12_only(patch_19):
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    from vllm_accel.patches import recheck_autotune_cache, reuse_tuned_block_sizes
+    from vllm_accel.patches import recheck_autotune_cache
 
-    torchs = CachingAutotuner.recheck_autotune_cache
-    reuse_tuned_block_sizes()
-    try:
-        older = torch.torch_version.TorchVersion(torch.__version__) < "2.12"
-        assert (CachingAutotuner.recheck_autotune_cache is recheck_autotune_cache) == older
-    finally:
-        CachingAutotuner.recheck_autotune_cache = torchs
+    patch_19()
+    older = torch.torch_version.TorchVersion(torch.__version__) < "2.12"
+    assert (CachingAutotuner.recheck_autotune_cache is recheck_autotune_cache) == older
+
+
+def test_a_tuned_config_keeps_its_mark_back_from_a_compile_worker(patch_19):
+    """Patch 19: inductor's compile workers send a kernel back pickled, its
+    config the one the autotune cache holds, marked as tuned. Triton's
+    Config unpickles only the fields it knows, so the parent's first launch
+    would tune the kernel again (a warm start's 'kernel tuning benchmarks')."""
+    import pickle
+
+    from triton import Config
+
+    tuned = Config({"XBLOCK": 8, "R0_BLOCK": 512}, num_warps=4, num_stages=1)
+    tuned.found_by_coordesc = True
+    untuned = Config({"XBLOCK": 8}, num_warps=2)
+    assert not getattr(pickle.loads(pickle.dumps(tuned)), "found_by_coordesc", False)
+
+    patch_19()
+    back = pickle.loads(pickle.dumps(tuned))
+    assert back.found_by_coordesc
+    assert (back.kwargs, back.num_warps, back.num_stages) == (tuned.kwargs, 4, 1)
+    assert not getattr(pickle.loads(pickle.dumps(untuned)), "found_by_coordesc", False)
+    patch_19()  # once only: Triton's own stays underneath
+    assert pickle.loads(pickle.dumps(tuned)).found_by_coordesc
 
 
 @pytest.mark.parametrize("user_set,capability", [(None, (9, 0)), ("0", (9, 0)),
@@ -142,6 +176,104 @@ def test_kernel_launches_overlap_unless_the_user_says(user_set, capability, monk
     with config.patch({"triton.enable_pdl": False}):
         overlap_kernel_launches(capability)
         assert config.triton.enable_pdl is (user_set is None and capability >= (9, 0))
+
+
+def _tuning_problem():
+    """A coordinate descent tuner, its baseline (a one-row product's reduction)
+    and a benchmark whose timing has one best config, away from the baseline."""
+    import math
+
+    from torch._inductor.runtime.coordinate_descent_tuner import CoordescTuner
+    from triton import Config
+
+    def tuner():
+        return CoordescTuner(size_hints={"x": 2048, "r0_": 4096}, inductor_meta={
+            "warp_size": 32, "max_threads_per_block": 1024})
+
+    def timing(config):
+        x, r = config.kwargs["XBLOCK"], config.kwargs["R0_BLOCK"]
+        return 1 + (math.log2(x) - 3) ** 2 + (math.log2(r) - 9) ** 2 + (
+            math.log2(config.num_warps) - 2) ** 2
+
+    return tuner, Config({"XBLOCK": 1, "R0_BLOCK": 2048}, num_warps=8, num_stages=1), timing
+
+
+def test_tuning_candidates_compile_side_by_side_and_the_pick_stays():
+    """Patch 23: each config coordinate descent benchmarks was compiled
+    before, in batches with its neighbours, none while a benchmark ran; the
+    walk, its benchmarks and its pick are the tuner's own."""
+    import threading
+
+    from torch._inductor.runtime.triton_heuristics import triton_config_to_hashable as key
+
+    from vllm_accel.inductor_tuning import CandidatesAhead
+
+    make_tuner, baseline, timing = _tuning_problem()
+    alone: list = []
+    best_alone = make_tuner().autotune(lambda c: alone.append(key(c)) or timing(c), baseline)
+
+    events, benchmarking, threads = [], threading.Event(), set()
+
+    def compile_config(config):
+        assert not benchmarking.is_set(), "compiled while a config was benchmarked"
+        threads.add(threading.current_thread().name)
+        events.append(("compile", key(config)))
+
+    def benchmark(config):
+        benchmarking.set()
+        events.append(("benchmark", key(config)))
+        try:
+            return timing(config)
+        finally:
+            benchmarking.clear()
+
+    tuner = make_tuner()
+    best = tuner.autotune(CandidatesAhead(tuner, compile_config).wrap(benchmark), baseline)
+
+    assert key(best) == key(best_alone) != key(baseline)
+    benchmarked = [k for kind, k in events if kind == "benchmark"]
+    assert benchmarked == alone and len(alone) > 8
+    compiled = [k for kind, k in events if kind == "compile"]
+    assert len(compiled) == len(set(compiled)), "a config compiled twice"
+    for i, (kind, k) in enumerate(events):
+        if kind == "benchmark":
+            assert ("compile", k) in events[:i], f"{k} benchmarked before it was compiled"
+    # Side by side: few batches, on threads other than the tuner's.
+    batches = sum(1 for a, b in zip(events, events[1:]) if a[0] == "benchmark" and b[0] == "compile")
+    assert batches + 1 < len(alone) // 2
+    assert threading.current_thread().name not in threads
+
+
+def test_the_tuners_benchmarks_compile_ahead_for_one_tuning_only(monkeypatch):
+    """Patch 23's hook: inductor's kernel tunes through its tuner's autotune,
+    which compiles candidates ahead for that call, then is the class's again."""
+    import types
+
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    from vllm_accel import inductor_tuning
+
+    make_tuner, baseline, timing = _tuning_problem()
+    compiled = []
+
+    def torchs(self, launcher):  # torch's coordinate_descent_tuning, reduced to its call
+        return self.coordesc_tuner.autotune(timing, launcher.config, None)
+
+    monkeypatch.setattr(inductor_tuning, "_torch_coordinate_descent", torchs)
+    kernel = types.SimpleNamespace(coordesc_tuner=make_tuner(), _precompile_config=compiled.append)
+    best = inductor_tuning.coordinate_descent_compiling_ahead(
+        kernel, types.SimpleNamespace(config=baseline))
+    assert best.kwargs == {"XBLOCK": 8, "R0_BLOCK": 512} and best.num_warps == 4
+    assert len(compiled) > 8 and "autotune" not in vars(kernel.coordesc_tuner)
+
+    monkeypatch.setattr(inductor_tuning, "_torch_coordinate_descent", None)
+    monkeypatch.setattr(CachingAutotuner, "coordinate_descent_tuning",
+                        CachingAutotuner.coordinate_descent_tuning)
+    inductor_tuning.compile_tuning_candidates_ahead()
+    inductor_tuning.compile_tuning_candidates_ahead()  # once only
+    assert (CachingAutotuner.coordinate_descent_tuning
+            is inductor_tuning.coordinate_descent_compiling_ahead)
+    assert inductor_tuning._torch_coordinate_descent is not None
 
 
 @pytest.fixture

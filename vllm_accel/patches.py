@@ -2,12 +2,11 @@
 transformers behaviour, environment variables, global settings - in one
 place, each with why. Patches 1-3, 9-11, 17 and 20 are applied by
 ``apply_patches`` (our ``vllm.general_plugins`` entry point, once in every vLLM
-process; their code is in ``module_patches.py``); 4-8, 12-15, 18 and 19 are
-functions called where the change is needed (18 and 19 in
-``inductor_tuning.py``); 16 and 21 are state the platform keeps (in
-``platform.py``), named here so that one file lists them
-all. None edits an installed file (13 keeps a record in inductor's cache); each
-is idempotent.
+process; their code is in ``module_patches.py``); 4-8, 12-15, 18, 19, 22 and 23
+are functions called where the change is needed (18, 19, 22 and 23 in
+``inductor_tuning.py``); 16 and 21 are state the platform keeps (``platform.py``),
+named here so that one file lists them all. None edits an installed file (13
+keeps a record in inductor's cache); each is idempotent.
 
 1. transformers 5.16-5.20 / vLLM 0.33, without torchvision (no CPU build on the
    registry): two torchvision image-processor modules fail to import, yet vLLM
@@ -178,17 +177,19 @@ is idempotent.
    on an H100 that tuning cost ~14 s of the 1.1B cold start and bought
    nothing measurable when serving (one round each).
 
-19. ``reuse_tuned_block_sizes`` (the worker, inductor on cuda), torch 2.11
-   (fixed in 2.12; newer torch is left alone): a kernel loaded from
-   inductor's cache and launched statically asks the autotune cache again
-   for its best config, but torch drops the mark that coordinate descent
-   found it (and, for a kernel compiled with one config, ignores the
-   answer), so coordinate descent tunes the kernel again at its first
-   launch, at every warm start (a warm 1.1B start on an H100: 228 tuning
-   benchmarks with a graph per bucket; 0 with this patch and shared graphs:
-   benchmarks/README.md). The recheck is torch 2.12's: the cached config
-   taken with its mark, compiled if the cache entry lacks it (Triton's own
-   cache has it).
+19. ``reuse_tuned_block_sizes`` (the worker, inductor on cuda): a kernel
+   whose tuned config comes from the autotune cache without the mark that
+   coordinate descent found it is tuned again at its first launch, at every
+   warm start (its pick then moves with timing noise). Two losses: torch
+   2.11 (fixed in 2.12), a statically launched kernel loaded from inductor's
+   cache drops it when it asks the autotune cache again (a warm 1.1B start
+   on an H100: 228 tuning benchmarks with a graph per bucket, 0 with this
+   fix: benchmarks/README.md); the recheck is torch 2.12's, the cached
+   config taken with its mark. And Triton's ``Config`` unpickles only the
+   fields it knows, so a kernel sent back by a compile worker loses it
+   (every kernel with patch 22's launches, which are not static: 11-25
+   benchmarks at warm starts on an H100); it is kept. The second is not yet
+   run on a GPU.
 
 20. vLLM 0.33, our platform only: vLLM's registry inspects a model's class
    (pooling or not, multimodal, ...) in a new Python process, to keep CUDA out
@@ -213,25 +214,28 @@ is idempotent.
 
 22. ``overlap_kernel_launches`` (the worker, inductor on cuda): inductor's
    ``triton.enable_pdl`` on GPUs of compute capability 9 and later, unless
-   the user set ``TORCHINDUCTOR_ENABLE_PDL`` (vLLM leaves it off). Inductor's
-   kernels then launch with CUDA's programmatic dependent launch: a kernel
-   starts while its predecessor finishes and waits (``gdc_wait``) before it
-   touches what that wrote, and before it lets its own dependents start
-   (torch 2.13's code generator, read). A batch-1 decode step is ~280
-   small launches: 2.3 % off the 1.1B step on an H100 (benchmarks/README.md,
-   with the test_cuda cases run with it).
+   the user set ``TORCHINDUCTOR_ENABLE_PDL`` (vLLM leaves it off): CUDA's
+   programmatic dependent launch, a kernel starting while its predecessor
+   finishes and waiting (``gdc_wait``) before it touches what that wrote. A
+   batch-1 decode step is ~280 small launches: 2.3-4.8 % off the 1.1B step
+   on H100s, ``tests/test_cuda.py`` passing with it (benchmarks/README.md).
+
+23. ``compile_tuning_candidates_ahead`` (the worker, inductor on cuda):
+   coordinate descent (patch 18) compiles each config it benchmarks, one
+   after another: ~14 s of a cold 1.1B start of 45-49 s on an H100. Before
+   it benchmarks a config not yet compiled, this compiles that config and
+   every neighbour of the best so far (its next candidates) on threads side
+   by side; its walk and pick are unchanged. Not yet run on a GPU.
 
 The forward's context (``forward_context.py``) is process-wide too while a
 forward runs: the ops are opaque to the compiler and take only tensors, so
 what steers them is set around each forward by ``set_forward_context``, which
 is also the only caller of patch 7.
 
-Patches 1, 2 and 17 act only when torchvision is unavailable (by transformers'
-own test, so they agree with the image-processor backend transformers picks), 9
-only when Triton is, 11 only without vLLM's compiled ops, 20 only on our
-platform; these and 10 stay dormant until the module they concern is
-imported: applying them only appends one finder to ``sys.meta_path``
-(importing the modules eagerly would cost every vLLM process seconds).
+Patches 1, 2 and 17 act only without torchvision (by transformers' own test),
+9 only with Triton, 11 only without vLLM's compiled ops, 20 only on our
+platform; these and 10 wait for the module they concern to be imported: applying
+them appends one finder to ``sys.meta_path`` (eager imports cost seconds).
 """
 
 from __future__ import annotations
@@ -243,8 +247,9 @@ import os
 # benchmarks/native_shims.py loads this package under a name of its own);
 # apply_patches is the plugin's entry point.
 from .module_patches import apply_patches, torchvision_available  # noqa: F401
-# Patches 18, 19 and 22 (inductor on cuda) live in inductor_tuning.py.
-from .inductor_tuning import (overlap_kernel_launches, recheck_autotune_cache,  # noqa: F401
+# Patches 18, 19, 22 and 23 (inductor on cuda) live in inductor_tuning.py.
+from .inductor_tuning import (compile_tuning_candidates_ahead,  # noqa: F401
+                              overlap_kernel_launches, recheck_autotune_cache,
                               reuse_tuned_block_sizes, shared_graph_compile,
                               tune_gpu_reductions)
 

@@ -29,6 +29,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from vllm_accel.devices import check_dtype, select_backend
 from vllm_accel.platform import AccelPlatform
 from vllm_accel.patches import (
+    compile_tuning_candidates_ahead,
     exact_float32_dots,
     keep_large_buffers_mapped,
     overlap_kernel_launches,
@@ -112,6 +113,7 @@ class AccelWorker(WorkerBase):
         if inductor and self.backend.device == "cuda":
             tune_gpu_reductions()  # one-row matmuls as tuned reductions (patches.py, 18)
             reuse_tuned_block_sizes()  # a warm start does not tune again (patches.py, 19)
+            compile_tuning_candidates_ahead()  # the tuning's compiles side by side (23)
             # Programmatic dependent launch (patches.py, 22).
             overlap_kernel_launches(torch.cuda.get_device_capability(self.device))
         logger.info(
