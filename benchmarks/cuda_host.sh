@@ -3,8 +3,7 @@
 # (scripts/offline_bundle.sh) once, then run this checkout's cuda checks and
 # figures, each step's log under OUTDIR. The checkout's vllm_accel is used
 # (first on PYTHONPATH), the bundle's packages beside it.
-# Written from the commands each session's device calls ran; the script
-# itself has not yet run on a GPU.
+# Ran on an H100 on 2026-12-07 (sixth session): tests in two calls, decode_env, start.
 #
 #   bash benchmarks/cuda_host.sh BUNDLE.tar.xz OUTDIR [STEP ...]
 #
@@ -12,11 +11,14 @@
 # a warm start of the 1.1B shape), serve (its decode step against the
 # weight-read floor, first token of 512 tokens, throughput against HF: 3
 # rounds), decode_env (the batch-1 step with and without programmatic
-# dependent launch, 3 alternating rounds). TESTS_TIMEOUT=N stops the tests
-# after N seconds (default: none; the whole file has not been timed);
-# TESTS_SELECT=EXPR runs the cases pytest's -k EXPR selects (the file in two
-# calls: 'not vision and not molmo and not embeddings and not cpu_backend',
-# then 'vision or molmo or embeddings or cpu_backend').
+# dependent launch, 3 alternating rounds; each engine's start-up line shows
+# its tuning benchmarks). TESTS_TIMEOUT=N stops the tests after N seconds
+# (default: none); TESTS_SELECT=EXPR runs the cases pytest's -k EXPR selects.
+# The whole file takes ~17 min on an H100, more than a device call's 10: run
+# it in two calls, 'not vision and not molmo and not embeddings and not
+# cpu_backend and not graphs_off' (25 cases, 520 s on 2026-12-07), then
+# 'vision or molmo or embeddings or cpu_backend or graphs_off' (10 cases; 8
+# of them took 423 s).
 set -uo pipefail
 bundle=${1:?BUNDLE.tar.xz}; out=${2:?OUTDIR}; shift 2
 steps=("$@")
@@ -46,7 +48,7 @@ for step in "${steps[@]}"; do
            tail -40 "$out/serve.log" ;;
     decode_env) python3 benchmarks/gpu.py --shape tinyllama --parts decode_env --rounds 3 \
              --out "$out/decode_env.json" > "$out/decode_env.log" 2>&1
-           grep -E "^decode_env" "$out/decode_env.log" | cut -c1-600 ;;
+           grep -E "^decode_env|start-up:" "$out/decode_env.log" | cut -c1-600 ;;
     *) echo "cuda_host: unknown step $step (tests, start, serve, decode_env)" >&2; exit 2 ;;
   esac
 done
