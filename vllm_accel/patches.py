@@ -187,9 +187,9 @@ keeps a record in inductor's cache); each is idempotent.
    fix: benchmarks/README.md); the recheck is torch 2.12's, the cached
    config taken with its mark. And Triton's ``Config`` unpickles only the
    fields it knows, so a kernel sent back by a compile worker loses it
-   (every kernel with patch 22's launches, which are not static: 11-25
-   benchmarks at warm starts on an H100); it is kept. The second is not yet
-   run on a GPU.
+   (with patch 22 none launches statically; warm starts on an H100 tuned
+   11-25 times again, as this loss explains by the code); it is kept. The
+   second is not yet run on a GPU.
 
 20. vLLM 0.33, our platform only: vLLM's registry inspects a model's class
    (pooling or not, multimodal, ...) in a new Python process, to keep CUDA out
