@@ -276,6 +276,29 @@ def test_the_tuners_benchmarks_compile_ahead_for_one_tuning_only(monkeypatch):
     assert inductor_tuning._torch_coordinate_descent is not None
 
 
+def test_a_cuda_worker_starts_the_compilers_before_its_first_compile(monkeypatch):
+    """worker/cuda.py's start_compilers_early: inductor's compile-worker
+    pool (torch's own warm-up, else at the first compile) and Triton's
+    install hash (else computed on the compiling thread), on a thread."""
+    import threading
+
+    from torch._inductor import async_compile
+    from torch._inductor.runtime import triton_compat
+
+    from vllm_accel.worker import cuda
+
+    warmed, hashed_on = [], []
+    monkeypatch.setattr(cuda, "HAS_TRITON", True)  # vLLM's answer on a host with a GPU
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: warmed.append(True))
+    monkeypatch.setattr(triton_compat, "triton_key",
+                        lambda: hashed_on.append(threading.current_thread().name))
+    cuda.start_compilers_early()
+    for thread in threading.enumerate():
+        if thread.name == "vllm_accel-triton-key":
+            thread.join(10)
+    assert warmed == [True] and hashed_on == ["vllm_accel-triton-key"]
+
+
 @pytest.fixture
 def vector_isa_probe(monkeypatch, tmp_path):
     """Inductor's vector-ISA probe as a new process meets it (its cache

@@ -148,6 +148,23 @@ def _with_row_stride(key, aligned: bool) -> bool:
     return not hasattr(logits, "stride") or (logits.stride(0) % 16 == 0) == aligned
 
 
+def start_compilers_early() -> None:
+    """Start, beside the model's load, what inductor's first compile (the
+    memory profile's) would start and then wait for: its pool of compile
+    workers (until the pool is ready, kernels compile one by one on the
+    compiling thread) and the hash of Triton's install, its compile cache's
+    key (every Triton file and library read: up to 3.7 s on a cold H100
+    start's compiling thread, computed there and on the sampling kernels'
+    thread at once; benchmarks/README.md)."""
+    if not HAS_TRITON:
+        return
+    from torch._inductor.async_compile import maybe_warm_pool  # torch's own warm-up
+    from torch._inductor.runtime.triton_compat import triton_key  # cached once computed
+
+    threading.Thread(target=triton_key, name="vllm_accel-triton-key", daemon=True).start()
+    maybe_warm_pool()
+
+
 class SamplingKernelsAhead:
     """The variants vLLM's warmup registry declares for its sampling kernels
     (it only does so on vLLM's own cuda platform), compiled on a thread that

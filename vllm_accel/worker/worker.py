@@ -43,6 +43,7 @@ from vllm_accel.worker.cuda import (
     capture_graphs,
     compile_sampling_kernels,
     profile_peak_memory,
+    start_compilers_early,
     start_sampling_kernels_ahead,
 )
 from vllm_accel.worker.model_runner import AccelModelRunner
@@ -116,6 +117,7 @@ class AccelWorker(WorkerBase):
             compile_tuning_candidates_ahead()  # the tuning's compiles side by side (23)
             # Programmatic dependent launch (patches.py, 22).
             overlap_kernel_launches(torch.cuda.get_device_capability(self.device))
+            start_compilers_early()  # compile workers, Triton's hash (cuda.py)
         logger.info(
             "vllm-accel worker (rank %d of %d) on device backend '%s', compile backend "
             "'%s', %d torch threads",
