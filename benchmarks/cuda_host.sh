@@ -8,7 +8,8 @@
 #   bash benchmarks/cuda_host.sh BUNDLE.tar.xz OUTDIR [STEP ...]
 #
 # Steps (default: tests start): tests (tests/test_cuda.py), start (a cold and
-# a warm start of the 1.1B shape), serve (its decode step against the
+# a warm start of the 1.1B shape; START_ROUNDS=N rounds, START_BASELINE=DIR
+# another checkout's starts in turn), serve (its decode step against the
 # weight-read floor, first token of 512 tokens, throughput against HF: 3
 # rounds), decode_env (the batch-1 step with and without programmatic
 # dependent launch, 3 alternating rounds; each engine's start-up line shows
@@ -40,7 +41,8 @@ for step in "${steps[@]}"; do
     tests) timeout "${TESTS_TIMEOUT:-0}" python3 -m pytest tests/test_cuda.py -v \
              -p no:cacheprovider ${TESTS_SELECT:+-k "$TESTS_SELECT"} 2>&1 \
              | tee "$out/test_cuda.log" | grep -E " (PASSED|FAILED|ERROR)|passed|failed" ;;
-    start) python3 benchmarks/gpu.py --shape tinyllama --parts start --start-rounds 1 \
+    start) python3 benchmarks/gpu.py --shape tinyllama --parts start \
+             --start-rounds "${START_ROUNDS:-1}" ${START_BASELINE:+--baseline "$START_BASELINE"} \
              --no-spawned-start --out "$out/start.json" > "$out/start.log" 2>&1
            grep -E "^start |start-up|variants" "$out/start.log" | cut -c1-400 ;;
     serve) python3 benchmarks/gpu.py --shape tinyllama --parts floor,decode,ttft,throughput \

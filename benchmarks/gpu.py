@@ -382,38 +382,52 @@ def decode_only(model: Path, prompts: list[list[int]], cache: Path) -> dict:
     return out
 
 
-def start_times(model: Path, root: Path, rounds: int = 1, spawned: bool = True) -> dict:
+def start_times(model: Path, root: Path, rounds: int = 1, spawned: bool = True,
+                baseline: Path | None = None) -> dict:
     """Engine start-up as a user's script meets it: each start a fresh process
     (startup.py's), vLLM's import and ``LLM()`` timed apart, the warmup's parts
     from the engine's log. Per round: cold (empty compile, Triton, inductor and
     vLLM caches), warm (the same caches again), and warm with the engine core
     spawned (vLLM's choice where the front-end process has initialized CUDA;
-    not with ``spawned=False``)."""
+    not with ``spawned=False``). With ``baseline`` (another checkout), each
+    round also starts that checkout's vllm_accel the same way (its results
+    under ``baseline_*``), the two in turn, the first alternating by round."""
+    from common import REPO
     from startup import start_once
 
+    checkouts = [("", REPO)] + ([("baseline_", baseline.resolve())] if baseline else [])
     out = {}
     for round_ in range(rounds):
-        caches = root / f"start-caches-{round_}"
-        options = engine_options(caches / "compile")
-        env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton"),
-               "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-               "VLLM_CACHE_ROOT": str(caches / "vllm")}
-        env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
-        starts = [("cold", {}), ("warm", {})]
-        if spawned:
-            starts.append(("warm_spawn", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}))
-        for label, extra in starts:
-            try:
-                result = start_once(sys.executable, {**env, **extra}, str(model),
-                                    root / f"start-{label}-{round_}.log", options=options)
-            except SystemExit as failed:  # start_once exits with the log's tail
-                result = {"failed": str(failed)[-3000:]}
-            out.setdefault(label, []).append(result)
-            print("start", label, json.dumps(result), flush=True)
-            log = root / f"start-{label}-{round_}.log"  # deleted with root: keep our lines
-            if log.exists():
-                print("".join(line for line in log.read_text().splitlines(keepends=True)
-                              if "vllm_accel" in line or "init engine" in line), flush=True)
+        for prefix, checkout in checkouts if round_ % 2 == 0 else checkouts[::-1]:
+            caches = root / f"start-caches-{prefix}{round_}"
+            options = engine_options(caches / "compile")
+            env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton"),
+                   "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+                   "VLLM_CACHE_ROOT": str(caches / "vllm")}
+            env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+            if prefix:  # the checkout first on the path (and the cwd, which `python -c` puts first)
+                paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                         if p and Path(p).resolve() != REPO.resolve()]
+                env["PYTHONPATH"] = os.pathsep.join([str(checkout), *paths])
+            starts = [("cold", {}), ("warm", {})]
+            if spawned:
+                starts.append(("warm_spawn", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}))
+            for label, extra in starts:
+                log = root / f"start-{prefix}{label}-{round_}.log"
+                try:
+                    result = start_once(sys.executable, {**env, **extra}, str(model), log,
+                                        cwd=checkout, options=options)
+                except SystemExit as failed:  # start_once exits with the log's tail
+                    result = {"failed": str(failed)[-3000:]}
+                out.setdefault(prefix + label, []).append(result)
+                print("start", prefix + label, json.dumps(result), flush=True)
+                if log.exists():  # deleted with root: keep our lines
+                    print("".join(line for line in log.read_text().splitlines(keepends=True)
+                                  if "vllm_accel" in line or "init engine" in line), flush=True)
+    for label, results in out.items():
+        seconds = [r["llm_s"] for r in results if "llm_s" in r]
+        if seconds:
+            print("start", label, "LLM() s", json.dumps(summary(seconds)), flush=True)
     return out
 
 
@@ -700,6 +714,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     parser.add_argument("--start-rounds", type=int, default=1,
                         help="rounds of engine starts (cold, warm, warm with spawn)")
+    parser.add_argument("--baseline", default="",
+                        help="start: another checkout, started the same way in turn")
     parser.add_argument("--no-spawned-start", action="store_true",
                         help="rounds of cold and warm starts only")
     parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS,
@@ -741,8 +757,9 @@ def main() -> None:
             results["weight_read_floor"] = weight_read_floor(model)
             print("floor", results["weight_read_floor"], flush=True)
         if "start" in parts:
-            results["engine_start"] = start_times(model, root, args.start_rounds,
-                                                  not args.no_spawned_start)
+            results["engine_start"] = start_times(
+                model, root, args.start_rounds, not args.no_spawned_start,
+                Path(args.baseline) if args.baseline else None)
             print("start", results["engine_start"], flush=True)
         if "decode" in parts:
             results["decode_step"] = decode_only(model, prompts, root / "cache")
