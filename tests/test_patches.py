@@ -198,10 +198,12 @@ def _tuning_problem():
     return tuner, Config({"XBLOCK": 1, "R0_BLOCK": 2048}, num_warps=8, num_stages=1), timing
 
 
-def test_tuning_candidates_compile_side_by_side_and_the_pick_stays():
+@pytest.mark.parametrize("baseline_timed", [False, True])
+def test_tuning_candidates_compile_side_by_side_and_the_pick_stays(baseline_timed):
     """Patch 23: each config coordinate descent benchmarks was compiled
     before, in batches with its neighbours, none while a benchmark ran; the
-    walk, its benchmarks and its pick are the tuner's own."""
+    walk, its benchmarks and its pick are the tuner's own. ``baseline_timed``:
+    inductor timed the baseline before (among a kernel's heuristic configs)."""
     import threading
 
     from torch._inductor.runtime.triton_heuristics import triton_config_to_hashable as key
@@ -209,8 +211,16 @@ def test_tuning_candidates_compile_side_by_side_and_the_pick_stays():
     from vllm_accel.inductor_tuning import CandidatesAhead
 
     make_tuner, baseline, timing = _tuning_problem()
+
+    def tuner_for_the_kernel():
+        tuner = make_tuner()
+        if baseline_timed:
+            tuner.cache_benchmark_result(baseline, timing(baseline))
+        return tuner
+
     alone: list = []
-    best_alone = make_tuner().autotune(lambda c: alone.append(key(c)) or timing(c), baseline)
+    best_alone = tuner_for_the_kernel().autotune(
+        lambda c: alone.append(key(c)) or timing(c), baseline)
 
     events, benchmarking, threads = [], threading.Event(), set()
 
@@ -227,8 +237,9 @@ def test_tuning_candidates_compile_side_by_side_and_the_pick_stays():
         finally:
             benchmarking.clear()
 
-    tuner = make_tuner()
-    best = tuner.autotune(CandidatesAhead(tuner, compile_config).wrap(benchmark), baseline)
+    tuner = tuner_for_the_kernel()
+    best = tuner.autotune(CandidatesAhead(tuner, compile_config).wrap(benchmark, baseline),
+                          baseline)
 
     assert key(best) == key(best_alone) != key(baseline)
     benchmarked = [k for kind, k in events if kind == "benchmark"]

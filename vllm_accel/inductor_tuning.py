@@ -109,7 +109,7 @@ def coordinate_descent_compiling_ahead(self, launcher, *args, **kwargs):
     ahead = CandidatesAhead(tuner, self._precompile_config)
     # An instance attribute, for this call only, over the class's autotune.
     tuner.autotune = lambda benchmark, baseline, timing=None: type(tuner).autotune(
-        tuner, ahead.wrap(benchmark), baseline, timing)
+        tuner, ahead.wrap(benchmark, baseline, timing), baseline, timing)
     try:
         return _torch_coordinate_descent(self, launcher, *args, **kwargs)
     finally:
@@ -132,10 +132,16 @@ class CandidatesAhead:
         self.best = None
         self.best_timing = None
 
-    def wrap(self, benchmark):
+    def wrap(self, benchmark, baseline, baseline_timing=None):
+        """``benchmark`` (the tuner's function of a config), compiling ahead
+        for a walk from ``baseline``. Its timing: given, or the one the tuner
+        holds (inductor benchmarks a kernel's few heuristic configs first),
+        or the first benchmark's (the tuner benchmarks its baseline first)."""
+        self.best = baseline
+        self.best_timing = (baseline_timing if baseline_timing is not None
+                            else self.tuner.lookup_in_cache(baseline))
+
         def benchmark_compiled_ahead(config):
-            if self.best is None:
-                self.best = config  # the tuner benchmarks its baseline first
             self.compile_with_neighbours(config)
             timing = benchmark(config)
             # The tuner's own rule for a new best (its compare_config).
