@@ -166,16 +166,14 @@ keeps a record in inductor's cache); each is idempotent.
 18. ``tune_gpu_reductions`` (the worker, inductor on cuda): inductor's
    ``coordinate_descent_tuning`` unless the user set
    ``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING``. With it, inductor decomposes
-   a matmul with one row known at compile time (a batch-1 decode's linear
-   layers) into a product and a sum it generates as a Triton reduction, which
-   it may fuse with neighbouring ops, rather than calling cuBLAS; and it tunes
-   the block sizes of every Triton kernel it generates. gpt-fast's path: 8.5 %
-   off the 1.1B batch-1 step on an H100 (benchmarks/README.md). Graphs with
-   more rows keep cuBLAS for their matmuls. A graph that serves every bucket
-   above 1 compiles without it (``shared_graph_compile``): tuned at the size
-   it first runs (the largest bucket), its block sizes would fit no other;
-   on an H100 that tuning cost ~14 s of the 1.1B cold start and bought
-   nothing measurable when serving (one round each).
+   a one-row matmul (a batch-1 decode's linear layers) into a Triton
+   reduction it may fuse with neighbouring ops, not cuBLAS, and tunes the
+   block sizes of every Triton kernel it generates. gpt-fast's path: 8.5 %
+   off the 1.1B batch-1 step on an H100 (benchmarks/README.md). A graph that
+   serves every bucket above 1 compiles without it (``shared_graph_compile``):
+   tuned at the size it first runs (the largest bucket), its block sizes
+   would fit no other; on an H100 that tuning cost ~14 s of the 1.1B cold
+   start and bought nothing measurable when serving (one round each).
 
 19. ``reuse_tuned_block_sizes`` (the worker, inductor on cuda): a kernel
    whose tuned config comes from the autotune cache without the mark that
