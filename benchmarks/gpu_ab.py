@@ -1,7 +1,7 @@
 """An A/B of two vllm-accel checkouts on one GPU (run on the accelerator host):
 gpu.py's throughput workload, the checkout under test against a baseline.
 
-    VLLM_ACCEL_BASELINE=DIR python3 benchmarks/gpu_ab.py [--rounds 2] [--parts split,ttft,tput] \
+    VLLM_ACCEL_BASELINE=DIR python3 benchmarks/gpu_ab.py [--rounds 2] [--parts split,ttft,tput,decode1] \
         [--shape tinyllama]
 
 DIR is another checkout (e.g. a git worktree of main before a change); its
@@ -15,6 +15,8 @@ with one checkout first on PYTHONPATH, and the two alternate:
   time to first token (``max_tokens=1``, one request at a time) of prompts
   of TTFT_LENGTHS tokens, 20 of each, median: where a prompt is cut into
   forwards (``plan_forwards``) shows.
+- ``decode1``: ``--rounds`` rounds of one process per checkout, alternating:
+  the batch-1 decode step (ms; gpu.py's ``decode_step_times``, 10 an engine).
 - ``tput``: ``--rounds`` rounds of one process per checkout, in alternating
   order; each times the engine (own process, CUDA graphs, async scheduling)
   and then HF's ``generate`` on the same workload (>= 10 s each), so every
@@ -79,6 +81,9 @@ def worker(label: str, model: str, cache: str, out: str, part: str, shape: str) 
         if part == "ttft":
             res["ttft_ms"] = ttft(llm)
             gpu.shutdown(llm)
+        elif part == "decode1":
+            res["decode1_ms"] = [1e3 * s for s in gpu.decode_step_times(llm, prompts, 1, 10)]
+            gpu.shutdown(llm)
         else:
             seconds, _ = gpu.timed(gpu.engine_batch(llm, prompts))  # warmed by engine_batch
             res["accel_tok_s"] = gpu.NUM_PROMPTS * gpu.OUTPUT_LEN / seconds
@@ -102,7 +107,7 @@ def main() -> None:
     checkouts = {"baseline": os.environ["VLLM_ACCEL_BASELINE"], "this": str(HERE.parent)}
     parts = args.parts.split(",")
     plan = [(label, "split") for label in ("this", "baseline")] if "split" in parts else []
-    for part in ("ttft", "tput"):
+    for part in ("ttft", "tput", "decode1"):
         if part in parts:
             for r in range(args.rounds):
                 order = ("baseline", "this") if r % 2 == 0 else ("this", "baseline")
@@ -140,6 +145,10 @@ def main() -> None:
             if values:
                 summary[f"{label}.ttft_ms.{n}"] = {"median": statistics.median(values),
                                                    "min": min(values), "max": max(values)}
+        steps = [ms for r in results if r.get("label") == label for ms in r.get("decode1_ms", [])]
+        if steps:
+            summary[f"{label}.decode1_ms"] = {"median": statistics.median(steps),
+                                              "min": min(steps), "max": max(steps)}
     hf = [r["hf_tok_s"] for r in results if "hf_tok_s" in r]
     if hf:  # one reference: HF's figures from both arms
         summary["hf_tok_s_all"] = {"median": statistics.median(hf), "min": min(hf),
