@@ -40,7 +40,7 @@ def shared_graph_compile():
 
 
 _TUNED_MARK = "found_by_coordesc"  # inductor's mark on a config coordinate descent chose
-_triton_config_setstate = None  # triton.Config.__setstate__, once patched
+_triton_config_setstate = None  # Triton's Config.__setstate__, under patch 19's
 
 
 def reuse_tuned_block_sizes() -> None:
@@ -52,7 +52,7 @@ def reuse_tuned_block_sizes() -> None:
 
     if torch.torch_version.TorchVersion(torch.__version__) < "2.12":
         triton_heuristics.CachingAutotuner.recheck_autotune_cache = recheck_autotune_cache
-    if _triton_config_setstate is None and "__setstate__" in vars(Config):
+    if "__setstate__" in vars(Config) and Config.__setstate__ is not config_setstate_keeping_mark:
         _triton_config_setstate = Config.__setstate__
         Config.__setstate__ = config_setstate_keeping_mark
 
@@ -89,7 +89,7 @@ def recheck_autotune_cache(self, reload_kernel_from_src) -> None:
         self.compile_results = [self._precompile_config(best)]
 
 
-_torch_coordinate_descent = None  # CachingAutotuner.coordinate_descent_tuning, once patched
+_torch_coordinate_descent = None  # torch's coordinate_descent_tuning, under patch 23's
 
 
 def compile_tuning_candidates_ahead() -> None:
@@ -97,7 +97,7 @@ def compile_tuning_candidates_ahead() -> None:
     global _torch_coordinate_descent
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    if _torch_coordinate_descent is None:
+    if CachingAutotuner.coordinate_descent_tuning is not coordinate_descent_compiling_ahead:
         _torch_coordinate_descent = CachingAutotuner.coordinate_descent_tuning
         CachingAutotuner.coordinate_descent_tuning = coordinate_descent_compiling_ahead
 
