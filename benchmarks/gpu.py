@@ -405,10 +405,7 @@ def start_times(model: Path, root: Path, rounds: int = 1, spawned: bool = True,
                    "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
                    "VLLM_CACHE_ROOT": str(caches / "vllm")}
             env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
-            if prefix:  # the checkout first on the path (and the cwd, which `python -c` puts first)
-                paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                         if p and Path(p).resolve() != REPO.resolve()]
-                env["PYTHONPATH"] = os.pathsep.join([str(checkout), *paths])
+            # The checkout's package first: `python -c` puts the cwd first on the path.
             starts = [("cold", {}), ("warm", {})]
             if spawned:
                 starts.append(("warm_spawn", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}))

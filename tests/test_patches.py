@@ -238,7 +238,7 @@ def test_tuning_candidates_compile_side_by_side_and_the_pick_stays(baseline_time
             benchmarking.clear()
 
     tuner = tuner_for_the_kernel()
-    best = tuner.autotune(CandidatesAhead(tuner, compile_config).wrap(benchmark, baseline),
+    best = tuner.autotune(CandidatesAhead(tuner, compile_config, baseline).wrap(benchmark),
                           baseline)
 
     assert key(best) == key(best_alone) != key(baseline)

@@ -106,10 +106,10 @@ def coordinate_descent_compiling_ahead(self, launcher, *args, **kwargs):
     """Patch 23's ``CachingAutotuner.coordinate_descent_tuning``: torch's,
     with its tuner's benchmark function wrapped by ``CandidatesAhead``."""
     tuner = self.coordesc_tuner
-    ahead = CandidatesAhead(tuner, self._precompile_config)
     # An instance attribute, for this call only, over the class's autotune.
     tuner.autotune = lambda benchmark, baseline, timing=None: type(tuner).autotune(
-        tuner, ahead.wrap(benchmark, baseline, timing), baseline, timing)
+        tuner, CandidatesAhead(tuner, self._precompile_config, baseline, timing).wrap(benchmark),
+        baseline, timing)
     try:
         return _torch_coordinate_descent(self, launcher, *args, **kwargs)
     finally:
@@ -125,21 +125,21 @@ class CandidatesAhead:
     Triton's cache. Nothing compiles while a config is benchmarked, and the
     tuner's walk, its timings and its pick are its own."""
 
-    def __init__(self, tuner, compile_config):
+    def __init__(self, tuner, compile_config, baseline, baseline_timing=None):
+        """A walk of ``tuner`` from ``baseline``, compiling with
+        ``compile_config`` (the kernel's _precompile_config). The baseline's
+        timing: given, or the one the tuner holds (inductor benchmarks a
+        kernel's few heuristic configs first), or else its first benchmark's
+        (the tuner benchmarks its baseline first)."""
         self.tuner = tuner
-        self.compile_config = compile_config  # the kernel's _precompile_config
+        self.compile_config = compile_config
         self.compiled: set = set()
-        self.best = None
-        self.best_timing = None
-
-    def wrap(self, benchmark, baseline, baseline_timing=None):
-        """``benchmark`` (the tuner's function of a config), compiling ahead
-        for a walk from ``baseline``. Its timing: given, or the one the tuner
-        holds (inductor benchmarks a kernel's few heuristic configs first),
-        or the first benchmark's (the tuner benchmarks its baseline first)."""
         self.best = baseline
         self.best_timing = (baseline_timing if baseline_timing is not None
-                            else self.tuner.lookup_in_cache(baseline))
+                            else tuner.lookup_in_cache(baseline))
+
+    def wrap(self, benchmark):
+        """``benchmark`` (the tuner's function of a config), compiling ahead."""
 
         def benchmark_compiled_ahead(config):
             self.compile_with_neighbours(config)

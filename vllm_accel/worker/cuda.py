@@ -154,8 +154,8 @@ def start_compilers_early() -> None:
     workers (until the pool is ready, kernels compile one by one on the
     compiling thread) and the hash of Triton's install, its compile cache's
     key (every Triton file and library read: up to 3.7 s on a cold H100
-    start's compiling thread, computed there and on the sampling kernels'
-    thread at once; benchmarks/README.md)."""
+    start's compiling thread, and again on the sampling kernels' thread;
+    benchmarks/README.md)."""
     if not HAS_TRITON:
         return
     from torch._inductor.async_compile import maybe_warm_pool  # torch's own warm-up
