@@ -13,7 +13,9 @@
 # weight-read floor, first token of 512 tokens, throughput against HF: 3
 # rounds), decode_env (the batch-1 step with and without programmatic
 # dependent launch, 3 alternating rounds; each engine's start-up line shows
-# its tuning benchmarks). TESTS_TIMEOUT=N stops the tests after N seconds
+# its tuning benchmarks), decode_ab (the batch-1 step of this checkout against
+# AB_BASELINE=DIR, another checkout, in alternating processes: gpu_ab.py
+# decode1, 3 rounds). TESTS_TIMEOUT=N stops the tests after N seconds
 # (default: none); TESTS_SELECT=EXPR runs the cases pytest's -k EXPR selects.
 # The whole file takes ~17 min on an H100, more than a device call's 10: run
 # it in two calls, 'not vision and not molmo and not embeddings and not
@@ -51,7 +53,13 @@ for step in "${steps[@]}"; do
     decode_env) python3 benchmarks/gpu.py --shape tinyllama --parts decode_env --rounds 3 \
              --out "$out/decode_env.json" > "$out/decode_env.log" 2>&1
            grep -E "^decode_env|start-up:" "$out/decode_env.log" | cut -c1-600 ;;
-    *) echo "cuda_host: unknown step $step (tests, start, serve, decode_env)" >&2; exit 2 ;;
+    decode_ab) VLLM_ACCEL_BASELINE=${AB_BASELINE:?AB_BASELINE=DIR} OUT=$out \
+             python3 benchmarks/gpu_ab.py --shape tinyllama --parts decode1 --rounds 3 \
+             > "$out/decode_ab.log" 2>&1
+           grep -E "^done|median" "$out/decode_ab.log" | cut -c1-300
+           grep -hE "start-up" "$out"/worker*_decode1.log | cut -c1-300 ;;
+    *) echo "cuda_host: unknown step $step (tests, start, serve, decode_env, decode_ab)" >&2
+       exit 2 ;;
   esac
 done
 echo "cuda_host: done at $SECONDS s"

@@ -248,3 +248,62 @@ def test_each_layer_reads_the_layout_of_its_group():
         assert written.tolist() == [slot]
         # One key of its own: each head's output is its value.
         torch.testing.assert_close(out[0, 0], value[0, 0].repeat_interleave(2, dim=0))
+
+
+
+def test_a_layer_that_stores_its_keys_writes_the_caches_in_place_in_its_graph():
+    """Given the slot mapping (``kv_slots``, as a GPU's forward passes it),
+    FMS's store step writes the keys/values in the layer's own graph and the
+    op only attends: the same outputs and caches as the op's own store, the
+    write in one kernel with the keys' rotary, and the caches updated in
+    place (no cache-sized buffer: a copy of every layer's cache a forward)."""
+    from fms.modules.attention import MultiHeadAttention
+    from fms.modules.positions import RotaryEmbedding
+    from torch._inductor.utils import run_and_get_code
+
+    from vllm_accel.model.paged_attention import ATTN_NAME, register_paged_attention
+
+    register_paged_attention()
+    torch.manual_seed(5)
+    attn = MultiHeadAttention(HEADS * DIM, DIM, DIM, HEADS, KV_HEADS,
+                              position_encoder=RotaryEmbedding(dim=DIM, max_seq_len=64)).eval()
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x, positions = torch.randn(1, 2, HEADS * DIM), torch.tensor([[5, 9]])
+    # Two decodes: position 5 over blocks [1, 3] (slot 3 * 4 + 1), position
+    # 9 over blocks [2, 5, 6] (slot 6 * 4 + 1).
+    metadata = PagedAttentionMetadata(
+        slot_mapping=torch.tensor([13, 25]), num_decodes=2,
+        decode_block_table=torch.tensor([[1, 3, 0], [2, 5, 6]]),
+        decode_context_lens=torch.tensor([6, 10]))
+    blocks = 8
+
+    def layer(x, positions, key_cache, value_cache, **store):
+        out, _ = attn(x, position_ids=positions, past_key_value_state=(key_cache, value_cache),
+                      use_cache=True, attn_name=ATTN_NAME, **store)
+        return out
+
+    def run(**store):
+        g = torch.Generator().manual_seed(6)
+        caches = [torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=g) for _ in range(2)]
+        with torch.no_grad(), in_forward(metadata):
+            if not store:
+                return layer(x, positions, *caches), caches, ""
+            torch._dynamo.reset()
+            fn = torch.compile(layer, backend="inductor", fullgraph=True, dynamic=False)
+            out, code = run_and_get_code(fn, x, positions, *caches, **store)
+        return out, caches, "\n".join(code)
+
+    out, caches, _ = run()
+    stored_out, stored_caches, code = run(kv_slots=metadata.slot_mapping)
+    torch.testing.assert_close(stored_out, out)
+    for got, expected in zip(stored_caches, caches):
+        torch.testing.assert_close(got, expected)
+    kernels = [line.split("(")[0].strip() for line in code.splitlines()
+               if line.strip().startswith("cpp_fused")]
+    assert any("index_put" in k and "mul" in k for k in kernels), kernels
+    # The op got the caches themselves (graph inputs) and was told they hold the keys.
+    call = next(line for line in code.splitlines() if "paged_attention.default(" in line)
+    assert call.rstrip().endswith("True)"), call
+    assert f"empty_strided_cpu(({blocks}," not in code
+    assert f"empty_strided_cpu(({blocks * BLOCK}," not in code

@@ -18,6 +18,7 @@ from fms.modules.tp import TPModule
 from torch import nn
 
 from vllm_accel.architectures import find_architecture, load_object
+from vllm_accel.forward_context import get_forward_context
 from vllm_accel.log import get_logger
 from vllm_accel.model.compile import BucketAxis, compile_shared_forward
 from vllm_accel.model.mamba2 import PagedMamba2, recurrent_mixers
@@ -129,7 +130,9 @@ class FmsCausalLM(nn.Module):
         layers; ``shared``: one for bucket 1 and one for all the others."""
         # A decoder layer's hidden states are [1, tokens, hidden], its
         # positions [1, tokens] ([3, 1, tokens] with M-RoPE).
-        axis = BucketAxis((("x", -2), ("position_ids", -1)), max(buckets)) if shared else None
+        # (and ``kv_slots``, [tokens], where the layers store keys/values).
+        axis = (BucketAxis((("x", -2), ("position_ids", -1), ("kv_slots", 0)), max(buckets))
+                if shared else None)
         # Layers of one class share a compiled function (a hybrid model's
         # attention and Mamba2 blocks are two stacks).
         stacks: dict[type, list[nn.Module]] = {}
@@ -148,12 +151,19 @@ class FmsCausalLM(nn.Module):
         for FMS models that take them); kv_caches: per layer, its keys and
         values, or (a recurrent layer) its state's pages and group. Returns
         hidden states [1, tokens, hidden]."""
+        # Where the layout lets them, the layers store the keys/values in
+        # their own graphs (the slot mapping as an attention argument): only
+        # with one layout, since a layer's group is known inside the op alone.
+        layouts = get_forward_context().attention
+        store = ({"kv_slots": layouts[0].slot_mapping}
+                 if layouts and len(layouts) == 1 and layouts[0].stored_by_layers else {})
         hidden, _ = self.fms_model.base_model(
             inputs,
             position_ids=positions,
             past_key_value_states=kv_caches,
             use_cache=True,
             attn_name=ATTN_NAME,
+            **store,
         )
         return hidden
 

@@ -13,7 +13,8 @@ tables, masks) from the forward's context (``ForwardContext.attention``). Per la
 
 1. writes the new keys/values into their slots (padding writes go to block 0,
    which vLLM never hands to a request; on the CPU by the decode kernel's
-   library, a copy per token row);
+   library, a copy per token row), unless the layer's graph wrote them (see
+   below);
 2. attends: all decodes at once, over block tables padded to a context bucket
    (on the CPU with our kernel that reads the blocks in place,
    kernels/decode_attention.py);
@@ -24,7 +25,12 @@ tables, masks) from the forward's context (``ForwardContext.attention``). Per la
 On a GPU the layout comes as one ``SequenceTable`` instead (decodes and
 chunks alike are sequences of queries over their blocks), and one launch of
 vLLM's Triton kernel attends the whole forward: no gathered copies, no loop
-over chunks, and tensors of fixed shapes that a CUDA graph can capture.
+over chunks, and tensors of fixed shapes that a CUDA graph can capture. There
+the layers store the new keys/values themselves: the forward passes the slot
+mapping to FMS's store step (``kv_slots``), which writes both caches with
+``index_copy_`` inside the layer's compiled graph, where inductor fuses the
+writes with the keys' rotary (one kernel instead of the rotary's and a store's
+launches); the op is told (``kv_stored``) and only attends.
 
 Layers of different attention kinds (full attention beside sliding windows)
 sit in different KV cache groups of vLLM's hybrid KV cache manager, each with
@@ -125,6 +131,12 @@ class PagedAttentionMetadata:
         rows past them are the token bucket's padding."""
         return self.prefills[-1].end if self.prefills else self.num_decodes
 
+    @property
+    def stored_by_layers(self) -> bool:
+        """Whether the layers write the step's keys/values into the caches in
+        their own graphs, before the op (the one-launch layout of a GPU)."""
+        return self.sequences is not None
+
     def to(self, device: torch.device) -> PagedAttentionMetadata:
         """The same layout with its tensors on ``device`` (built on the host;
         a GPU's attention reads them there: no host round trip per layer)."""
@@ -180,12 +192,13 @@ def _paged_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
     layout: torch.Tensor | None = None,
+    kv_stored: bool = False,
 ) -> torch.Tensor:
     """query [1, tokens, heads, dim], key/value [1, tokens, kv_heads, dim] ->
-    [1, tokens, heads, dim]; writes key/value into their cache slots.
-    ``sinks`` [heads]: each head's sink logit (None: no sinks); ``layout``
-    [1] int64 on the host: the index of the layer's layout among the
-    forward's (None: the first)."""
+    [1, tokens, heads, dim]; writes key/value into their cache slots (unless
+    ``kv_stored``: the caller has). ``sinks`` [heads]: each head's sink logit
+    (None: no sinks); ``layout`` [1] int64 on the host: the index of the
+    layer's layout among the forward's (None: the first)."""
     context = get_forward_context()
     layouts = context.attention
     assert layouts, "paged_attention runs inside set_forward_context with a layout"
@@ -195,14 +208,15 @@ def _paged_attention(
         # real row reads.
         out = query.new_empty(query.shape)
         table = md.sequences
-        compat.triton_store_kv(key[0], value[0], key_cache, value_cache, md.slot_mapping)
+        if not kv_stored:
+            compat.triton_store_kv(key[0], value[0], key_cache, value_cache, md.slot_mapping)
         compat.triton_paged_attention(
             query[0].contiguous(), key_cache, value_cache, out[0], table.query_start,
             table.seq_lens, table.block_table, scale, md.window, md.split_kv, sinks)
         return out
     decode_kernel = context.kernels.decode
-    if decode_kernel is None or not decode_kernel.store(key[0], value[0], key_cache,
-                                                         value_cache, md.slot_mapping):
+    if not kv_stored and (decode_kernel is None or not decode_kernel.store(
+            key[0], value[0], key_cache, value_cache, md.slot_mapping)):
         kv_heads, head_dim = key_cache.shape[-2:]
         key_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, key[0])
         value_cache.view(-1, kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0])
@@ -319,7 +333,7 @@ def _sdpa(query, keys, values, mask, scale, sinks=None, is_causal=False):
 
 
 def _paged_attention_shape(query, key, value, key_cache, value_cache, scale, sinks=None,
-                           layout=None):
+                           layout=None, kv_stored=False):
     return query.new_empty(query.shape)
 
 
@@ -328,14 +342,26 @@ def _paged_attention_shape(query, key, value, key_cache, value_cache, scale, sin
 # updates the caches in place; it does not copy them).
 paged_attention = ops.define(
     "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
-    "Tensor(b!) value_cache, float scale, Tensor? sinks=None, Tensor? layout=None) -> Tensor",
+    "Tensor(b!) value_cache, float scale, Tensor? sinks=None, Tensor? layout=None, "
+    "bool kv_stored=False) -> Tensor",
     _paged_attention, _paged_attention_shape)
 
 
-def _store(keys, values, key_cache, value_cache, **_):
-    # FMS stores, then computes with what store returns. The op does both, so
-    # hand the new keys/values and the caches through together.
-    return (keys, key_cache), (values, value_cache), key_cache, value_cache
+def _store(keys, values, key_cache, value_cache, kv_slots=None, **_):
+    """FMS's store step. FMS stores, then computes with what store returns;
+    the op does both, so the new keys/values and the caches go through
+    together. With ``kv_slots`` [tokens] (the forward's slot mapping, passed
+    where the layers store) the keys/values are written here, in the layer's
+    graph, and the op is told. Written by (block, offset) into the caches
+    themselves: inductor updates them in place (through a view of a cache,
+    its graph copied the whole cache and back)."""
+    if kv_slots is not None:
+        block_size = key_cache.shape[1]
+        where = (kv_slots // block_size, kv_slots % block_size)
+        key_cache.index_put_(where, keys[0])
+        value_cache.index_put_(where, values[0])
+    stored = kv_slots is not None
+    return (keys, key_cache, stored), (values, value_cache, stored), key_cache, value_cache
 
 
 def _compute(query, keys_and_cache, values_and_cache, nheads, kvheads, p_dropout,
@@ -345,10 +371,10 @@ def _compute(query, keys_and_cache, values_and_cache, nheads, kvheads, p_dropout
     is its layout's); ``attention_layout``: the index of the layer's layout
     (its KV cache group and window) among the forward's, passed by the layers
     of models whose forwards have several (an int64 tensor on the host)."""
-    (keys, key_cache), (values, value_cache) = keys_and_cache, values_and_cache
+    (keys, key_cache, stored), (values, value_cache, _) = keys_and_cache, values_and_cache
     scale = scale_factor if scale_factor is not None else 1.0 / math.sqrt(query.shape[-1])
     return paged_attention(query, keys, values, key_cache, value_cache, scale, sinks,
-                           attention_layout)
+                           attention_layout, stored)
 
 
 _registered = False
