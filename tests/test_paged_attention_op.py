@@ -10,7 +10,10 @@ import torch
 
 from helpers import in_forward
 from vllm_accel.kernels import decode_attention as decode_kernel
+from vllm_accel.architectures import by_model_type
+from vllm_accel.model import paged_attention as paged_attention_module
 from vllm_accel.model.paged_attention import PagedAttentionMetadata, PrefillChunk, paged_attention
+from vllm_accel.testing.fixtures import SUPPORTED_ARCHS
 
 pytestmark = pytest.mark.usefixtures("every_core")  # the kernels split work by threads
 BLOCKS, BLOCK, KV_HEADS, HEADS, DIM = 4, 4, 2, 4, 16
@@ -307,3 +310,55 @@ def test_a_layer_that_stores_its_keys_writes_the_caches_in_place_in_its_graph():
     assert call.rstrip().endswith("True)"), call
     assert f"empty_strided_cpu(({blocks}," not in code
     assert f"empty_strided_cpu(({blocks * BLOCK}," not in code
+
+
+@pytest.mark.parametrize("arch", [a for a in SUPPORTED_ARCHS
+                                  if by_model_type(a).recurrent_state is None])
+def test_every_architecture_passes_the_slots_to_its_store(arch, tmp_path, monkeypatch):
+    """Where a layout lets the layers store (a GPU's), FMS's blocks of every
+    architecture hand the forward's slot mapping to the store step: a prompt
+    and then a decode that reads it back from the cache give the same hidden
+    states and caches as the op's own store (eagerly, on the CPU)."""
+    from transformers import AutoConfig
+
+    from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
+    from vllm_accel.testing.fixtures import make_tiny_model
+
+    path = make_tiny_model(arch, tmp_path / arch)
+    lm = FmsCausalLM(load_fms_model(str(path), AutoConfig.from_pretrained(path),
+                                    torch.float32))
+    block = 8
+    prompt = PagedAttentionMetadata(  # 6 tokens at the prompt's start, into block 1
+        slot_mapping=torch.arange(block, block + 6), num_decodes=0,
+        prefills=[PrefillChunk(0, 6)])
+    decode = PagedAttentionMetadata(  # the 7th token, over block 1
+        slot_mapping=torch.tensor([block + 6]), num_decodes=1,
+        decode_block_table=torch.tensor([[1]]), decode_context_lens=torch.tensor([7]))
+    ids = torch.randint(0, 50, (1, 7), generator=torch.Generator().manual_seed(7))
+
+    def run():
+        caches = [tuple(torch.zeros(4, block, lm.num_kv_heads, lm.head_dim) for _ in range(2))
+                  for _ in range(lm.num_layers)]
+        with torch.no_grad():
+            with in_forward(prompt):
+                first = lm(ids[:, :6], torch.arange(6)[None], caches)
+            with in_forward(decode):
+                second = lm(ids[:, 6:], torch.tensor([[6]]), caches)
+        return first, second, caches
+
+    expected = run()
+    told = []  # each op call's kv_stored: whether the layer's store step wrote
+
+    def recording_op(*args):
+        told.append(args[-1])
+        return paged_attention(*args)
+
+    monkeypatch.setattr(PagedAttentionMetadata, "stored_by_layers", property(lambda md: True))
+    monkeypatch.setattr(paged_attention_module, "paged_attention", recording_op)
+    got = run()
+    assert told == [True] * (2 * lm.num_layers)
+    for g, e in zip(got[:2], expected[:2]):
+        torch.testing.assert_close(g, e)
+    for layer_got, layer_expected in zip(got[2], expected[2]):
+        for g, e in zip(layer_got, layer_expected):
+            torch.testing.assert_close(g, e)
