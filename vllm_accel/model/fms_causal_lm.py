@@ -129,8 +129,8 @@ class FmsCausalLM(nn.Module):
         """One compiled decoder-layer graph per token bucket, shared by all
         layers; ``shared``: one for bucket 1 and one for all the others."""
         # A decoder layer's hidden states are [1, tokens, hidden], its
-        # positions [1, tokens] ([3, 1, tokens] with M-RoPE).
-        # (and ``kv_slots``, [tokens], where the layers store keys/values).
+        # positions [1, tokens] ([3, 1, tokens] with M-RoPE), its KV cache
+        # slots [tokens] where the layers store keys/values (see forward).
         axis = (BucketAxis((("x", -2), ("position_ids", -1), ("kv_slots", 0)), max(buckets))
                 if shared else None)
         # Layers of one class share a compiled function (a hybrid model's
@@ -152,8 +152,9 @@ class FmsCausalLM(nn.Module):
         values, or (a recurrent layer) its state's pages and group. Returns
         hidden states [1, tokens, hidden]."""
         # Where the layout lets them, the layers store the keys/values in
-        # their own graphs (the slot mapping as an attention argument): only
-        # with one layout, since a layer's group is known inside the op alone.
+        # their own graphs (the slot mapping as an attention argument). Only
+        # forwards of one layout: with several (KV cache groups), each group
+        # has its own slots, and a layer's group is known inside the op alone.
         layouts = get_forward_context().attention
         store = ({"kv_slots": layouts[0].slot_mapping}
                  if layouts and len(layouts) == 1 and layouts[0].stored_by_layers else {})

@@ -28,7 +28,7 @@ vLLM's Triton kernel attends the whole forward: no gathered copies, no loop
 over chunks, and tensors of fixed shapes that a CUDA graph can capture. There
 the layers store the new keys/values themselves: the forward passes the slot
 mapping to FMS's store step (``kv_slots``), which writes both caches with
-``index_copy_`` inside the layer's compiled graph, where inductor fuses the
+``index_put_`` inside the layer's compiled graph, where inductor fuses the
 writes with the keys' rotary (one kernel instead of the rotary's and a store's
 launches); the op is told (``kv_stored``) and only attends.
 
