@@ -272,6 +272,12 @@ def test_forward_inputs_send_a_forward_in_one_buffer():
             1, 0, 2)
     # The views are the buffer a captured graph reads: the same tensors each time.
     assert sent.input_ids.data_ptr() == staged.input_ids.data_ptr()
+    # Each starts at 16 bytes (inductor copies an input that is not, each call).
+    table = sent.metadata[0].sequences
+    views = (sent.input_ids, sent.positions, sent.logit_rows, sent.in_flight_targets,
+             sent.in_flight_sources, sent.metadata[0].slot_mapping, table.query_start,
+             table.seq_lens, table.block_table)
+    assert [(v.data_ptr() - sent.input_ids.data_ptr()) % 16 for v in views] == [0] * len(views)
     staged.clear()
     assert staged.metadata[0].slot_mapping.tolist() == [0] * 4
     assert staged.metadata[0].sequences.seq_lens.tolist() == [0] * 3

@@ -58,10 +58,24 @@ def device_forward(forward: BucketedForward, in_flight: tuple[np.ndarray, np.nda
                          recurrent)
 
 
+# Where each view starts in the buffer: at 16 bytes, the alignment inductor's
+# kernels assume of an input that was aligned when they compiled (a view that
+# is not is copied before every call of the graph that reads it: the rotary
+# positions and the slots a layer's graph reads).
+_ALIGN = 16
+
+
+def _aligned(count: int, itemsize: int) -> int:
+    """``count`` items rounded up to whole ``_ALIGN``-byte spans."""
+    per_span = _ALIGN // itemsize
+    return -(-count // per_span) * per_span
+
+
 class _Layout:
     """Where each input sits in the buffer: int64 ones first, then int32 ones
     (slots and block table: one of each per attention group; recurrent
-    states' blocks and flags: models with recurrent layers)."""
+    states' blocks and flags: models with recurrent layers), each at a
+    16-byte boundary."""
 
     def __init__(self, bucket: int, rows: int, width: int, position_axes: int, groups: int,
                  state_groups: int):
@@ -74,9 +88,9 @@ class _Layout:
                             if state_groups else {})}
         self.shapes32 = {"query_start": (rows + 1,), "seq_lens": (rows,),
                          **{f"block_table{g}": (rows, width) for g in range(groups)}}
-        self.size64 = sum(int(np.prod(s)) for s in self.shapes64.values())
-        size32 = sum(int(np.prod(s)) for s in self.shapes32.values())
-        self.words = self.size64 + -(-size32 // 2)  # int64 words in all
+        self.size64 = sum(_aligned(int(np.prod(s)), 8) for s in self.shapes64.values())
+        size32 = sum(_aligned(int(np.prod(s)), 4) for s in self.shapes32.values())
+        self.words = self.size64 + size32 // 2  # int64 words in all
 
     def views(self, buffer):
         """Named views into an int64 buffer (torch tensor or numpy array)."""
@@ -84,14 +98,14 @@ class _Layout:
         for name, shape in self.shapes64.items():
             size = int(np.prod(shape))
             out[name] = buffer[offset : offset + size].reshape(shape)
-            offset += size
+            offset += _aligned(size, 8)
         int32 = buffer[self.size64 :].view(np.int32 if isinstance(buffer, np.ndarray)
                                            else torch.int32)
         offset = 0
         for name, shape in self.shapes32.items():
             size = int(np.prod(shape))
             out[name] = int32[offset : offset + size].reshape(shape)
-            offset += size
+            offset += _aligned(size, 4)
         return out
 
 
