@@ -237,21 +237,23 @@ def test_a_graph_per_bucket_computes_what_the_shared_graph_does(compiled, tiny_m
         assert runner.compile_stats.runtime_compiles == 0
 
 
-def test_layers_that_store_their_keys_share_the_graphs_and_match_hf(tiny_models, tmp_path,
-                                                                    monkeypatch):
+@pytest.mark.parametrize("arch,graphs", [("llama", 2), ("bamba", 4)])
+def test_layers_that_store_their_keys_share_the_graphs_and_match_hf(arch, graphs, tiny_models,
+                                                                    tmp_path, monkeypatch):
     """The layers storing keys/values in their own graphs (a GPU's layout;
     forced here on the cpu): the slot mapping rides the shared graph's bucket
-    axis (two graphs, none compiled while serving), and greedy tokens over
-    chunked prompts and decodes equal HF's."""
+    axis (a graph for bucket 1 and one for the rest, per kind of layer; none
+    compiled while serving), Mamba2 blocks take no slots, and greedy tokens
+    over chunked prompts and decodes equal HF's."""
     from vllm_accel.model.paged_attention import PagedAttentionMetadata
 
     monkeypatch.setattr(PagedAttentionMetadata, "stored_by_layers", property(lambda md: True))
     prompts = random_prompts([2, 15, 16, 17, 64, 65, 200], seed=23)
-    with running_llm(tiny_models["llama"], additional_config=accel_config(tmp_path),
+    with running_llm(tiny_models[arch], additional_config=accel_config(tmp_path),
                      **ENGINE) as llm:
         runner = model_runner(llm)
-        assert runner.compile_stats.warmup_graphs == 2
-        assert greedy(llm, prompts, 12) == hf_greedy(tiny_models["llama"], prompts, 12)
+        assert runner.compile_stats.warmup_graphs == graphs
+        assert greedy(llm, prompts, 12) == hf_greedy(tiny_models[arch], prompts, 12)
         assert runner.compile_stats.runtime_compiles == 0
 
 
