@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import in_forward
-from vllm_accel.kernels import decode_attention as decode_kernel
 from vllm_accel.architectures import by_model_type
+from vllm_accel.kernels import decode_attention as decode_kernel
 from vllm_accel.model import paged_attention as paged_attention_module
 from vllm_accel.model.paged_attention import PagedAttentionMetadata, PrefillChunk, paged_attention
 from vllm_accel.testing.fixtures import SUPPORTED_ARCHS
@@ -251,7 +251,6 @@ def test_each_layer_reads_the_layout_of_its_group():
         assert written.tolist() == [slot]
         # One key of its own: each head's output is its value.
         torch.testing.assert_close(out[0, 0], value[0, 0].repeat_interleave(2, dim=0))
-
 
 
 def test_a_layer_that_stores_its_keys_writes_the_caches_in_place_in_its_graph():

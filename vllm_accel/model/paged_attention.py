@@ -28,9 +28,10 @@ vLLM's Triton kernel attends the whole forward: no gathered copies, no loop
 over chunks, and tensors of fixed shapes that a CUDA graph can capture. There
 the layers store the new keys/values themselves: the forward passes the slot
 mapping to FMS's store step (``kv_slots``), which writes both caches with
-``index_put_`` inside the layer's compiled graph, where inductor fuses the
-writes with the keys' rotary (one kernel instead of the rotary's and a store's
-launches); the op is told (``kv_stored``) and only attends.
+``index_put_`` inside the layer's compiled graph, where inductor can fuse the
+writes with the keys' rotary (on the cpu it made one kernel of them) instead
+of a launch of the rotary's and one of a store; the op is told
+(``kv_stored``) and only attends.
 
 Layers of different attention kinds (full attention beside sliding windows)
 sit in different KV cache groups of vLLM's hybrid KV cache manager, each with
