@@ -405,13 +405,13 @@ def start_times(model: Path, root: Path, rounds: int = 1, spawned: bool = True,
                    "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
                    "VLLM_CACHE_ROOT": str(caches / "vllm")}
             env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
-            # The checkout's package first: `python -c` puts the cwd first on the path.
             starts = [("cold", {}), ("warm", {})]
             if spawned:
                 starts.append(("warm_spawn", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}))
             for label, extra in starts:
                 log = root / f"start-{prefix}{label}-{round_}.log"
                 try:
+                    # The checkout's package first: `python -c` puts the cwd first on the path.
                     result = start_once(sys.executable, {**env, **extra}, str(model), log,
                                         cwd=checkout, options=options)
                 except SystemExit as failed:  # start_once exits with the log's tail

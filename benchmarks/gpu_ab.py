@@ -132,30 +132,21 @@ def main() -> None:
                            else {"label": label, "part": part, "failed": done.returncode})
             (OUT / "ab.json").write_text(json.dumps(results, indent=1))
             print("done", label, part, json.dumps(results[-1]), flush=True)
-    summary = {}
+    figures = {}  # name -> median, min, max (gpu.summary) over the rounds
     for label in checkouts:
-        for key in ("accel_tok_s", "hf_tok_s", "ratio"):
-            values = [r[key] for r in results if r.get("label") == label and key in r]
-            if values:
-                summary[f"{label}.{key}"] = {"median": statistics.median(values),
-                                             "min": min(values), "max": max(values)}
-        for n in TTFT_LENGTHS:
-            values = [r["ttft_ms"][str(n)] for r in results
-                      if r.get("label") == label and "ttft_ms" in r]
-            if values:
-                summary[f"{label}.ttft_ms.{n}"] = {"median": statistics.median(values),
-                                                   "min": min(values), "max": max(values)}
-        steps = [ms for r in results if r.get("label") == label for ms in r.get("decode1_ms", [])]
-        if steps:
-            summary[f"{label}.decode1_ms"] = {"median": statistics.median(steps),
-                                              "min": min(steps), "max": max(steps)}
+        mine = [r for r in results if r.get("label") == label]
+        series = {f"{label}.{key}": [r[key] for r in mine if key in r]
+                  for key in ("accel_tok_s", "hf_tok_s", "ratio")}
+        series |= {f"{label}.ttft_ms.{n}": [r["ttft_ms"][str(n)] for r in mine if "ttft_ms" in r]
+                   for n in TTFT_LENGTHS}
+        series[f"{label}.decode1_ms"] = [ms for r in mine for ms in r.get("decode1_ms", [])]
+        figures |= {name: gpu.summary(values) for name, values in series.items() if values}
+    # One reference: HF's figures from both arms.
     hf = [r["hf_tok_s"] for r in results if "hf_tok_s" in r]
-    if hf:  # one reference: HF's figures from both arms
-        summary["hf_tok_s_all"] = {"median": statistics.median(hf), "min": min(hf),
-                                   "max": max(hf)}
-    print("summary", json.dumps(summary, indent=1), flush=True)
-    (OUT / "ab_summary.json").write_text(json.dumps(summary, indent=1))
-
+    if hf:
+        figures["hf_tok_s_all"] = gpu.summary(hf)
+    print("summary", json.dumps(figures, indent=1), flush=True)
+    (OUT / "ab_summary.json").write_text(json.dumps(figures, indent=1))
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":

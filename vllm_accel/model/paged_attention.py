@@ -356,12 +356,12 @@ def _store(keys, values, key_cache, value_cache, kv_slots=None, **_):
     graph, and the op is told. Written by (block, offset) into the caches
     themselves: inductor updates them in place (through a view of a cache,
     its graph copied the whole cache and back)."""
-    if kv_slots is not None:
+    stored = kv_slots is not None
+    if stored:
         block_size = key_cache.shape[1]
         where = (kv_slots // block_size, kv_slots % block_size)
         key_cache.index_put_(where, keys[0])
         value_cache.index_put_(where, values[0])
-    stored = kv_slots is not None
     return (keys, key_cache, stored), (values, value_cache, stored), key_cache, value_cache
 
 
