@@ -83,10 +83,11 @@ def test_warmup_compiles_every_bucket_once(compiled):
     llm, _ = compiled
     runner = model_runner(llm)
     assert runner.token_buckets == [1, 4, 16, 64]
-    # On cpu one graph serves buckets 4, 16 and 64 (settings.bucket_graphs).
+    # On cpu one graph serves buckets 4, 16 and 64 (settings.bucket_graphs):
+    # the decoder layers' and the final norm's, each beside one for bucket 1.
     assert runner.backend.shared_bucket_graphs
-    assert runner.compile_stats.warmup_graphs == 2
-    assert runner.compile_stats.cache_hits == (0, 2)
+    assert runner.compile_stats.warmup_graphs == 2 * 2
+    assert runner.compile_stats.cache_hits == (0, 4)
     assert runner.compile_stats.tuning_benchmarks == 0  # the cpu's C++ kernels are not tuned
     # vLLM pins inductor to one compile thread; the worker gives it its cores.
     assert torch._inductor.config.compile_threads == torch.get_num_threads()
@@ -209,14 +210,14 @@ def test_second_start_uses_the_compile_cache(compiled, tiny_models, cache_dir, w
                      **ENGINE) as llm:
         warm_s = time.perf_counter() - started
         stats = model_runner(llm).compile_stats
-        assert stats.cache_hits == (2, 0)
+        assert stats.cache_hits == (4, 0)
         # Every graph loaded whole (model/saved_graphs.py): dynamo traced
         # nothing, and the loaded graphs compute what HF does.
-        assert (stats.graphs_loaded, stats.graphs_compiled) == (2, 0)
+        assert (stats.graphs_loaded, stats.graphs_compiled) == (4, 0)
         prompts = random_prompts([3, 17, 70], seed=18)
         assert greedy(llm, prompts) == hf_greedy(tiny_models["llama"], prompts, 8)
     match = next(m for m in map(WARMUP_LINE.search, warmup_log) if m)
-    assert int(match.group(2)) == 2
+    assert int(match.group(2)) == 4
     print(f"engine start: cold {cold_s:.1f} s, with compile cache {warm_s:.1f} s "
           f"(warmup {float(match.group(1)):.1f} s)")
 
@@ -232,17 +233,18 @@ def test_a_graph_per_bucket_computes_what_the_shared_graph_does(compiled, tiny_m
     with running_llm(tiny_models["llama"], additional_config=config, **ENGINE) as static:
         runner = model_runner(static)
         assert not runner.backend.shared_bucket_graphs
-        assert runner.compile_stats.warmup_graphs == runner.compile_stats.graphs_compiled == 4
+        assert runner.compile_stats.warmup_graphs == runner.compile_stats.graphs_compiled == 2 * 4  # layers and final norm
         assert greedy(static, prompts, 12) == greedy(llm, prompts, 12)
         assert runner.compile_stats.runtime_compiles == 0
 
 
-@pytest.mark.parametrize("arch,graphs", [("llama", 2), ("bamba", 4)])
+@pytest.mark.parametrize("arch,graphs", [("llama", 2 * 2), ("bamba", 3 * 2)])
 def test_layers_that_store_their_keys_share_the_graphs_and_match_hf(arch, graphs, tiny_models,
                                                                     tmp_path, monkeypatch):
     """The layers storing keys/values in their own graphs (a GPU's layout;
     forced here on the cpu): the slot mapping rides the shared graph's bucket
-    axis (a graph for bucket 1 and one for the rest, per kind of layer; none
+    axis (a graph for bucket 1 and one for the rest, per kind of layer and
+    for the final norm; none
     compiled while serving), Mamba2 blocks take no slots, and greedy tokens
     over chunked prompts and decodes equal HF's."""
     from vllm_accel.model.paged_attention import PagedAttentionMetadata
@@ -285,7 +287,7 @@ def test_a_hybrid_model_compiles_each_layer_kind_per_bucket_and_matches_hf(tiny_
     prompts = random_prompts([1, 3, 16, 17, 63, 200], seed=24)
     with running_llm(tiny_models["bamba"], additional_config=config, **ENGINE) as llm:
         runner = model_runner(llm)
-        assert runner.compile_stats.warmup_graphs == 8  # 2 kinds of layer x 4 buckets
+        assert runner.compile_stats.warmup_graphs == 12  # (2 kinds of layer + final norm) x 4 buckets
         assert greedy(llm, prompts) == hf_greedy(tiny_models["bamba"], prompts, 8)
         assert runner.compile_stats.runtime_compiles == 0
 
@@ -303,7 +305,7 @@ def test_windowed_and_full_attention_layers_share_one_graph_per_bucket_and_match
     with running_llm(tiny_models["granite_swa"], additional_config=config, **ENGINE) as llm:
         runner = model_runner(llm)
         assert len(runner.kv_cache.layouts) == 4
-        assert runner.compile_stats.warmup_graphs == 4  # one kind of layer x 4 buckets
+        assert runner.compile_stats.warmup_graphs == 8  # (one kind of layer + final norm) x 4 buckets
         assert greedy(llm, prompts) == hf_greedy(tiny_models["granite_swa"], prompts, 8)
         assert runner.compile_stats.runtime_compiles == 0
 
@@ -337,7 +339,7 @@ def test_skip_warmup_compiles_lazily(tiny_models, cache_dir, warmup_log, monkeyp
         assert greedy(llm, prompt) == hf_greedy(tiny_models["llama"], prompt, 8)
         # 16 (prefill), 1 (decode): compiled, or loaded where an engine before
         # in this cache saved them (the module's earlier tests did).
-        assert stats.graphs_compiled + stats.graphs_loaded == 2
+        assert stats.graphs_compiled + stats.graphs_loaded == 2 * 2  # layers, final norm
     assert not any(WARMUP_LINE.search(line) for line in warmup_log)
 
 
@@ -363,7 +365,7 @@ def test_precompile_fills_a_cache_a_server_starts_from(tiny_models, tmp_path):
 
     config["accel"]["compile_cache_dir"] = str(cache)
     with running_llm(tiny_models["llama"], additional_config=config, **ENGINE) as llm:
-        assert model_runner(llm).compile_stats.cache_hits == (2, 0)
+        assert model_runner(llm).compile_stats.cache_hits == (4, 0)
 
 
 class Scaled(torch.nn.Module):

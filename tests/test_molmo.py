@@ -236,7 +236,7 @@ def test_compiled_serving_pads_crops_and_never_recompiles(ckpt, cases, expected,
         runner = model_runner(llm)
         assert runner.vision_encoder.buckets == [4, 7]
         stats = runner.compile_stats
-        assert stats.warmup_graphs == 1 + 1  # one decoder graph, one ViT graph: each shared
+        assert stats.warmup_graphs == 1 + 1 + 1  # decoder layers', final norm's, ViT's: each shared
         # Warmup ran the ViT's graphs in its first block only; the others
         # passed through, and serving finds every block's graph unguarded.
         blocks = runner.vision_encoder.adapter.vision_compile_units()

@@ -71,8 +71,9 @@ LLAVA_NEXT = VisionArch(
     repeat_image=(128, 64, 7),
     compile_settings={"token_buckets": "1,16,256,2048"},
     compile_batched_tokens=2048,
-    # Decoder graphs (bucket 1; one shared by 16, 256, 2048) + one for tile buckets 2, 4, 5.
-    warmup_graphs=2 + 1,
+    # Decoder layers' and final norm's graphs (bucket 1; one shared by 16,
+    # 256, 2048) + one for tile buckets 2, 4, 5.
+    warmup_graphs=2 * 2 + 1,
     cached_followup="What colour dominates? Answer briefly.",
 )
 
@@ -97,7 +98,8 @@ QWEN2_5_VL = VisionArch(
     # token buckets + vision buckets: on the cpu device window and
     # full-attention blocks both attend by spans (our kernel, or SDPA span by
     # span), so the masks go unread and one graph serves both kinds
-    warmup_graphs=1 + 1,  # one decoder graph, one tower graph: each shared by its buckets
+    # The decoder layers', the final norm's and the tower's: each shared by its buckets.
+    warmup_graphs=1 + 1 + 1,
     vision_buckets=[64, 256],
     patch_before_processor=True,  # the stand-in video processor (no torchvision)
 )
@@ -120,7 +122,8 @@ MISTRAL3 = VisionArch(
     cached_followup="What colour dominates? Answer briefly.",
     compile_settings={"token_buckets": "16,256,1024", "multimodal_buckets": "64,256"},
     compile_batched_tokens=1024,
-    warmup_graphs=1 + 1,  # one decoder graph, one tower graph: each shared by its buckets
+    # The decoder layers', the final norm's and the tower's: each shared by its buckets.
+    warmup_graphs=1 + 1 + 1,
     vision_buckets=[64, 256],
     patch_before_processor=True,  # PixtralProcessor without torchvision (patch 17)
 )

@@ -140,6 +140,11 @@ class FmsCausalLM(nn.Module):
             stacks.setdefault(type(layer), []).append(layer)
         for layers in stacks.values():
             compile_shared_forward(layers, backend, len(buckets), saved, axis)
+        # The final norm too: run eagerly it is several small kernels a step
+        # (eight on the GPU), compiled one.
+        norm = self.fms_model.base_model.dec_norm
+        compile_shared_forward([norm], backend, len(buckets), saved,
+                               axis and BucketAxis((("x", -2),), axis.largest))
 
     def forward(
         self,
