@@ -127,7 +127,8 @@ class FmsCausalLM(nn.Module):
     def compile_layers(self, backend: str, buckets: list[int],
                        saved: SavedGraphs | None = None, shared: bool = False) -> None:
         """One compiled decoder-layer graph per token bucket, shared by all
-        layers; ``shared``: one for bucket 1 and one for all the others."""
+        layers, and one of the final norm; ``shared``: one for bucket 1 and
+        one for all the others."""
         # A decoder layer's hidden states are [1, tokens, hidden], its
         # positions [1, tokens] ([3, 1, tokens] with M-RoPE), its KV cache
         # slots [tokens] where the layers store keys/values (see forward).
@@ -140,11 +141,11 @@ class FmsCausalLM(nn.Module):
             stacks.setdefault(type(layer), []).append(layer)
         for layers in stacks.values():
             compile_shared_forward(layers, backend, len(buckets), saved, axis)
-        # The final norm too: run eagerly it is several small kernels a step
-        # (eight on the GPU), compiled one.
-        norm = self.fms_model.base_model.dec_norm
-        compile_shared_forward([norm], backend, len(buckets), saved,
-                               axis and BucketAxis((("x", -2),), axis.largest))
+        # Eager, the final norm is several small kernels a step (eight on
+        # the GPU); compiled, one.
+        norm_axis = BucketAxis((("x", -2),), max(buckets)) if shared else None
+        compile_shared_forward([self.fms_model.base_model.dec_norm], backend, len(buckets),
+                               saved, norm_axis)
 
     def forward(
         self,
