@@ -233,7 +233,8 @@ def test_a_graph_per_bucket_computes_what_the_shared_graph_does(compiled, tiny_m
     with running_llm(tiny_models["llama"], additional_config=config, **ENGINE) as static:
         runner = model_runner(static)
         assert not runner.backend.shared_bucket_graphs
-        assert runner.compile_stats.warmup_graphs == runner.compile_stats.graphs_compiled == 2 * 4  # layers and final norm
+        # The layers' graph and the final norm's, for each of 4 buckets.
+        assert runner.compile_stats.warmup_graphs == runner.compile_stats.graphs_compiled == 2 * 4
         assert greedy(static, prompts, 12) == greedy(llm, prompts, 12)
         assert runner.compile_stats.runtime_compiles == 0
 
@@ -244,9 +245,8 @@ def test_layers_that_store_their_keys_share_the_graphs_and_match_hf(arch, graphs
     """The layers storing keys/values in their own graphs (a GPU's layout;
     forced here on the cpu): the slot mapping rides the shared graph's bucket
     axis (a graph for bucket 1 and one for the rest, per kind of layer and
-    for the final norm; none
-    compiled while serving), Mamba2 blocks take no slots, and greedy tokens
-    over chunked prompts and decodes equal HF's."""
+    for the final norm; none compiled while serving), Mamba2 blocks take no
+    slots, and greedy tokens over chunked prompts and decodes equal HF's."""
     from vllm_accel.model.paged_attention import PagedAttentionMetadata
 
     monkeypatch.setattr(PagedAttentionMetadata, "stored_by_layers", property(lambda md: True))
@@ -287,7 +287,8 @@ def test_a_hybrid_model_compiles_each_layer_kind_per_bucket_and_matches_hf(tiny_
     prompts = random_prompts([1, 3, 16, 17, 63, 200], seed=24)
     with running_llm(tiny_models["bamba"], additional_config=config, **ENGINE) as llm:
         runner = model_runner(llm)
-        assert runner.compile_stats.warmup_graphs == 12  # (2 kinds of layer + final norm) x 4 buckets
+        # (2 kinds of layer + the final norm) x 4 buckets
+        assert runner.compile_stats.warmup_graphs == 12
         assert greedy(llm, prompts) == hf_greedy(tiny_models["bamba"], prompts, 8)
         assert runner.compile_stats.runtime_compiles == 0
 
@@ -305,7 +306,8 @@ def test_windowed_and_full_attention_layers_share_one_graph_per_bucket_and_match
     with running_llm(tiny_models["granite_swa"], additional_config=config, **ENGINE) as llm:
         runner = model_runner(llm)
         assert len(runner.kv_cache.layouts) == 4
-        assert runner.compile_stats.warmup_graphs == 8  # (one kind of layer + final norm) x 4 buckets
+        # (one kind of layer + the final norm) x 4 buckets
+        assert runner.compile_stats.warmup_graphs == 8
         assert greedy(llm, prompts) == hf_greedy(tiny_models["granite_swa"], prompts, 8)
         assert runner.compile_stats.runtime_compiles == 0
 
