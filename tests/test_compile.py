@@ -259,6 +259,28 @@ def test_layers_that_store_their_keys_share_the_graphs_and_match_hf(arch, graphs
         assert runner.compile_stats.runtime_compiles == 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_bigcode"])
+def test_the_final_norm_takes_one_graph_for_every_bucket_above_1(arch, tiny_models):
+    """The final norm compiled with shared graphs: one for 1 token and one
+    for every larger bucket, called with fresh tensors (not ones the layers
+    marked), whether its input is FMS's ``x`` or torch's LayerNorm's
+    ``input`` (GPT-BigCode); with graphs per bucket, one for each."""
+    from transformers import AutoConfig
+
+    from vllm_accel.compat import dynamo_graph_count
+    from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
+
+    path = tiny_models[arch]
+    for shared, graphs in ((True, 2), (False, 3)):
+        model = FmsCausalLM(load_fms_model(str(path), AutoConfig.from_pretrained(path),
+                                           torch.float32))
+        model.compile_layers("eager", [1, 4, 16], shared=shared)
+        before = dynamo_graph_count()
+        for tokens in (1, 4, 16, 4):
+            model.fms_model.base_model.dec_norm(torch.randn(1, tokens, model.hidden_size))
+        assert dynamo_graph_count() - before == graphs
+
+
 def test_compiled_graphs_are_kept_per_op_schemas(compiled, cache_dir, monkeypatch):
     """Graphs call our ops by their schemas, which inductor's cache does not
     key on: the engine's graphs live in a folder named by them, and another

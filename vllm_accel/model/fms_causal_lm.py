@@ -12,6 +12,8 @@ embeddings and positions -> hidden states; the paged-KV layout comes from
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from fms.modules.attention import MultiHeadAttention
 from fms.modules.tp import TPModule
@@ -142,10 +144,12 @@ class FmsCausalLM(nn.Module):
         for layers in stacks.values():
             compile_shared_forward(layers, backend, len(buckets), saved, axis)
         # Eager, the final norm is several small kernels a step (eight on
-        # the GPU); compiled, one.
-        norm_axis = BucketAxis((("x", -2),), max(buckets)) if shared else None
-        compile_shared_forward([self.fms_model.base_model.dec_norm], backend, len(buckets),
-                               saved, norm_axis)
+        # the GPU); compiled, one. Its input is FMS's norm's ``x`` or
+        # torch's LayerNorm's ``input`` (GPT-BigCode): named by its forward.
+        norm = self.fms_model.base_model.dec_norm
+        hidden = list(inspect.signature(norm.forward).parameters)[0]
+        norm_axis = BucketAxis(((hidden, -2),), max(buckets)) if shared else None
+        compile_shared_forward([norm], backend, len(buckets), saved, norm_axis)
 
     def forward(
         self,
