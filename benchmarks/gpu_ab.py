@@ -148,6 +148,7 @@ def main() -> None:
     print("summary", json.dumps(figures, indent=1), flush=True)
     (OUT / "ab_summary.json").write_text(json.dumps(figures, indent=1))
 
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(*sys.argv[2:8])
