@@ -15,7 +15,8 @@
 # dependent launch, 3 alternating rounds; each engine's start-up line shows
 # its tuning benchmarks), decode_ab (the batch-1 step of this checkout against
 # AB_BASELINE=DIR, another checkout, in alternating processes: gpu_ab.py
-# decode1, 3 rounds). TESTS_TIMEOUT=N stops the tests after N seconds
+# decode1, 3 rounds), attention_split (the attention launch alone, one pass
+# against split-KV: gpu_attention_split.py). TESTS_TIMEOUT=N stops the tests after N seconds
 # (default: none); TESTS_SELECT=EXPR runs the cases pytest's -k EXPR selects.
 # The whole file takes ~17 min on an H100, more than a device call's 10: run
 # it in two calls, 'not vision and not molmo and not embeddings and not
@@ -58,7 +59,11 @@ for step in "${steps[@]}"; do
              > "$out/decode_ab.log" 2>&1
            grep -E "^done|median" "$out/decode_ab.log" | cut -c1-300
            grep -hE "start-up" "$out"/worker*_decode1.log | cut -c1-300 ;;
-    *) echo "cuda_host: unknown step $step (tests, start, serve, decode_env, decode_ab)" >&2
+    attention_split) python3 benchmarks/gpu_attention_split.py --out "$out/attention_split.json" \
+             > "$out/attention_split.log" 2>&1
+           grep -E "^attention_split|Error" "$out/attention_split.log" | cut -c1-400 ;;
+    *) echo "cuda_host: unknown step $step (tests, start, serve, decode_env, decode_ab," \
+            "attention_split)" >&2
        exit 2 ;;
   esac
 done
