@@ -16,8 +16,9 @@
 # its tuning benchmarks), decode_ab (the batch-1 step of this checkout against
 # AB_BASELINE=DIR, another checkout, in alternating processes: gpu_ab.py
 # decode1, 3 rounds), attention_split (the attention launch alone, one pass
-# against split-KV: gpu_attention_split.py). TESTS_TIMEOUT=N stops the tests after N seconds
-# (default: none); TESTS_SELECT=EXPR runs the cases pytest's -k EXPR selects.
+# against split-KV: gpu_attention_split.py). TESTS_TIMEOUT=N stops the tests
+# after N seconds (default: none); TESTS_SELECT=EXPR runs the cases pytest's
+# -k EXPR selects.
 # The whole file takes ~17 min on an H100, more than a device call's 10: run
 # it in two calls, 'not vision and not molmo and not embeddings and not
 # cpu_backend and not graphs_off' (25 cases, 520 s on 2026-12-07), then

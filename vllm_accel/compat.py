@@ -108,12 +108,15 @@ class SplitKvScratch:
     segments: int = 16
 
     @classmethod
-    def allocate(cls, heads: int, kv_heads: int, head_dim: int, device, segments: int = 16):
+    def allocate(cls, heads: int, kv_heads: int, head_dim: int, device,
+                 segments: int | None = None):
+        """The scratch, of ``segments`` segments (None: the field's default)."""
         import torch
         from vllm.v1.attention.ops.triton_unified_attention import MAX_3D_QUERY_LEN
 
         # Only forwards of at most MAX_3D_QUERY_LEN tokens split: so many rows.
         rows, padded = MAX_3D_QUERY_LEN, 1 << (head_dim - 1).bit_length()
+        segments = segments or cls.segments
         new = lambda *shape: torch.empty(shape, dtype=torch.float32, device=device)
         return cls(new(rows, heads, segments, padded), new(rows, heads, segments),
                    new(rows, heads, segments), max(1, 128 // kv_heads), segments)
