@@ -8,7 +8,9 @@ counts, on the GPU (run on the accelerator host):
 A batch-1 decode step launches it once a layer (compat.triton_paged_attention
 with the worker's SplitKvScratch: 16 segments), inside a CUDA graph. So each
 variant is timed as the step runs it: 64 launches captured in one graph,
-the graph replayed, microseconds a launch (median of 15 replays, min-max).
+replayed back to back for ``--round-seconds``; rounds alternate the
+variants, and a case's rounds together last >= 10 s. Microseconds a launch:
+the median of the rounds (min-max).
 Shapes: TinyLlama-1.1B's heads (32 / 4 KV, dim 64) and Llama-3.1-8B's (32 /
 8, dim 128), bfloat16, 16-token KV blocks, 1 and 8 decoding sequences at
 several context lengths.
@@ -27,11 +29,11 @@ CONTEXTS = (128, 512, 2048, 8192)
 BATCHES = (1, 8)
 SEGMENTS = (None, 4, 8, 16)  # None: the one-pass (2-D) launch
 BLOCK = 16
-LAUNCHES, REPLAYS = 64, 15
+LAUNCHES, ROUNDS = 64, 3
 
 
-def launch_us(run) -> list[float]:
-    """Microseconds a launch of ``run``, LAUNCHES captured in a CUDA graph."""
+def captured(run) -> torch.cuda.CUDAGraph:
+    """LAUNCHES calls of ``run`` captured in one CUDA graph."""
     run()  # Triton compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -39,18 +41,26 @@ def launch_us(run) -> list[float]:
         for _ in range(LAUNCHES):
             run()
     graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    return graph
+
+
+def round_us(graph: torch.cuda.CUDAGraph, seconds: float) -> float:
+    """Microseconds a launch, the graph replayed for about ``seconds``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replays, elapsed_ms = 0, 0.0
+    while elapsed_ms < 1e3 * seconds:
         start.record()
-        graph.replay()
+        for _ in range(100):
+            graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAUNCHES)
-    return times
+        replays, elapsed_ms = replays + 100, elapsed_ms + start.elapsed_time(end)
+    return 1e3 * elapsed_ms / (replays * LAUNCHES)
 
 
-def case(heads: int, kv_heads: int, dim: int, batch: int, context: int) -> dict:
+def case(heads: int, kv_heads: int, dim: int, batch: int, context: int,
+         seconds: float) -> dict:
     from vllm_accel.compat import SplitKvScratch, triton_paged_attention
 
     blocks_each = context // BLOCK
@@ -63,7 +73,7 @@ def case(heads: int, kv_heads: int, dim: int, batch: int, context: int) -> dict:
                          dtype=torch.int32).reshape(batch, blocks_each)
     query_start = torch.arange(batch + 1, device=dev, dtype=torch.int32)
     seq_lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
-    results, outputs = {}, {}
+    graphs, outputs = {}, {}
     for segments in SEGMENTS:
         split = (None if segments is None
                  else SplitKvScratch.allocate(heads, kv_heads, dim, dev, segments))
@@ -72,28 +82,33 @@ def case(heads: int, kv_heads: int, dim: int, batch: int, context: int) -> dict:
             triton_paged_attention(query, *caches, out, query_start, seq_lens, table,
                                    dim ** -0.5, split=split)
 
-        times = launch_us(run)
         label = "one_pass" if segments is None else f"split_{segments}"
-        run()
+        graphs[label] = captured(run)
         outputs[label] = out.float().clone()
-        results[label] = {"median_us": statistics.median(times), "min_us": min(times),
-                          "max_us": max(times)}
+    rounds = {label: [] for label in graphs}
+    for _ in range(ROUNDS):
+        for label, graph in graphs.items():
+            rounds[label].append(round_us(graph, seconds))
     reference = outputs["one_pass"]
-    for label, value in outputs.items():  # every launch computes the same attention
-        results[label]["max_abs_diff"] = (value - reference).abs().max().item()
-    return results
+    # Every launch computes the same attention.
+    return {label: {"median_us": statistics.median(times), "min_us": min(times),
+                    "max_us": max(times),
+                    "max_abs_diff": (outputs[label] - reference).abs().max().item()}
+            for label, times in rounds.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="attention_split.json")
+    parser.add_argument("--round-seconds", type=float,
+                        default=10.0 / (ROUNDS * len(SEGMENTS)) + 0.05)
     args = parser.parse_args()
     report = {"device": torch.cuda.get_device_name(), "launches_a_graph": LAUNCHES,
-              "replays": REPLAYS, "cases": []}
+              "rounds": ROUNDS, "round_seconds": args.round_seconds, "cases": []}
     for shape, (heads, kv_heads, dim) in HEADS.items():
         for batch in BATCHES:
             for context in CONTEXTS:
-                results = case(heads, kv_heads, dim, batch, context)
+                results = case(heads, kv_heads, dim, batch, context, args.round_seconds)
                 report["cases"].append({"shape": shape, "batch": batch, "context": context,
                                         **results})
                 print("attention_split", shape, f"batch={batch}", f"context={context}",
