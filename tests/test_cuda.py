@@ -1,8 +1,10 @@
 """The cuda device backend on a real NVIDIA GPU: attention in one Triton launch
-equal to the PyTorch path; greedy output token for token equal to HF
-transformers' own model classes on the same GPU (float32), no compiles after
-warmup under mixed traffic, every forward replayed from CUDA graphs; and the
-cpu backend on a host with a CUDA build of torch.
+equal to the PyTorch path (one_launch_attention.py's cases, which
+test_one_launch_interpreted.py runs on the cpu under Triton's interpreter);
+greedy output token for token equal to HF transformers' own model classes on
+the same GPU (float32), no compiles after warmup under mixed traffic, every
+forward replayed from CUDA graphs; and the cpu backend on a host with a CUDA
+build of torch.
 
 Skipped without a CUDA device (CI has none); run on the accelerator host."""
 
@@ -13,6 +15,8 @@ import pytest
 import torch
 
 from helpers import chat_prompt, model_runner, noise_image, running_llm, vision_greedy
+from one_launch_attention import (model_equals_pytorch_path, one_launch_equals_pytorch_path,
+                                  split_kv_equals_one_pass)
 from vision_cases import ARCHS as VISION_ARCHS
 from vllm_accel.patches import apply_patches
 from vllm_accel.architectures import by_model_type
@@ -57,42 +61,18 @@ def hf_cuda_greedy(model_dir, prompts, max_tokens=MAX_TOKENS):
                          ids=["plain", "sinks", "sinks+window"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_launch_attention_equals_the_pytorch_path(dtype, sinks, window):
-    """One step (two decodes, a chunk with earlier context, a new prompt cut
-    by the forward's end) laid out both ways: the same attention output;
-    also with attention sinks (Triton's sinks= against the explicit softmax)
-    and a window that cuts the decodes' and the chunk's context."""
-    from helpers import in_forward
-    from vllm_accel.model.paged_attention import (TableShape, paged_attention,
-                                                  register_paged_attention)
-    from vllm_accel.patches import exact_float32_dots
-    from vllm_accel.worker.step_layout import pack_step
+    one_launch_equals_pytorch_path("cuda", dtype, sinks, window)
 
-    exact_float32_dots()
-    register_paged_attention()
-    block, heads, kv_heads, dim, blocks = 16, 8, 2, 64, 64
-    g = torch.Generator().manual_seed(0)
-    num_scheduled = np.array([1, 40, 1, 30])
-    start = np.array([70, 20, 5, 0])
-    block_table = np.arange(1, 1 + 4 * 8).reshape(4, 8)  # 8 blocks a request
-    token_ids = np.zeros((4, 256), dtype=np.int64)
-    # 72 tokens: the first forward takes 64 (the new prompt's first 22).
-    layouts = [pack_step(token_ids, block_table, num_scheduled, start, block,
-                         lambda n: [64, 64], lambda b: 8, table_shape=shape, window=window
-                         ).forwards[0].attn_metadata.to("cuda")
-               for shape in (None, TableShape(max_sequences=4, width=8))]
-    shape = (1, 64, heads, dim)
-    query, key, value = (torch.randn(*s, generator=g).to("cuda", dtype)
-                         for s in (shape, shape[:2] + (kv_heads, dim), shape[:2] + (kv_heads, dim)))
-    head_sinks = (torch.randn(heads, generator=g) + 1).to("cuda", dtype) if sinks else None
-    outputs = []
-    for metadata in layouts:
-        caches = [torch.randn(blocks, block, kv_heads, dim, generator=torch.Generator().manual_seed(1)
-                              ).to("cuda", dtype) for _ in range(2)]
-        with in_forward(metadata):
-            out = paged_attention(query, key, value, *caches, dim ** -0.5, head_sinks)
-        outputs.append(out[0].float())
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_equals_one_pass(dtype):
+    split_kv_equals_one_pass("cuda", dtype)
+
+
+@pytest.mark.parametrize("arch", [a for a in SUPPORTED_ARCHS
+                                  if by_model_type(a).recurrent_state is None])
+def test_layers_storing_their_keys_equal_the_pytorch_path(arch, tmp_path):
+    model_equals_pytorch_path("cuda", arch, str(tmp_path))
 
 
 @pytest.fixture(scope="module", params=[a for a in SUPPORTED_ARCHS
