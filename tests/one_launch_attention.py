@@ -114,7 +114,7 @@ def model_equals_pytorch_path(device: str, arch: str, directory: str) -> None:
     register_paged_attention()
     path = make_tiny_model(arch, os.path.join(directory, arch))
     lm = FmsCausalLM(load_fms_model(str(path), AutoConfig.from_pretrained(path),
-                                    torch.float32)).to(device)
+                                    torch.float32, device))
     block, width = 8, 4
     g = torch.Generator().manual_seed(3)
     token_ids = torch.randint(2, 50, (2, 16), generator=g).numpy()
