@@ -4,8 +4,9 @@ On cuda a forward's layout is one ``SequenceTable`` and one launch of vLLM's
 Triton kernel attends it (the layers store the keys/values themselves; few
 decodes take the split-KV launch). Each case here lays the same work out both
 ways and compares. test_cuda.py runs them on a GPU; test_one_launch_interpreted.py
-runs them on the cpu under Triton's interpreter (``python one_launch_attention.py``
-in a process of its own: vLLM decides at import whether Triton is usable).
+runs them on the cpu under Triton's interpreter (``python one_launch_attention.py
+DIRECTORY [CASE ...]`` in a process of its own: vLLM decides at import whether
+Triton is usable).
 """
 
 from __future__ import annotations
@@ -27,11 +28,21 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def _both_layouts(step, block_size, plan, window=0, max_sequences=4, width=8):
-    """The first forward of a step, laid out for the PyTorch path and as one
-    ``SequenceTable``: (pytorch, one_launch) pairs of forwards."""
+    """A step's forwards laid out twice: for the PyTorch path, then each as
+    one ``SequenceTable``."""
     return [pack_step(*step, block_size, plan, lambda blocks: width, table_shape=shape,
                       window=window).forwards
             for shape in (None, TableShape(max_sequences=max_sequences, width=width))]
+
+
+def _watched_scratch(heads: int, kv_heads: int, dim: int, device: str):
+    """The worker's split-KV scratch, its maxima NaN: a launch that splits
+    writes them (vLLM's kernel picks the split from the shapes)."""
+    from vllm_accel.compat import SplitKvScratch
+
+    scratch = SplitKvScratch.allocate(heads, kv_heads, dim, device)
+    scratch.max.fill_(float("nan"))
+    return scratch
 
 
 def one_launch_equals_pytorch_path(device: str, dtype: torch.dtype, sinks: bool,
@@ -69,9 +80,7 @@ def one_launch_equals_pytorch_path(device: str, dtype: torch.dtype, sinks: bool,
 def split_kv_equals_one_pass(device: str, dtype: torch.dtype) -> None:
     """Decodes alone (contexts of 1 to 100 tokens) through the split-KV launch
     with the worker's scratch: the one-pass launch's output, and the split
-    launch really taken (its scratch, filled with NaN, written)."""
-    from vllm_accel.compat import SplitKvScratch
-
+    launch really taken."""
     exact_float32_dots()
     register_paged_attention()
     block, heads, kv_heads, dim, blocks = 16, 8, 2, 64, 32
@@ -80,8 +89,7 @@ def split_kv_equals_one_pass(device: str, dtype: torch.dtype) -> None:
             np.array([1, 1, 1]), np.array([99, 0, 40]))
     (forward,) = _both_layouts(step, block, lambda n: [4], max_sequences=4, width=7)[1]
     one_pass = forward.attn_metadata.to(device)
-    scratch = SplitKvScratch.allocate(heads, kv_heads, dim, device)
-    scratch.max.fill_(float("nan"))
+    scratch = _watched_scratch(heads, kv_heads, dim, device)
     split = dataclasses.replace(one_pass, split_kv=scratch)
     query = torch.randn(1, 4, heads, dim, generator=g).to(device, dtype)
     caches = [torch.randn(blocks, block, kv_heads, dim, generator=g).to(device, dtype)
@@ -100,13 +108,12 @@ def split_kv_equals_one_pass(device: str, dtype: torch.dtype) -> None:
 
 def model_equals_pytorch_path(device: str, arch: str, directory: str) -> None:
     """A tiny model of ``arch`` (float32) runs two prompts, then two decode
-    steps (the second crossing into a new block; those of one launch through
+    steps (the first crossing into a new block; those of one launch through
     the split-KV launch), its layers storing the keys/values themselves where
     the layout is one launch: the same hidden states and caches as the
     PyTorch path, where the op stores them."""
     from transformers import AutoConfig
 
-    from vllm_accel.compat import SplitKvScratch
     from vllm_accel.model.fms_causal_lm import FmsCausalLM, load_fms_model
     from vllm_accel.testing.fixtures import make_tiny_model
 
@@ -124,8 +131,7 @@ def model_equals_pytorch_path(device: str, arch: str, directory: str) -> None:
         (np.array([1, 1]), np.array([8, 5]), 2),
         (np.array([1, 1]), np.array([9, 6]), 2),
     ]
-    scratch = SplitKvScratch.allocate(lm.num_heads, lm.num_kv_heads, lm.head_dim, device)
-    scratch.max.fill_(float("nan"))
+    scratch = _watched_scratch(lm.num_heads, lm.num_kv_heads, lm.head_dim, device)
     hidden, caches = [], []
     for table_shape in (None, TableShape(max_sequences=2, width=width)):
         kv = [tuple(torch.zeros(8, block, lm.num_kv_heads, lm.head_dim, device=device)
